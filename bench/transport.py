@@ -1,0 +1,156 @@
+"""Transport benchmark: shoal on iroh vs plain asyncio TCP, two processes, one run.
+
+    ../shared/lo-only python -m bench.transport [--rounds 500] [--mb 64]
+
+Prints JSON: for each stack, 1 KB request/response round trips on an open connection
+(``rtt_us_median``, ``rtt_us_p99``), ``throughput_mb_s`` for ``--mb`` MB sent as 4 MiB messages
+(each acknowledged), and ``connect_ms`` (dial + handshake + first round trip on a warm endpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+import torch
+
+from shoal.transport import META, Node, Ticket, TransportConfig
+from shoal.wire import Message
+
+MESSAGE_BYTES = 4 * 1024 * 1024
+TCP_HEADER = struct.Struct(">I")
+
+
+def _summary(rtts: list[float], seconds: float, total_mb: float, connect_s: float) -> dict:
+    rtts = sorted(rtts)
+    return {
+        "rtt_us_median": round(statistics.median(rtts) * 1e6, 1),
+        "rtt_us_p99": round(rtts[int(0.99 * (len(rtts) - 1))] * 1e6, 1),
+        "throughput_mb_s": round(total_mb / seconds, 1),
+        "connect_ms": round(connect_s * 1e3, 2),
+    }
+
+
+async def bench_shoal(ticket: Ticket, rounds: int, total_mb: int) -> dict:
+    node = await Node.start(TransportConfig(bind_addr="127.0.0.1:0"))
+    try:
+        t0 = time.perf_counter()
+        await node.request(ticket, META, Message("ping", 1, {"echo": False}))
+        connect_s = time.perf_counter() - t0
+        stream = await node.open_stream(ticket, META)
+        payload = torch.zeros(256, dtype=torch.float32)  # 1 KB
+        rtts = []
+        for i in range(rounds + 20):
+            t = time.perf_counter()
+            await stream.request(Message("ping", i, {}, [payload]))
+            if i >= 20:  # warm-up excluded
+                rtts.append(time.perf_counter() - t)
+        block = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        count = total_mb * 1024 * 1024 // MESSAGE_BYTES
+        await stream.request(Message("ping", 0, {"echo": False}, [block]))
+        t = time.perf_counter()
+        for i in range(count):
+            await stream.request(Message("ping", i, {"echo": False}, [block]))
+        seconds = time.perf_counter() - t
+        await stream.finish()
+        return _summary(rtts, seconds, total_mb, connect_s)
+    finally:
+        await node.close()
+
+
+async def _tcp_read_message(reader: asyncio.StreamReader) -> bytes:
+    (size,) = TCP_HEADER.unpack(await reader.readexactly(TCP_HEADER.size))
+    return await reader.readexactly(size)
+
+
+async def serve_tcp() -> asyncio.AbstractServer:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                data = await _tcp_read_message(reader)
+                reply = data if len(data) <= 4096 else b"ok"
+                writer.write(TCP_HEADER.pack(len(reply)) + reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def bench_tcp(port: int, rounds: int, total_mb: int) -> dict:
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def request(data: bytes) -> bytes:
+        writer.write(TCP_HEADER.pack(len(data)) + data)
+        await writer.drain()
+        return await _tcp_read_message(reader)
+
+    await request(b"hi")
+    connect_s = time.perf_counter() - t0
+    rtts = []
+    payload = bytes(1024)
+    for i in range(rounds + 20):
+        t = time.perf_counter()
+        await request(payload)
+        if i >= 20:
+            rtts.append(time.perf_counter() - t)
+    block = bytes(MESSAGE_BYTES)
+    count = total_mb * 1024 * 1024 // MESSAGE_BYTES
+    t = time.perf_counter()
+    for _ in range(count):
+        await request(block)
+    seconds = time.perf_counter() - t
+    writer.close()
+    return _summary(rtts, seconds, total_mb, connect_s)
+
+
+async def run_server() -> None:
+    node = await Node.start(TransportConfig(bind_addr="127.0.0.1:0"))
+    tcp = await serve_tcp()
+    port = tcp.sockets[0].getsockname()[1]
+    print(json.dumps({"ticket": str(node.ticket()), "tcp_port": port}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent ends
+    tcp.close()
+    await node.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=500)
+    parser.add_argument("--mb", type=int, default=64)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(run_server())
+        return
+    server = subprocess.Popen(
+        [sys.executable, "-m", "bench.transport", "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        hello = json.loads(server.stdout.readline())
+        ticket = Ticket.parse(hello["ticket"])
+        result = {
+            "shoal_iroh": asyncio.run(bench_shoal(ticket, args.rounds, args.mb)),
+            "asyncio_tcp": asyncio.run(bench_tcp(hello["tcp_port"], args.rounds, args.mb)),
+            "message_bytes": MESSAGE_BYTES,
+            "total_mb": args.mb,
+        }
+        result["targets_met"] = {
+            "throughput_mb_s>=100": result["shoal_iroh"]["throughput_mb_s"] >= 100,
+            "rtt_us_median<=1000": result["shoal_iroh"]["rtt_us_median"] <= 1000,
+        }
+        print(json.dumps(result, indent=2))
+    finally:
+        server.stdin.close()
+        server.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()

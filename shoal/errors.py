@@ -1,0 +1,133 @@
+"""shoal's exception tree. Lower-layer (iroh) errors are translated at one boundary,
+:mod:`shoal.transport.iroh_node`, so nothing above the transport ever sees an ``IrohError``.
+
+    ShoalError
+    ├── TransportError              something between two peers went wrong
+    │   ├── ConnectTimeout          the peer did not answer within the connect deadline
+    │   ├── RequestTimeout          a request, step or stream read missed its deadline
+    │   ├── RefusedError            the peer refused the connection
+    │   │   └── ProtocolMismatch    ... because it speaks none of our protocol versions
+    │   └── ClosedError             the connection or stream ended (peer vanished, endpoint closed)
+    ├── WireError                   a frame or message violates the wire format (see shoal.wire)
+    │   └── MessageTooLarge         ... in particular, it exceeds a size limit
+    ├── RemoteError                 the peer understood the request and answered with an error
+    │   ├── BadRequest              wrong shape, dtype, unknown session, step past max_length ...
+    │   ├── BusyError               no room: cache budget or per-peer session limit
+    │   └── NotFound                unknown session or resource
+    ├── IdentityError               the identity key file is missing, unreadable or corrupt
+    └── TicketError                 a ticket string cannot be parsed
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadRequest",
+    "BusyError",
+    "ClosedError",
+    "ConnectTimeout",
+    "IdentityError",
+    "MessageTooLarge",
+    "NotFound",
+    "ProtocolMismatch",
+    "RefusedError",
+    "RemoteError",
+    "RequestTimeout",
+    "ShoalError",
+    "TicketError",
+    "TransportError",
+    "WireError",
+    "remote_error",
+]
+
+
+class ShoalError(Exception):
+    """Base of every error shoal raises on purpose."""
+
+
+class TransportError(ShoalError):
+    pass
+
+
+class ConnectTimeout(TransportError, TimeoutError):
+    pass
+
+
+class RequestTimeout(TransportError, TimeoutError):
+    pass
+
+
+class RefusedError(TransportError):
+    pass
+
+
+class ProtocolMismatch(RefusedError):
+    """The peer does not speak the requested protocol/version. Names what each side speaks."""
+
+    def __init__(self, wanted: str, remote_speaks: list[str] | None):
+        self.wanted = wanted
+        self.remote_speaks = remote_speaks
+        theirs = ", ".join(remote_speaks) if remote_speaks else "unknown (peer did not say)"
+        super().__init__(f"peer refused protocol {wanted!r}; we speak {wanted!r}, the peer speaks: {theirs}")
+
+
+class ClosedError(TransportError):
+    pass
+
+
+class WireError(ShoalError):
+    """A frame or message violates the wire format. ``reason`` is a short machine-readable tag."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+class MessageTooLarge(WireError):
+    pass
+
+
+class RemoteError(ShoalError):
+    """An error the remote peer reported. ``code`` is one of :data:`REMOTE_CODES`."""
+
+    code = "internal"
+
+    def __init__(self, message: str, code: str | None = None):
+        if code is not None:
+            self.code = code
+        super().__init__(f"[{self.code}] {message}")
+        self.remote_message = message
+
+
+class BadRequest(RemoteError):
+    code = "bad_request"
+
+
+class BusyError(RemoteError):
+    code = "busy"
+
+
+class NotFound(RemoteError):
+    code = "not_found"
+
+
+class IdentityError(ShoalError):
+    pass
+
+
+class TicketError(ShoalError, ValueError):
+    pass
+
+
+REMOTE_CODES: dict[str, type[RemoteError]] = {
+    "internal": RemoteError,
+    "bad_request": BadRequest,
+    "busy": BusyError,
+    "not_found": NotFound,
+    "wire": BadRequest,
+}
+
+
+def remote_error(code: str, message: str) -> RemoteError:
+    """Rebuild the exception for an error reply received from a peer."""
+    cls = REMOTE_CODES.get(code, RemoteError)
+    return cls(message, code=code)

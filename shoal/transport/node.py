@@ -1,0 +1,413 @@
+"""A shoal peer on iroh: endpoint lifecycle, pooled connections, message streams.
+
+This module and :mod:`shoal.transport.sendfix` are the only importers of ``iroh``; every
+``IrohError`` is translated into :mod:`shoal.errors` here (:func:`_translate`).
+
+Protocols are versioned ALPNs ``shoal/<name>/<version>``. Every node also speaks ``shoal/meta/1``,
+which answers ``hello`` with the list of protocols the node serves, so a refused dial can say what
+each side speaks. QUIC binds a connection to one ALPN, so the pool keeps one connection per
+(peer, protocol), shared by all concurrent streams of that protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import iroh
+from iroh import iroh_ffi
+
+from shoal.errors import (
+    ClosedError,
+    ConnectTimeout,
+    ProtocolMismatch,
+    RefusedError,
+    RequestTimeout,
+    ShoalError,
+    TicketError,
+    TransportError,
+    WireError,
+    remote_error,
+)
+from shoal.transport import sendfix
+from shoal.transport.config import NetworkProfile, TransportConfig
+from shoal.transport.identity import generate_key
+from shoal.transport.ticket import Ticket
+from shoal.wire import FRAME_PREFIX, Assembler, Limits, Message, encode, error_message, parse_prefix
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    version: int
+
+    @property
+    def alpn(self) -> bytes:
+        return f"shoal/{self.name}/{self.version}".encode()
+
+    def __str__(self) -> str:
+        return self.alpn.decode()
+
+
+META = Protocol("meta", 1)
+Handler = Callable[["MessageStream", str], Awaitable[None]]
+
+_READ_CHUNK = 64 * 1024
+_NO_ALPN_MARKERS = ("no application protocol", "doesn't support any known protocol", "noapplicationprotocol")
+
+
+def _translate(exc: BaseException, what: str) -> ShoalError:
+    """The one place where iroh's errors become shoal's."""
+    if isinstance(exc, ShoalError):
+        return exc
+    if isinstance(exc, iroh.IrohError):
+        kind, message = exc.kind(), exc.message()
+        text = f"{what}: {kind.name.lower()}: {message.splitlines()[-1].strip() if message else ''}"
+        if kind is iroh.IrohErrorKind.KEY_PARSING:
+            return TicketError(f"{what}: not a valid peer id")
+        if any(m in message.lower() for m in _NO_ALPN_MARKERS):
+            return RefusedError(text)
+        if kind in (iroh.IrohErrorKind.CONNECT,):
+            return RefusedError(text)
+        return ClosedError(text)
+    return TransportError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class EndpointPlan:
+    """What a network profile asks of iroh, as plain values (testable without binding)."""
+
+    preset: str  # "minimal": offline, no address lookup; "n0": n0's relays + DNS/pkarr lookup
+    relays: str  # "disabled" or "default"
+    bind_addr: str | None
+    alpns: tuple[bytes, ...]
+
+
+def endpoint_plan(config: TransportConfig, alpns: list[bytes]) -> EndpointPlan:
+    if config.profile is NetworkProfile.LOCAL:
+        return EndpointPlan("minimal", "disabled", config.bind_addr, tuple(alpns))
+    return EndpointPlan("n0", "default", config.bind_addr, tuple(alpns))
+
+
+def endpoint_options(plan: EndpointPlan, secret_key: bytes) -> iroh.EndpointOptions:
+    kwargs: dict[str, Any] = {"secret_key": secret_key, "alpns": list(plan.alpns)}
+    kwargs["preset"] = iroh.preset_minimal() if plan.preset == "minimal" else iroh.preset_n0()
+    if plan.relays == "disabled":
+        kwargs["relay_mode"] = iroh.RelayMode.disabled()
+    if plan.bind_addr:
+        kwargs["bind_addr"] = plan.bind_addr
+    return iroh.EndpointOptions(**kwargs)
+
+
+class MessageStream:
+    """One bidirectional QUIC stream carrying shoal messages. Sends are serialised by a lock."""
+
+    def __init__(self, bi: Any, peer_id: str, limits: Limits, request_timeout: float):
+        self._send, self._recv = bi.send(), bi.recv()
+        self.peer_id = peer_id
+        self.limits = limits
+        self.request_timeout = request_timeout
+        self._assembler = Assembler(limits)
+        self._buffer = b""  # bytes read from the stream but not consumed yet
+        self._send_lock = asyncio.Lock()
+        self._next_id = 1
+        self.broken = False
+
+    def next_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    async def send(self, message: Message) -> None:
+        async with self._send_lock:
+            try:
+                pending: list[bytes] = []  # small frames coalesce into one write
+                for frame in encode(message, self.limits):
+                    if len(frame) >= _READ_CHUNK:
+                        if pending:
+                            await self._send.write_all(b"".join(pending))
+                            pending = []
+                        await self._send.write_all(frame)
+                    else:
+                        pending.append(frame)
+                if pending:
+                    await self._send.write_all(b"".join(pending))
+            except (iroh.IrohError, asyncio.CancelledError) as exc:
+                self.broken = True
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise _translate(exc, "send") from None
+
+    async def send_raw(self, data: bytes) -> None:
+        """Write bytes as they are (fuzz tests and diagnostics only)."""
+        async with self._send_lock:
+            try:
+                await self._send.write_all(data)
+            except iroh.IrohError as exc:
+                raise _translate(exc, "send") from None
+
+    async def _read_exact(self, n: int) -> bytes:
+        """``n`` bytes from the stream. Small reads take whatever has arrived (one FFI call often
+        covers several frames); large ones ask iroh for the exact remainder."""
+        try:
+            if not self._buffer and n >= _READ_CHUNK:
+                return await self._recv.read_exact(n)
+            while len(self._buffer) < n:
+                missing = n - len(self._buffer)
+                if missing >= _READ_CHUNK:
+                    data, self._buffer = self._buffer + await self._recv.read_exact(missing), b""
+                    return data
+                chunk = await self._recv.read(_READ_CHUNK)
+                if not chunk:
+                    raise ClosedError("end of stream")
+                self._buffer += chunk
+        except (iroh.IrohError, ClosedError):
+            self.broken = True
+            if self._assembler.mid_message or self._buffer:
+                raise WireError("truncated", "stream ended inside a message") from None
+            raise ClosedError(f"stream closed by peer {self.peer_id[:10]}") from None
+        data, self._buffer = self._buffer[:n], self._buffer[n:]
+        return data
+
+    async def _recv_message(self) -> Message:
+        while True:
+            frame_type, size = parse_prefix(await self._read_exact(FRAME_PREFIX.size), self.limits)
+            payload = await self._read_exact(size) if size else b""
+            message = self._assembler.feed(frame_type, payload)
+            if message is not None:
+                return message
+
+    async def recv(self, timeout: float | None = None) -> Message:
+        """Next message. Raises :class:`RequestTimeout` (the stream is then unusable),
+        :class:`ClosedError` at end of stream, :class:`WireError` on a malformed frame."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._recv_message()
+        except TimeoutError:
+            self.broken = True
+            raise RequestTimeout(f"no message from {self.peer_id[:10]} within {timeout:.3g} s") from None
+        except WireError:
+            self.broken = True
+            raise
+
+    async def request(self, message: Message, timeout: float | None = None) -> Message:
+        """Send ``message`` and wait for its reply; an ``error`` reply is raised as RemoteError."""
+        await self.send(message)
+        reply = await self.recv(self.request_timeout if timeout is None else timeout)
+        if reply.kind == "error":
+            raise remote_error(*reply.error_info())
+        return reply
+
+    async def finish(self) -> None:
+        with contextlib.suppress(iroh.IrohError):
+            await self._send.finish()
+
+    async def abort(self, code: int = 1) -> None:
+        self.broken = True
+        with contextlib.suppress(iroh.IrohError):
+            await self._send.reset(code)
+        with contextlib.suppress(iroh.IrohError):
+            await self._recv.stop(code)
+
+
+class Node:
+    """A bound iroh endpoint serving some protocols and dialling others."""
+
+    def __init__(self, endpoint: Any, config: TransportConfig, handlers: dict[Protocol, Handler]):
+        self._ep = endpoint
+        self.config = config
+        self._handlers = {p.alpn: h for p, h in handlers.items()}
+        self._handlers[META.alpn] = self._serve_meta
+        self._conns: dict[tuple[str, bytes], Any] = {}
+        self._dial_locks: dict[tuple[str, bytes], asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._accept_task: asyncio.Task | None = None
+        self.id: str = str(endpoint.id())
+        self.closed = False
+
+    @classmethod
+    async def start(
+        cls,
+        config: TransportConfig = TransportConfig(),
+        handlers: dict[Protocol, Handler] | None = None,
+        secret_key: bytes | None = None,
+    ) -> Node:
+        sendfix.apply()
+        iroh_ffi.uniffi_set_event_loop(asyncio.get_running_loop())
+        handlers = dict(handlers or {})
+        alpns = [p.alpn for p in handlers] + [META.alpn]
+        options = endpoint_options(endpoint_plan(config, alpns), secret_key or generate_key())
+        try:
+            endpoint = await iroh.Endpoint.bind(options)
+        except iroh.IrohError as exc:
+            raise _translate(exc, "bind") from None
+        node = cls(endpoint, config, handlers)
+        node._accept_task = asyncio.create_task(node._accept_loop())
+        return node
+
+    @property
+    def protocols(self) -> list[str]:
+        return sorted(alpn.decode() for alpn in self._handlers)
+
+    def ticket(self, swarm_id: str | None = None) -> Ticket:
+        addr = self._ep.addr()
+        return Ticket(self.id, tuple(addr.direct_addresses()), addr.relay_url(), swarm_id)
+
+    # ---- serving ---------------------------------------------------------------------------
+    def _spawn(self, coro: Awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _accept_loop(self) -> None:
+        while True:
+            try:
+                incoming = await self._ep.accept_next()
+            except iroh.IrohError as exc:
+                log.debug("accept_next failed: %s", _translate(exc, "accept"))
+                continue
+            if incoming is None:
+                return
+            self._spawn(self._serve_connection(incoming))
+
+    async def _serve_connection(self, incoming: Any) -> None:
+        try:
+            accepting = await incoming.accept()
+            conn = await asyncio.wait_for(accepting.connect(), self.config.deadlines.connect)
+        except (iroh.IrohError, TimeoutError) as exc:
+            log.debug("incoming handshake failed: %s", exc)  # e.g. an unknown ALPN
+            return
+        handler = self._handlers.get(conn.alpn())
+        peer_id = str(conn.remote_id())
+        if handler is None:  # cannot happen: iroh only accepts our registered ALPNs
+            conn.close(1, b"unknown protocol")
+            return
+        while True:
+            try:
+                bi = await conn.accept_bi()
+            except iroh.IrohError:
+                return  # the connection closed
+            stream = MessageStream(bi, peer_id, self.config.limits, self.config.deadlines.request)
+            self._spawn(self._run_handler(handler, stream))
+
+    async def _run_handler(self, handler: Handler, stream: MessageStream) -> None:
+        try:
+            await handler(stream, stream.peer_id)
+        except (ClosedError, RequestTimeout):
+            pass
+        except WireError as exc:  # framing is lost: answer once, then drop the stream
+            with contextlib.suppress(ShoalError):
+                await stream.send(error_message(0, "wire", str(exc), reason=exc.reason))
+        except Exception:
+            log.exception("handler failed for peer %s", stream.peer_id[:10])
+        finally:
+            await stream.finish()
+
+    async def _serve_meta(self, stream: MessageStream, peer_id: str) -> None:
+        """``hello``: the protocols we speak. ``ping``: echo (tensors too unless meta echo=False),
+        for liveness, round-trip and throughput measurement. Serves until the stream ends."""
+        while True:
+            request = await stream.recv(self.config.deadlines.idle)
+            if request.kind == "hello":
+                reply = Message("result", request.id, {"protocols": self.protocols})
+            elif request.kind == "ping":
+                echoed = request.tensors if request.meta.get("echo", True) else []
+                reply = Message("result", request.id, {}, echoed)
+            else:
+                reply = error_message(request.id, "bad_request", f"meta protocol does not serve {request.kind!r}")
+            await stream.send(reply)
+
+    # ---- dialling --------------------------------------------------------------------------
+    async def connect(self, ticket: Ticket, protocol: Protocol, timeout: float | None = None) -> Any:
+        """A pooled connection to ``ticket``'s peer for ``protocol`` (dialled if needed)."""
+        key = (ticket.peer_id, protocol.alpn)
+        conn = self._conns.get(key)
+        if conn is not None and conn.close_reason() is None:
+            return conn
+        async with self._dial_locks.setdefault(key, asyncio.Lock()):
+            conn = self._conns.get(key)
+            if conn is not None and conn.close_reason() is None:
+                return conn
+            conn = await self._dial(ticket, protocol, timeout)
+            self._conns[key] = conn
+            return conn
+
+    async def _dial(self, ticket: Ticket, protocol: Protocol, timeout: float | None) -> Any:
+        if self.closed:
+            raise ClosedError("node is closed")
+        timeout = self.config.deadlines.connect if timeout is None else timeout
+        try:
+            addr = iroh.EndpointAddr(iroh.EndpointId.from_string(ticket.peer_id), ticket.relay_url, list(ticket.addrs))
+            return await asyncio.wait_for(self._ep.connect(addr, protocol.alpn), timeout)
+        except TimeoutError:
+            raise ConnectTimeout(f"peer {ticket.peer_id[:10]} did not answer within {timeout:.3g} s") from None
+        except iroh.IrohError as exc:
+            error = _translate(exc, f"connect to {ticket.peer_id[:10]} ({protocol})")
+            if protocol != META and any(m in exc.message().lower() for m in _NO_ALPN_MARKERS):
+                raise ProtocolMismatch(str(protocol), await self._remote_protocols(ticket, timeout)) from None
+            raise error from None
+
+    async def _remote_protocols(self, ticket: Ticket, timeout: float) -> list[str] | None:
+        try:
+            reply = await self.request(ticket, META, Message("hello", 1), timeout=timeout)
+            return [str(p) for p in reply.meta.get("protocols", [])]
+        except ShoalError:
+            return None
+
+    async def open_stream(self, ticket: Ticket, protocol: Protocol, timeout: float | None = None) -> MessageStream:
+        for attempt in range(2):  # a pooled connection may have died since last use: redial once
+            conn = await self.connect(ticket, protocol, timeout)
+            try:
+                bi = await conn.open_bi()
+            except iroh.IrohError as exc:
+                self._conns.pop((ticket.peer_id, protocol.alpn), None)
+                if attempt:
+                    raise _translate(exc, "open stream") from None
+                continue
+            return MessageStream(bi, ticket.peer_id, self.config.limits, self.config.deadlines.request)
+        raise AssertionError("unreachable")
+
+    async def request(
+        self, ticket: Ticket, protocol: Protocol, message: Message, timeout: float | None = None
+    ) -> Message:
+        """One request/response on a fresh stream of the pooled connection."""
+        stream = await self.open_stream(ticket, protocol, timeout)
+        try:
+            return await stream.request(message, timeout)
+        finally:
+            await stream.finish()
+
+    def rtt_ms(self, ticket: Ticket, protocol: Protocol) -> float | None:
+        conn = self._conns.get((ticket.peer_id, protocol.alpn))
+        rtt = conn.rtt() if conn is not None else None
+        return None if rtt is None else rtt / 1000.0
+
+    def drop_connection(self, peer_id: str) -> None:
+        for key in [k for k in self._conns if k[0] == peer_id]:
+            with contextlib.suppress(iroh.IrohError):
+                self._conns.pop(key).close(0, b"dropped")
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self._conns.values():
+            with contextlib.suppress(iroh.IrohError):
+                conn.close(0, b"bye")
+        self._conns.clear()
+        for task in list(self._tasks) + ([self._accept_task] if self._accept_task else []):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._ep.close(), 3.0)
+
+    async def __aenter__(self) -> Node:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,54 @@
+"""The one workaround for a defect of the iroh 1.2.0 Python binding's send path.
+
+The generated ``iroh_ffi._UniffiRustBufferBuilder.write`` copies a ``bytes`` argument into the Rust
+buffer with a Python loop over every byte, which caps sending at a few MB/s. We replace that one
+method with a single ``memmove`` into the same reserved region. The replacement relies on the
+private class's shape (``rbuf`` with ``data``/``len``, a ``_reserve`` context manager); if the
+binding changes shape we refuse to patch and say so rather than corrupt memory, and
+``tests/transport/test_sendfix.py`` fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+from iroh import iroh_ffi
+
+log = logging.getLogger(__name__)
+
+_Builder = iroh_ffi._UniffiRustBufferBuilder
+STOCK_WRITE = _Builder.write
+
+
+def _memmove_write(self, value) -> None:
+    if not isinstance(value, bytes):
+        value = bytes(value)
+    size = len(value)
+    with self._reserve(size):
+        base = ctypes.cast(self.rbuf.data, ctypes.c_void_p).value
+        ctypes.memmove(base + self.rbuf.len, value, size)
+
+
+def _shape_ok() -> bool:
+    fields = dict(iroh_ffi._UniffiRustBuffer._fields_)
+    return (
+        hasattr(_Builder, "_reserve")
+        and fields.get("data") == ctypes.POINTER(ctypes.c_char)
+        and fields.get("len") == ctypes.c_uint64
+    )
+
+
+def apply() -> bool:
+    """Install the fix (idempotent). Returns whether it is active."""
+    if _Builder.write is _memmove_write:
+        return True
+    if not _shape_ok():
+        log.warning("iroh binding changed shape; send-path fix NOT applied (sending will be slow)")
+        return False
+    _Builder.write = _memmove_write
+    return True
+
+
+def is_active() -> bool:
+    return _Builder.write is _memmove_write

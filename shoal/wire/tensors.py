@@ -1,0 +1,69 @@
+"""Tensor <-> bytes, with the dtype table of wire version 1. No I/O here."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shoal.errors import WireError
+
+#: Wire name -> torch dtype. The names are part of the protocol: never rename one.
+DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "f64": torch.float64,
+    "i64": torch.int64,
+    "i32": torch.int32,
+    "i8": torch.int8,
+    "u8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
+MAX_RANK = 8
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise WireError("unknown_dtype", f"{dtype} cannot be sent; supported: {sorted(DTYPES)}") from None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` (CPU, contiguous), without copying when already so."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def describe(tensor: torch.Tensor) -> list:
+    """Header entry of one tensor: ``[dtype name, shape]``."""
+    return [dtype_name(tensor.dtype), list(tensor.shape)]
+
+
+def validate_descriptor(entry: object) -> tuple[str, tuple[int, ...], int]:
+    """Check one ``[dtype, shape]`` header entry; return it with its byte count."""
+    if not isinstance(entry, list | tuple) or len(entry) != 2:
+        raise WireError("bad_tensor", f"tensor descriptor must be [dtype, shape], got {entry!r:.80}")
+    name, shape = entry
+    if not isinstance(name, str) or name not in DTYPES:
+        raise WireError("unknown_dtype", f"{name!r:.40} (supported: {', '.join(sorted(DTYPES))})")
+    if not isinstance(shape, list | tuple) or len(shape) > MAX_RANK:
+        raise WireError("bad_shape", f"shape must be a list of at most {MAX_RANK} dims, got {shape!r:.80}")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape):
+        raise WireError("bad_shape", f"dims must be non-negative ints, got {shape!r:.80}")
+    return name, tuple(shape), math.prod(shape) * ITEMSIZE[name]
+
+
+def tensor_from_buffer(buffer: bytearray, offset: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor viewing ``buffer[offset:]`` (no copy)."""
+    dtype = DTYPES[name]
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=count * ITEMSIZE[name], offset=offset)
+    return raw.view(dtype).reshape(shape)
