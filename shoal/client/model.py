@@ -1,0 +1,247 @@
+"""A ``transformers`` causal LM whose transformer blocks run elsewhere.
+
+The client keeps embeddings, final norm and LM head (a :class:`~shoal.models.base.ClientHead`);
+hidden states go through a :class:`~shoal.client.blocks.BlockSequence`. ``generate`` is
+transformers' own loop. Two hooks connect it to remote sessions:
+
+* ``_prepare_cache_for_generation`` puts a :class:`SessionCache` in ``model_kwargs["cache"]``: the
+  active ``inference_session`` if any, else a session opened for this call (``generate`` closes it,
+  also on errors). Its ``get_seq_length()`` is the session position, so transformers feeds only the
+  tokens the servers do not hold yet.
+* ``_prefill`` first lines the session up with the prompt: if the prompt's prefix differs from the
+  token ids the session consumed, the session rolls back to the common prefix (cheap: the servers'
+  caches are written by position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+
+from shoal.client.blocks import BlockSequence, BlockSession
+from shoal.models.base import ClientHead
+
+__all__ = ["DistributedModelForCausalLM", "SessionCache"]
+
+
+class SessionCache(Cache):
+    """Stands in for the KV cache in transformers' generation loop; the keys/values live in a
+    :class:`BlockSession` on the servers. Keeps the token ids the session consumed ([B, position],
+    ``-1`` where only embeddings were sent) so later calls can reuse or roll back the prefix."""
+
+    def __init__(self, session: BlockSession):
+        super().__init__(layers=[])
+        self.session = session
+        self._ids = torch.empty(session.batch_size, 0, dtype=torch.long)
+        self.closed = False
+
+    @property
+    def position(self) -> int:
+        return self.session.position
+
+    @property
+    def token_ids(self) -> Tensor:
+        """Ids at positions ``[0, position)`` (the session may have been rolled back directly)."""
+        return self._ids[:, : self.session.position]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.session.position
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.session.max_length
+
+    def rollback(self, position: int) -> None:
+        self.session.position = position
+        self._ids = self._ids[:, :position]
+
+    def sync(self, input_ids: Tensor) -> int:
+        """Roll back to the longest common prefix of ``input_ids`` (the whole sequence so far) and
+        the consumed ids, keeping at least one token to send; return the new position."""
+        held = self.token_ids.to(input_ids.device)
+        n = min(held.shape[1], input_ids.shape[1] - 1)
+        same = (held[:, :n] == input_ids[:, :n]).all(dim=0)
+        common = n if bool(same.all()) else int(same.long().argmin())
+        if common < self.position:
+            self.rollback(common)
+        return common
+
+    def record(self, input_ids: Tensor | None, n: int) -> None:
+        """Note ``n`` tokens the session just consumed (``input_ids`` None: embeddings only)."""
+        new = input_ids.to("cpu", torch.long) if input_ids is not None else torch.full((self._ids.shape[0], n), -1)
+        self._ids = torch.cat([self.token_ids, new], dim=1)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.session.close()
+
+    # Cache interface used by generate: one non-linear, non-compilable "layer" that crops by position.
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return self.session.batch_size
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self.rollback(self.position + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        raise NotImplementedError("remote sessions cannot reorder their caches (no beam search)")
+
+    batch_select_indices = batch_repeat_interleave = reorder_cache
+
+
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+    """``DistributedModelForCausalLM(config, head, blocks)``: a causal LM over remote blocks.
+
+    ``model(...)`` without ``cache`` is a stateless pass; with ``cache=`` (the object yielded by
+    :meth:`inference_session`) it appends the given tokens to that session. Hidden states travel as
+    ``wire_dtype`` and are cast back to the head's dtype.
+    """
+
+    base_model_prefix = "shoal"
+    main_input_name = "input_ids"
+    # Attention runs on the servers: accept whatever implementation the config names.
+    _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
+
+    def __init__(self, config, head: ClientHead, blocks: BlockSequence, wire_dtype: torch.dtype = torch.float32):
+        super().__init__(config)
+        self.head = head
+        self.blocks = blocks
+        self.wire_dtype = wire_dtype
+        self._active: SessionCache | None = None
+        self._opened: list[SessionCache] | None = None
+        self.post_init()
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """The head's tensors come from the checkpoint: nothing to initialise."""
+
+    @property
+    def active_session(self) -> SessionCache | None:
+        return self._active
+
+    @contextmanager
+    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[SessionCache]:
+        """Hold one session across ``generate`` calls (each sends only tokens it does not hold)."""
+        if self._active is not None:
+            raise RuntimeError("an inference session is already active on this model")
+        cache = SessionCache(self.blocks.open_session(batch_size, max_length))
+        self._active = cache
+        try:
+            yield cache
+        finally:
+            self._active = None
+            cache.close()
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: Tensor | None = None,
+        logits_to_keep: int | Tensor = 0,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        if cache is not None and not isinstance(cache, SessionCache):
+            raise TypeError("remote blocks keep their own cache: pass the cache from model.inference_session()")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden = self.head.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, n = hidden.shape[:2]
+        past = cache.position if cache is not None else 0
+        if position_ids is None:  # as the transformers models do: positions follow the cache
+            position_ids = torch.arange(past, past + n, device=hidden.device).unsqueeze(0)
+        position_ids = position_ids.to(torch.long).expand(batch, n)
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (batch, past + n):
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != {(batch, past + n)}")
+            mask = None if bool(attention_mask.all()) else attention_mask.bool()
+
+        wire = hidden.to(self.wire_dtype)
+        if cache is None:
+            out = self.blocks.forward(wire, position_ids, mask)
+        else:
+            out = cache.session.step(wire, position_ids, mask)
+            cache.record(input_ids, n)
+        out = out.to(device=hidden.device, dtype=self.dtype)
+        logits = self.head.logits(slice_logits_to_keep(out, logits_to_keep))
+        output = CausalLMOutputWithPast(logits=logits, cache=cache)
+        return output if return_dict is not False else output.to_tuple()
+
+    def generate(self, *args: Any, **kwargs: Any):
+        """transformers' ``generate``; without an active session, one is opened for this call and
+        closed afterwards (also when generation raises)."""
+        outer, self._opened = self._opened, []
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            opened, self._opened = self._opened, outer
+            for cache in opened:
+                cache.close()
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ) -> None:
+        if generation_config.num_beams > 1:
+            raise NotImplementedError("beam search needs cache reordering, which remote sessions do not support")
+        if generation_config.use_cache is False:
+            return  # every step re-sends the whole sequence through the stateless forward
+        cache = model_kwargs.get("cache")
+        cache = self._active if cache is None else cache  # (a Cache with no layers is falsy)
+        rows = batch_size * generation_config.num_return_sequences
+        if cache is None:
+            cache = SessionCache(self.blocks.open_session(rows, max_cache_length + 1))  # prompt + new tokens
+            if self._opened is not None:
+                self._opened.append(cache)
+        elif not isinstance(cache, SessionCache):
+            raise TypeError("remote blocks keep their own cache: use model.inference_session()")
+        if cache.batch_size != rows:
+            raise ValueError(f"generate needs {rows} sequences, the session holds {cache.batch_size}")
+        if max_cache_length > cache.session.max_length:
+            raise ValueError(f"generate needs {max_cache_length} positions, the session has {cache.session.max_length}")
+        model_kwargs["cache"] = cache
+
+    def _prefill(self, input_ids: Tensor, generation_config, model_kwargs: dict, is_first_iteration: bool = True):
+        cache = model_kwargs.get("cache")
+        if isinstance(cache, SessionCache):
+            if model_kwargs.get("inputs_embeds") is not None and is_first_iteration:
+                cache.rollback(0)  # embeddings cannot be compared with what the session holds
+            else:
+                mask = model_kwargs.get("attention_mask")
+                mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
+                if mask_length == input_ids.shape[1]:  # the whole sequence (else: only the new tokens)
+                    cache.sync(input_ids)
+        return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=is_first_iteration)

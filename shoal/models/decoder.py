@@ -1,0 +1,265 @@
+"""Llama-like decoder families (Llama, Mistral, Qwen2, ...) built from transformers' own layers.
+
+transformers' *model* builds rotary embeddings and the causal mask once and owns the KV cache; a span
+of layers must rebuild all three. Masks come from transformers' own ``create_causal_mask`` /
+``create_sliding_window_causal_mask`` (fed a tiny object that reports our cache geometry), so a span
+feeds its layers exactly what the full model would, including ``None`` on the sdpa ``is_causal`` path.
+A family is then just four classes: see :class:`DecoderFamily`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import masking_utils
+
+from shoal.models.base import BlockSpan, CacheGeometry, ClientHead
+
+
+def _cache_kwarg(fn) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x); use whichever ``fn`` takes."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
+_MASK_CACHE_KW = _cache_kwarg(masking_utils.create_causal_mask)
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The sliding window of global layer ``layer_idx``, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+def _kv_offset(past_length: int, window: int | None) -> int:
+    """First cached position a layer attends to, as transformers' DynamicSlidingWindowLayer keeps
+    only the last ``window - 1`` past positions (so results match it bitwise past the window)."""
+    return 0 if window is None else max(past_length - window + 1, 0)
+
+
+class SpanKVCache:
+    """Preallocated keys/values of one session for one span: per block ``[batch, kv_heads, max_length,
+    head_dim]``, written by position so stepping again from an earlier position rolls back."""
+
+    def __init__(self, num_blocks: int, batch_size: int, max_length: int, geometry: CacheGeometry, device):
+        shape = (batch_size, geometry.num_kv_heads, max_length, geometry.head_dim)
+        # zeros, not empty: a stray read of an unwritten slot must not inject NaNs
+        self.keys = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(num_blocks)]
+        self.values = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(num_blocks)]
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.length = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class _CacheStep:
+    """What the layers see as ``cache`` during one forward: writes at ``[past, past + n)`` and
+    returns views over the attended positions."""
+
+    def __init__(self, cache: SpanKVCache, start: int, past_length: int, offsets: list[int]):
+        self.cache, self.start, self.past, self.offsets = cache, start, past_length, offsets
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        i = layer_idx - self.start
+        end = self.past + key_states.shape[-2]
+        keys, values = self.cache.keys[i], self.cache.values[i]
+        keys[:, :, self.past : end] = key_states
+        values[:, :, self.past : end] = value_states
+        return keys[:, :, self.offsets[i] : end], values[:, :, self.offsets[i] : end]
+
+
+class _MaskSizes:
+    """Stands in for a transformers ``Cache`` in mask creation: only reports the query offset and
+    the key/value length and offset the layers will see."""
+
+    is_compileable = False
+
+    def __init__(self, past_length: int, window: int | None):
+        self.past, self.window = past_length, window
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.past
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        offset = _kv_offset(self.past, self.window)
+        return self.past + query_length - offset, offset
+
+
+class DecoderSpan(BlockSpan):
+    """Blocks ``[start, end)`` of a llama-like model with their rotary embedding and masks."""
+
+    def __init__(self, config, start: int, end: int, layers: nn.ModuleList, rotary: nn.Module, geometry):
+        super().__init__()
+        self.config, self.start, self.end = config, start, end
+        self.layers, self.rotary_emb, self.geometry = layers, rotary, geometry
+        self.dtype = geometry.dtype
+        self.windows = [sliding_window_of(config, i) for i in range(start, end)]
+        self._cache_kw = _cache_kwarg(type(layers[0]).forward)
+
+    def allocate_cache(self, batch_size: int, max_length: int) -> SpanKVCache:
+        device = next(self.layers.parameters()).device
+        return SpanKVCache(len(self.layers), batch_size, max_length, self.geometry, device)
+
+    def _mask(self, window, hidden, attention_mask, position_ids, past_length):
+        create = masking_utils.create_causal_mask
+        if window is not None:
+            create = masking_utils.create_sliding_window_causal_mask
+        return create(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            layer_idx=0,
+            **{_MASK_CACHE_KW: _MaskSizes(past_length, window)},
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: SpanKVCache | None = None,
+        past_length: int = 0,
+    ) -> torch.Tensor:
+        batch, n = hidden.shape[:2]
+        if cache is None and past_length:
+            raise ValueError("past_length > 0 needs a cache")
+        if cache is not None:
+            if batch != cache.batch_size:
+                raise ValueError(f"batch {batch} != cache batch {cache.batch_size}")
+            if not 0 <= past_length <= cache.length:
+                raise ValueError(f"past_length {past_length} outside the cached [0, {cache.length}]")
+            if past_length + n > cache.max_length:
+                raise ValueError(f"{past_length} + {n} positions exceed the cache's {cache.max_length}")
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (batch, past_length + n):
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != {(batch, past_length + n)}")
+            attention_mask = attention_mask.to(device=hidden.device, dtype=torch.bool)
+        hidden = hidden.to(self.dtype)
+        position_embeddings = self.rotary_emb(hidden, position_ids)  # (cos, sin) [batch, n, head_dim]
+        masks = {w: self._mask(w, hidden, attention_mask, position_ids, past_length) for w in set(self.windows)}
+        step = None
+        if cache is not None:
+            step = _CacheStep(cache, self.start, past_length, [_kv_offset(past_length, w) for w in self.windows])
+        for layer, window in zip(self.layers, self.windows, strict=True):
+            hidden = layer(
+                hidden,
+                attention_mask=masks[window],
+                position_ids=position_ids,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+                **{self._cache_kw: step},
+            )
+        if cache is not None:
+            cache.length = past_length + n
+        return hidden
+
+
+class DecoderClientHead(ClientHead):
+    """Token embeddings, final norm and LM head (sharing the embedding matrix when tied)."""
+
+    def __init__(self, embed_tokens: nn.Embedding, norm: nn.Module, lm_head: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens, self.norm, self.lm_head, self.dtype = embed_tokens, norm, lm_head, dtype
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden.to(self.dtype)))
+
+
+def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, dtype, device) -> nn.Module:
+    """Give a meta-device ``module`` its checkpoint tensors, then cast and move it."""
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing tensors {missing[:8]}, unexpected tensors {unexpected[:8]}")
+    module.load_state_dict(tensors, strict=True, assign=True)
+    module.to(device=device, dtype=dtype).requires_grad_(False).eval()
+    stray = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if stray:
+        raise ValueError(f"{what}: no weights for {stray[:8]}")
+    return module
+
+
+def prepare_config(config):
+    """A private copy of ``config`` with an attention implementation set (``sdpa`` unless given):
+    a config read from config.json has none, and then transformers would build no causal mask."""
+    config = copy.deepcopy(config)
+    if getattr(config, "_attn_implementation", None) is None:
+        config._attn_implementation = "sdpa"
+    return config
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """A llama-like family: which transformers classes to wrap, and where its tensors live."""
+
+    model_types: tuple[str, ...]
+    layer_cls: type[nn.Module]  # called as layer_cls(config, global_layer_idx)
+    rotary_cls: type[nn.Module]  # called as rotary_cls(config=config)
+    norm_cls: type[nn.Module]  # called as norm_cls(hidden_size, eps=config.rms_norm_eps)
+    prefix: str = "model."
+
+    def num_blocks(self, config) -> int:
+        return config.num_hidden_layers
+
+    def block_tensor_prefix(self, config, index: int) -> str:
+        return f"{self.prefix}layers.{index}."
+
+    def client_tensor_names(self, config) -> list[str]:
+        names = [f"{self.prefix}embed_tokens.weight", f"{self.prefix}norm.weight"]
+        if not getattr(config, "tie_word_embeddings", False):
+            names.append("lm_head.weight")
+        return names
+
+    def cache_geometry(self, config, dtype: torch.dtype) -> CacheGeometry:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return CacheGeometry(config.num_key_value_heads, head_dim, dtype)
+
+    def build_span(self, config, start, end, state_dict, dtype, device) -> DecoderSpan:
+        if not 0 <= start < end <= self.num_blocks(config):
+            raise ValueError(f"bad block range [{start}, {end}) for {self.num_blocks(config)} blocks")
+        config = prepare_config(config)
+        with torch.device("meta"):
+            layers = nn.ModuleList(self.layer_cls(config, i) for i in range(start, end))
+        local = {}
+        for i in range(start, end):
+            prefix = self.block_tensor_prefix(config, i)
+            local.update({f"{i - start}.{k[len(prefix) :]}": v for k, v in state_dict.items() if k.startswith(prefix)})
+        _assign(layers, local, f"blocks [{start}, {end})", dtype, device)
+        rotary = self.rotary_cls(config=config).to(device)  # inv_freq stays fp32, as it is computed
+        return DecoderSpan(config, start, end, layers, rotary, self.cache_geometry(config, dtype))
+
+    def build_client_head(self, config, state_dict, dtype, device) -> DecoderClientHead:
+        tied = getattr(config, "tie_word_embeddings", False)
+        with torch.device("meta"):
+            embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            norm = self.norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+            lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        missing = [name for name in self.client_tensor_names(config) if name not in state_dict]
+        if missing:
+            raise ValueError(f"client head: missing tensors {missing}")
+        embed_name, norm_name = self.client_tensor_names(config)[:2]
+        _assign(embed, {"weight": state_dict[embed_name]}, "embeddings", dtype, device)
+        _assign(norm, {"weight": state_dict[norm_name]}, "final norm", dtype, device)
+        if tied:
+            lm_head.weight = embed.weight
+        else:
+            _assign(lm_head, {"weight": state_dict["lm_head.weight"]}, "lm_head", dtype, device)
+        return DecoderClientHead(embed, norm, lm_head, dtype)

@@ -1,0 +1,92 @@
+"""Runs a span's blocks for the server: input checks, one compute thread, dtype conversions.
+
+Compute runs on a single worker thread so the event loop keeps answering (info, new sessions,
+other peers) while torch works, and so steps never interleave inside torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shoal.errors import BadRequest
+from shoal.models import BlockSpan, SpanCache
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class SpanBackend:
+    def __init__(self, span: BlockSpan, hidden_size: int, device: str = "cpu"):
+        self.span = span
+        self.hidden_size = hidden_size
+        self.device = device
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-compute")
+
+    def check_inputs(
+        self,
+        tensors: list[torch.Tensor],
+        *,
+        past_length: int = 0,
+        batch_size: int | None = None,
+        max_length: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Validate ``[hidden, position_ids, attention_mask?]``; raise :class:`BadRequest` naming the problem."""
+        if len(tensors) not in (2, 3):
+            raise BadRequest(f"expected [hidden, position_ids, attention_mask?], got {len(tensors)} tensors")
+        hidden, position_ids = tensors[0], tensors[1]
+        mask = tensors[2] if len(tensors) == 3 else None
+        if hidden.dtype not in FLOAT_DTYPES:
+            raise BadRequest(f"hidden states must be float32, float16 or bfloat16, got {hidden.dtype}")
+        if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
+            raise BadRequest(f"hidden states must be [batch, tokens, {self.hidden_size}], got {list(hidden.shape)}")
+        batch, n = hidden.shape[:2]
+        if batch == 0 or n == 0:
+            raise BadRequest(f"empty hidden states {list(hidden.shape)}")
+        if batch_size is not None and batch != batch_size:
+            raise BadRequest(f"session was opened for batch {batch_size}, step has batch {batch}")
+        if max_length is not None and past_length + n > max_length:
+            raise BadRequest(f"step to position {past_length + n} is past the session's max_length {max_length}")
+        if position_ids.dtype != torch.int64 or list(position_ids.shape) != [batch, n]:
+            raise BadRequest(
+                f"position_ids must be int64 [{batch}, {n}], got {position_ids.dtype} {list(position_ids.shape)}"
+            )
+        if mask is not None and (mask.dtype != torch.bool or list(mask.shape) != [batch, past_length + n]):
+            raise BadRequest(
+                f"attention_mask must be bool [{batch}, {past_length + n}], got {mask.dtype} {list(mask.shape)}"
+            )
+        return hidden, position_ids, mask
+
+    def _compute(self, hidden, position_ids, mask, cache, past_length) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.span(
+                hidden.to(self.device),
+                position_ids.to(self.device),
+                None if mask is None else mask.to(self.device),
+                cache=cache,
+                past_length=past_length,
+            )
+            return out.to("cpu", hidden.dtype)
+
+    async def run(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: SpanCache | None = None,
+        past_length: int = 0,
+    ) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._executor, self._compute, hidden, position_ids, mask, cache, past_length
+            )
+        except ValueError as exc:  # the span's own consistency checks
+            raise BadRequest(str(exc)) from None
+
+    def allocate_cache(self, batch_size: int, max_length: int) -> SpanCache:
+        return self.span.allocate_cache(batch_size, max_length)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,123 @@
+"""Parity helpers: a shoal client model must generate exactly what the plain transformers model does.
+
+Backend-agnostic: ``model`` is a :class:`~shoal.client.model.DistributedModelForCausalLM` over any
+:class:`~shoal.client.blocks.BlockSequence` (in-process spans, or a swarm), ``reference`` is the
+local ``transformers`` model built from the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shoal.client.blocks import BlockSequence, BlockSession
+
+
+def tiny_llama(seed: int = 0, initializer_range: float = 0.3) -> LlamaForCausalLM:
+    """4 blocks, hidden 64, GQA 4/2, vocab 256. The large init keeps greedy choices far from ties."""
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+@dataclass
+class CountingSession:
+    """Wraps a :class:`BlockSession`, counting the positions it is sent."""
+
+    inner: BlockSession
+    consumed: int = 0
+    steps: list[int] = field(default_factory=list)
+    closed: bool = False
+
+    @property
+    def position(self) -> int:
+        return self.inner.position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self.inner.position = value
+
+    @property
+    def max_length(self) -> int:
+        return self.inner.max_length
+
+    @property
+    def batch_size(self) -> int:
+        return self.inner.batch_size
+
+    def step(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        self.consumed += hidden.shape[1]
+        self.steps.append(hidden.shape[1])
+        return self.inner.step(hidden, position_ids, attention_mask)
+
+    def close(self) -> None:
+        self.closed = True
+        self.inner.close()
+
+
+class CountingBlocks:
+    """Wraps a :class:`BlockSequence`, keeping every session it opens."""
+
+    def __init__(self, inner: BlockSequence):
+        self.inner = inner
+        self.num_blocks = inner.num_blocks
+        self.sessions: list[CountingSession] = []
+        self.forward_calls = 0
+
+    def forward(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        self.forward_calls += 1
+        return self.inner.forward(hidden, position_ids, attention_mask)
+
+    def open_session(self, batch_size: int, max_length: int) -> CountingSession:
+        session = CountingSession(self.inner.open_session(batch_size, max_length))
+        self.sessions.append(session)
+        return session
+
+
+def min_top2_gap(reference, input_ids: Tensor, **kwargs) -> float:
+    """Smallest gap between the two best logits over a greedy run: far above 1e-4 means numerical
+    noise cannot flip a greedy choice."""
+    out = reference.generate(input_ids, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    top2 = torch.stack(out.logits).float().topk(2, dim=-1).values
+    return float((top2[..., 0] - top2[..., 1]).min())
+
+
+def assert_generate_matches(model, reference, input_ids: Tensor, seed: int | None = None, **kwargs) -> Tensor:
+    """Generate with both (re-seeding before each when ``seed`` is given); sequences must be equal."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    expected = reference.generate(input_ids, **kwargs)
+    if seed is not None:
+        torch.manual_seed(seed)
+    got = model.generate(input_ids, **kwargs)
+    assert got.shape == expected.shape, f"{tuple(got.shape)} != {tuple(expected.shape)}"
+    diff = (got != expected).nonzero()
+    assert diff.numel() == 0, f"first mismatch at (row, col) {diff[0].tolist()}"
+    return got
+
+
+def assert_logits_close(model, reference, input_ids: Tensor, atol: float = 1e-4, **kwargs) -> tuple[float, bool]:
+    """Forward logits within ``atol``; returns (max abs difference, bitwise equal)."""
+    with torch.no_grad():
+        expected = reference(input_ids, **kwargs).logits
+        got = model(input_ids, **kwargs).logits
+    assert got.shape == expected.shape
+    err = float((got.float() - expected.float()).abs().max())
+    assert err <= atol, f"max |logits diff| {err} > {atol}"
+    return err, bool(torch.equal(got, expected))
