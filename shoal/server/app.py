@@ -57,6 +57,7 @@ def load_block_server(config: ServerConfig) -> BlockServer:
     )
     log.info("loaded blocks %d:%d of %s in %.1f s", start, end, info.model, time.perf_counter() - started)
     backend = SpanBackend(span, hf_config.hidden_size, config.device)
+    backend.warm_up()
     return BlockServer(
         backend, info, CacheBudget(config.cache_tokens), config.max_sessions_per_peer, config.session_idle_timeout
     )

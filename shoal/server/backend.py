@@ -85,6 +85,14 @@ class SpanBackend:
         except ValueError as exc:  # the span's own consistency checks
             raise BadRequest(str(exc)) from None
 
+    def warm_up(self, tokens: int = 8) -> None:
+        """One prefill and one cached step before serving, so the first client does not pay for
+        torch's lazy initialisation."""
+        hidden = torch.zeros(1, tokens, self.hidden_size)
+        cache = self.allocate_cache(1, tokens + 1)
+        self._compute(hidden, torch.arange(tokens).unsqueeze(0), None, cache, 0)
+        self._compute(hidden[:, :1], torch.tensor([[tokens]]), None, cache, tokens)
+
     def allocate_cache(self, batch_size: int, max_length: int) -> SpanCache:
         return self.span.allocate_cache(batch_size, max_length)
 

@@ -37,7 +37,7 @@ from shoal.transport import sendfix
 from shoal.transport.config import NetworkProfile, TransportConfig
 from shoal.transport.identity import generate_key
 from shoal.transport.ticket import Ticket
-from shoal.wire import FRAME_PREFIX, Assembler, Limits, Message, encode, error_message, parse_prefix
+from shoal.wire import FRAME_DATA, FRAME_PREFIX, Assembler, Limits, Message, error_message, frames, parse_prefix
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +126,16 @@ class MessageStream:
     async def send(self, message: Message) -> None:
         async with self._send_lock:
             try:
-                pending: list[bytes] = []  # small frames coalesce into one write
-                for frame in encode(message, self.limits):
-                    if len(frame) >= _READ_CHUNK:
+                pending: list[bytes | memoryview] = []  # small pieces coalesce into one write
+                for pieces in frames(message, self.limits):
+                    for piece in pieces:
+                        if len(piece) < _READ_CHUNK:
+                            pending.append(piece)
+                            continue
                         if pending:
                             await self._send.write_all(b"".join(pending))
                             pending = []
-                        await self._send.write_all(frame)
-                    else:
-                        pending.append(frame)
+                        await self._send.write_all(piece)  # a view of the tensor: no copy here
                 if pending:
                     await self._send.write_all(b"".join(pending))
             except (iroh.IrohError, asyncio.CancelledError) as exc:
@@ -177,10 +178,21 @@ class MessageStream:
     async def _recv_message(self) -> Message:
         while True:
             frame_type, size = parse_prefix(await self._read_exact(FRAME_PREFIX.size), self.limits)
-            payload = await self._read_exact(size) if size else b""
-            message = self._assembler.feed(frame_type, payload)
+            if frame_type == FRAME_DATA and size >= _READ_CHUNK:
+                message = await self._recv_large_data(size)
+            else:
+                message = self._assembler.feed(frame_type, await self._read_exact(size) if size else b"")
             if message is not None:
                 return message
+
+    async def _recv_large_data(self, size: int) -> Message | None:
+        """A large DATA frame goes to the assembler in two pieces (what is buffered, then the
+        rest straight from iroh) instead of being joined first: one copy of 4 MiB less."""
+        head, self._buffer = self._buffer[:size], self._buffer[size:]
+        message = self._assembler.feed(FRAME_DATA, head) if head else None
+        if size > len(head):
+            message = self._assembler.feed(FRAME_DATA, await self._read_exact(size - len(head)))
+        return message
 
     async def recv(self, timeout: float | None = None) -> Message:
         """Next message. Raises :class:`RequestTimeout` (the stream is then unusable),

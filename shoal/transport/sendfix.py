@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
+import numpy as np
 from iroh import iroh_ffi
 
 log = logging.getLogger(__name__)
@@ -22,12 +23,16 @@ STOCK_WRITE = _Builder.write
 
 
 def _memmove_write(self, value) -> None:
-    if not isinstance(value, bytes):
-        value = bytes(value)
-    size = len(value)
+    """Copy ``value`` (bytes, or any contiguous byte buffer such as a tensor's memoryview) into
+    the reserved region with one memmove."""
+    if isinstance(value, bytes):
+        source, size = value, len(value)
+    else:
+        array = np.frombuffer(value, dtype=np.uint8)
+        source, size = array.ctypes.data, array.nbytes
     with self._reserve(size):
         base = ctypes.cast(self.rbuf.data, ctypes.c_void_p).value
-        ctypes.memmove(base + self.rbuf.len, value, size)
+        ctypes.memmove(base + self.rbuf.len, source, size)
 
 
 def _shape_ok() -> bool:

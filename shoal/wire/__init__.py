@@ -12,6 +12,7 @@ from shoal.wire.messages import (
     Message,
     encode,
     error_message,
+    frames,
     parse_prefix,
 )
 from shoal.wire.tensors import DTYPES
@@ -29,5 +30,6 @@ __all__ = [
     "Message",
     "encode",
     "error_message",
+    "frames",
     "parse_prefix",
 ]

@@ -75,8 +75,9 @@ def error_message(request_id: int, code: str, message: str, **extra: Any) -> Mes
     return Message("error", request_id, {"code": code, "message": message[:2000], **extra})
 
 
-def encode(message: Message, limits: Limits = Limits()) -> Iterator[bytes]:
-    """Frames of ``message``, each a ``bytes`` ready to write (prefix included)."""
+def frames(message: Message, limits: Limits = Limits()) -> Iterator[list[bytes | memoryview]]:
+    """The frames of ``message``, each as the pieces that concatenate to it. Tensor data comes as
+    memoryviews of the tensors themselves, so a sender can write it without copying."""
     if message.kind not in KINDS:
         raise WireError("unknown_kind", message.kind)
     buffers = [tw.tensor_bytes(t) for t in message.tensors]
@@ -93,8 +94,8 @@ def encode(message: Message, limits: Limits = Limits()) -> Iterator[bytes]:
     )
     if len(header) > limits.max_header_bytes:
         raise MessageTooLarge("header_too_large", f"{len(header)} > {limits.max_header_bytes} bytes")
-    yield FRAME_PREFIX.pack(len(header) + 1, FRAME_HEAD) + header
-    parts: list[memoryview] = []  # pieces of the next DATA frame
+    yield [FRAME_PREFIX.pack(len(header) + 1, FRAME_HEAD), header]
+    parts: list[bytes | memoryview] = []  # pieces of the next DATA frame
     size = 0
     for buf in buffers:
         offset = 0
@@ -104,10 +105,16 @@ def encode(message: Message, limits: Limits = Limits()) -> Iterator[bytes]:
             size += take
             offset += take
             if size == MAX_FRAME_PAYLOAD:
-                yield b"".join([FRAME_PREFIX.pack(size + 1, FRAME_DATA), *parts])
+                yield [FRAME_PREFIX.pack(size + 1, FRAME_DATA), *parts]
                 parts, size = [], 0
     if parts:
-        yield b"".join([FRAME_PREFIX.pack(size + 1, FRAME_DATA), *parts])
+        yield [FRAME_PREFIX.pack(size + 1, FRAME_DATA), *parts]
+
+
+def encode(message: Message, limits: Limits = Limits()) -> Iterator[bytes]:
+    """Frames of ``message``, each one ``bytes`` (prefix included)."""
+    for pieces in frames(message, limits):
+        yield b"".join(pieces)
 
 
 def _check_meta(value: Any, depth: int = 0) -> None:

@@ -1,0 +1,142 @@
+"""Start shoal server processes on this machine (demo, benchmarks, tests) and always clean up.
+
+A child prints ``ticket: <TICKET>`` when ready; closing its stdin or SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from shoal.transport import Ticket
+
+
+class ServerProcess:
+    """A child ``python ARGS...`` that prints ``ticket: ...`` when ready; its output is kept."""
+
+    def __init__(self, args: Sequence[str], ready_timeout: float = 180.0, env: dict | None = None):
+        self.args = list(args)
+        self.proc = subprocess.Popen(
+            [sys.executable, *self.args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.output: list[str] = []
+        self.ticket = self._wait_ready(ready_timeout)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _wait_ready(self, timeout: float) -> Ticket:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.output.append(line)
+            if line.startswith("ticket: "):
+                return Ticket.parse(line.split(" ", 1)[1])
+        self.kill()
+        raise RuntimeError(f"process {self.args} did not become ready:\n{''.join(self.output)[-4000:]}")
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """Ask the child to exit (SIGTERM), then SIGKILL after ``timeout``."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stdin:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def even_spans(num_blocks: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous half-open spans covering ``[0, num_blocks)``, sizes differing by at most 1."""
+    if not 0 < parts <= num_blocks:
+        raise ValueError(f"cannot split {num_blocks} blocks into {parts} spans")
+    bounds = [round(i * num_blocks / parts) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def serve_args(model_dir: str | Path, span: tuple[int, int], *extra: str) -> list[str]:
+    return [
+        "-m",
+        "shoal.cli.main",
+        "serve",
+        str(model_dir),
+        "--blocks",
+        f"{span[0]}:{span[1]}",
+        "--host",
+        "127.0.0.1",
+        *extra,
+    ]
+
+
+class LocalSwarm:
+    """Servers for ``spans`` of one model on loopback; a context manager that stops them all."""
+
+    def __init__(self, model_dir: str | Path, spans: Sequence[tuple[int, int]], extra_args: Sequence[str] = ()):
+        self.servers: list[ServerProcess] = []
+        try:
+            # start all first (they load in parallel), then wait for each
+            pending = [
+                threading.Thread(target=self._start, args=(serve_args(model_dir, span, *extra_args),)) for span in spans
+            ]
+            for thread in pending:
+                thread.start()
+            for thread in pending:
+                thread.join()
+            if len(self.servers) != len(spans):
+                raise RuntimeError(f"only {len(self.servers)} of {len(spans)} servers started:\n{self._errors}")
+            order = {f"{a}:{b}": i for i, (a, b) in enumerate(spans)}
+            self.servers.sort(key=lambda s: order[s.args[s.args.index("--blocks") + 1]])
+        except BaseException:
+            self.stop()
+            raise
+
+    _errors = ""
+
+    def _start(self, args: list[str]) -> None:
+        try:
+            self.servers.append(ServerProcess(args))
+        except RuntimeError as exc:
+            self._errors += f"{exc}\n"
+
+    @property
+    def tickets(self) -> list[Ticket]:
+        return [s.ticket for s in self.servers]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
