@@ -5,6 +5,7 @@ A child prints ``ticket: <TICKET>`` when ready; closing its stdin or SIGTERM sto
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def even_spans(num_blocks: int, parts: int) -> list[tuple[int, int]]:
     if not 0 < parts <= num_blocks:
         raise ValueError(f"cannot split {num_blocks} blocks into {parts} spans")
     bounds = [round(i * num_blocks / parts) for i in range(parts + 1)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+    return list(itertools.pairwise(bounds))
 
 
 def serve_args(model_dir: str | Path, span: tuple[int, int], *extra: str) -> list[str]:

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+)
 
 from shoal.client.blocks import BlockSequence, BlockSession
 
@@ -34,6 +41,39 @@ def tiny_llama(seed: int = 0, initializer_range: float = 0.3) -> LlamaForCausalL
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+# llama: GQA 4/2; mistral: GQA with a sliding window (24) shorter than a 64-token generation, on every
+# layer; qwen2: GQA, q/k/v biases, sliding window (24) on layers >= 2 only.
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY_SHAPE),
+    "mistral": lambda: MistralConfig(**TINY_SHAPE, sliding_window=24),
+    "qwen2": lambda: Qwen2Config(**TINY_SHAPE, use_sliding_window=True, sliding_window=24, max_window_layers=2),
+}
+
+
+def tiny_causal_lm(model_type: str, seed: int = 0, initializer_range: float = 0.3, **overrides) -> PreTrainedModel:
+    """A random tiny model of family ``model_type`` (see ``TINY_CONFIGS``), 4 blocks, vocab 256, no eos
+    (generation always runs to ``max_new_tokens``). The large init keeps greedy choices far from ties."""
+    config = TINY_CONFIGS[model_type]()
+    config.initializer_range = initializer_range
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 @dataclass
@@ -98,6 +138,31 @@ def min_top2_gap(reference, input_ids: Tensor, **kwargs) -> float:
     return float((top2[..., 0] - top2[..., 1]).min())
 
 
+def greedy_with_gap(reference, input_ids: Tensor, **kwargs) -> tuple[Tensor, float]:
+    """Greedy sequences of ``reference`` and the smallest top-2 logit gap of that same run (as
+    :func:`min_top2_gap`), counting each row only up to its own eos (later steps only pad it)."""
+    out = reference.generate(input_ids, do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    top2 = torch.stack(out.logits).float().topk(2, dim=-1).values  # [steps, batch, 2]
+    gaps = top2[..., 0] - top2[..., 1]
+    eos = kwargs.get("eos_token_id", reference.generation_config.eos_token_id)
+    eos_ids = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
+    new = out.sequences[:, input_ids.shape[1] :]
+    finished = torch.zeros(new.shape[0], dtype=torch.bool)
+    live = torch.ones_like(gaps, dtype=torch.bool)
+    for t in range(new.shape[1]):
+        live[t] = ~finished
+        finished |= torch.isin(new[:, t], eos_ids)
+    return out.sequences, float(gaps[live].min())
+
+
+def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[Tensor, Tensor]:
+    """Left-padded ``input_ids`` and ``attention_mask`` for prompts of different lengths."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
 def assert_generate_matches(model, reference, input_ids: Tensor, seed: int | None = None, **kwargs) -> Tensor:
     """Generate with both (re-seeding before each when ``seed`` is given); sequences must be equal."""
     if seed is not None:
@@ -121,3 +186,17 @@ def assert_logits_close(model, reference, input_ids: Tensor, atol: float = 1e-4,
     err = float((got.float() - expected.float()).abs().max())
     assert err <= atol, f"max |logits diff| {err} > {atol}"
     return err, bool(torch.equal(got, expected))
+
+
+def char_tokenizer(vocab_size: int = 256):
+    """A one-character-per-token tokenizer for tiny random models: printable ASCII, then CJK ideographs
+    up to ``vocab_size`` (id 0, ``!``, is the pad token). Any id sequence decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(0x21, 0x7F)]
+    chars += [chr(0x4E00 + i) for i in range(vocab_size - len(chars))]
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="!"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="!")
