@@ -21,6 +21,7 @@ import time
 import torch
 
 from shoal.transport import META, Node, Ticket, TransportConfig
+from shoal.transport.loop import run as run_loop
 from shoal.wire import Message
 
 MESSAGE_BYTES = 4 * 1024 * 1024
@@ -128,7 +129,7 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(run_server())
+        run_loop(run_server())
         return
     server = subprocess.Popen(
         [sys.executable, "-m", "bench.transport", "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -137,8 +138,8 @@ def main() -> None:
         hello = json.loads(server.stdout.readline())
         ticket = Ticket.parse(hello["ticket"])
         result = {
-            "shoal_iroh": asyncio.run(bench_shoal(ticket, args.rounds, args.mb)),
-            "asyncio_tcp": asyncio.run(bench_tcp(hello["tcp_port"], args.rounds, args.mb)),
+            "shoal_iroh": run_loop(bench_shoal(ticket, args.rounds, args.mb)),
+            "asyncio_tcp": run_loop(bench_tcp(hello["tcp_port"], args.rounds, args.mb)),
             "message_bytes": MESSAGE_BYTES,
             "total_mb": args.mb,
         }

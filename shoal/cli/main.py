@@ -6,12 +6,12 @@ Subcommands build a config object and hand it to the role's own module; no logic
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
 
 from shoal.transport import Deadlines, NetworkProfile, TransportConfig
+from shoal.transport.loop import run as run_loop
 
 
 def _transport(args: argparse.Namespace) -> TransportConfig:
@@ -53,7 +53,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         num_threads=args.num_threads,
         transport=_transport(args),
     )
-    asyncio.run(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
+    run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
     return 0
 
 

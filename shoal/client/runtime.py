@@ -9,12 +9,14 @@ import threading
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from shoal.transport.loop import new_event_loop
+
 T = TypeVar("T")
 
 
 class LoopThread:
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="shoal-client-loop", daemon=True)
         self._thread.start()
 
