@@ -126,3 +126,40 @@ def load_client_head(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     family = get_family(config)
     tensors = load_tensors(model_dir, family.client_tensor_names(config))
     return family.build_client_head(config, tensors, dtype, device)
+
+
+def model_fingerprints(model_dir: str | Path) -> list[str] | None:
+    """Fingerprints of every block, or None when some block's shard is absent here (a party
+    holding only its slice cannot vouch for the whole model). Computed one block at a time and
+    cached beside the checkpoint when it is writable, keyed by the shards' sizes and times."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    family = get_family(config)
+    where = weight_map(model_dir)
+    shards = sorted(set(where.values()))
+    if not all((model_dir / s).is_file() for s in shards):
+        return None
+    stamp = [[s, (model_dir / s).stat().st_size, int((model_dir / s).stat().st_mtime)] for s in shards]
+    cache = model_dir / ".shoal-fingerprints.json"
+    if cache.is_file():
+        try:
+            saved = json.loads(cache.read_text())
+            if saved.get("stamp") == stamp:
+                return list(saved["fingerprints"])
+        except (OSError, ValueError, KeyError):
+            pass
+    prints = []
+    for i in range(family.num_blocks(config)):
+        prefix = family.block_tensor_prefix(config, i)
+        prints.append(block_fingerprint(load_tensors(model_dir, lambda n, p=prefix: n.startswith(p)), prefix))
+    try:
+        cache.write_text(json.dumps({"stamp": stamp, "fingerprints": prints}))
+    except OSError:
+        pass
+    return prints
+
+
+def model_name(model: str) -> str:
+    """The name a model goes by in a swarm: a local directory's name, or the id as given."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model

@@ -10,7 +10,8 @@ import logging
 import sys
 from pathlib import Path
 
-from shoal.transport import Deadlines, NetworkProfile, TransportConfig
+from shoal.swarm.gossip import GossipConfig
+from shoal.transport import Deadlines, NetworkProfile, Ticket, TransportConfig
 from shoal.transport.loop import run as run_loop
 
 
@@ -52,8 +53,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ticket_file=Path(args.ticket_file) if args.ticket_file else None,
         num_threads=args.num_threads,
         transport=_transport(args),
+        new_swarm=args.new_swarm,
+        join=tuple(Ticket.parse(t) for t in args.join),
+        throughput=args.throughput,
+        gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
     )
     run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
+    return 0
+
+
+def cmd_swarm_status(args: argparse.Namespace) -> int:
+    from shoal.swarm.status import render, swarm_status, to_json
+
+    status = run_loop(swarm_status(Ticket.parse(args.join), _transport(args)))
+    print(to_json(status) if args.json else render(status))
     return 0
 
 
@@ -88,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--identity", help="key file for a stable peer id (created if missing, mode 0600)")
     serve.add_argument("--ticket-file", help="also write the ticket to this file")
     serve.add_argument("--num-threads", type=int, help="torch threads for compute")
+    swarm = serve.add_argument_group("swarm")
+    swarm.add_argument("--new-swarm", action="store_true", help="create a swarm; the printed ticket joins it")
+    swarm.add_argument("--join", action="append", default=[], metavar="TICKET", help="join the swarm of this peer")
+    swarm.add_argument("--throughput", type=float, default=1.0, help="throughput to announce (requests/s)")
+    swarm.add_argument("--gossip-period", type=float, default=5.0, help="seconds between gossip rounds")
+    swarm.add_argument("--refresh-period", type=float, default=60.0, help="seconds between record refreshes")
+    swarm.add_argument("--expiry", type=float, default=180.0, help="seconds a record stays valid")
     _add_network(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -96,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", help="known model name, e.g. smollm2")
     fetch.add_argument("-q", "--quiet", action="store_true")
     fetch.set_defaults(func=cmd_models_fetch)
+
+    swarm_cmd = sub.add_parser("swarm", help="inspect a swarm").add_subparsers(dest="swarm_command", required=True)
+    status = swarm_cmd.add_parser("status", help="models, block coverage and servers of a swarm")
+    status.add_argument("--join", required=True, metavar="TICKET", help="ticket of any swarm member")
+    status.add_argument("--json", action="store_true")
+    _add_network(status)
+    status.set_defaults(func=cmd_swarm_status, host="127.0.0.1")
 
     demo = sub.add_parser("demo", help="a local swarm of servers on loopback answering a chat prompt")
     demo.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from shoal.checkpoints import load_config, load_tensors, resolve_model
+from shoal.checkpoints import load_config, load_tensors, model_name, resolve_model
 from shoal.client.model import DistributedModelForCausalLM
 from shoal.client.remote import RemoteSequence
 from shoal.models import get_family
@@ -40,7 +40,9 @@ class AutoDistributedModelForCausalLM:
         tensors = load_tensors(model_dir, family.client_tensor_names(config))
         head = family.build_client_head(config, tensors, dtype, device)
         del tensors
-        blocks = RemoteSequence.connect(initial_peers, family.num_blocks(config), config.hidden_size, transport)
+        blocks = RemoteSequence.connect(
+            initial_peers, family.num_blocks(config), config.hidden_size, transport, model=model_name(model)
+        )
         distributed = DistributedModelForCausalLM(config, head, blocks)
         if (Path(model_dir) / "generation_config.json").is_file():
             distributed.generation_config = GenerationConfig.from_pretrained(model_dir)

@@ -17,6 +17,9 @@ from shoal.client.runtime import LoopThread, shared_loop
 from shoal.errors import BadRequest, NotFound, ShoalError
 from shoal.protocols import BLOCKS
 from shoal.routing import ServerSpan, plan_chain
+from shoal.swarm.records import State
+from shoal.swarm.service import decode_table, fetch_table
+from shoal.swarm.table import RecordTable
 from shoal.transport import MessageStream, Node, Ticket, TransportConfig
 from shoal.wire import Message
 
@@ -42,12 +45,36 @@ async def fetch_infos(node: Node, tickets: Sequence[Ticket], timeout: float) -> 
     return [span for span in await asyncio.gather(*(one(t) for t in tickets)) if span is not None]
 
 
+async def swarm_spans(node: Node, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
+    """Pull the swarm's table through the first ticket that answers; the servers of ``model``."""
+    swarm = next(t.swarm_id for t in tickets if t.swarm_id)
+    table = RecordTable(swarm)
+    for ticket in tickets:
+        try:
+            table.merge_many(decode_table(await fetch_table(node, ticket, timeout)))
+            break
+        except ShoalError as exc:
+            log.warning("could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc)
+    else:
+        raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(tickets)} tickets")
+    names = sorted(m.name for m in table.models())
+    if model is None or table.model(model) is None:
+        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
+    spans = []
+    for record in table.servers(model):
+        if record.state is State.ONLINE:
+            ticket = Ticket(record.peer, record.addrs, record.relay, swarm)
+            info = {"num_blocks": table.model(model).num_blocks, "hidden_size": None, "record": record}
+            spans.append(ServerSpan(record.peer, record.start, record.end, ticket, info))
+    return spans
+
+
 def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: int) -> None:
     """Servers must agree with the client's config and with each other on every block's weights."""
     seen: dict[int, tuple[str, str]] = {}
     for span in spans:
         info = span.info
-        if info.get("num_blocks") != num_blocks or info.get("hidden_size") != hidden_size:
+        if info.get("num_blocks") != num_blocks or info.get("hidden_size") not in (hidden_size, None):
             raise ShoalError(
                 f"server {span.peer_id[:10]} serves a model with {info.get('num_blocks')} blocks of size "
                 f"{info.get('hidden_size')}, the client's config has {num_blocks} of size {hidden_size}"
@@ -77,17 +104,25 @@ class RemoteSequence:
         hidden_size: int,
         transport: TransportConfig | None = None,
         runtime: LoopThread | None = None,
+        model: str | None = None,
     ) -> RemoteSequence:
+        """Tickets with a swarm id: join the swarm through any of them and route over its table
+        (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets:
+        ask each peer what it hosts."""
         runtime = runtime or shared_loop()
         tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
         if not tickets:
             raise ValueError("initial_peers is empty: give at least one server ticket")
         transport = transport or TransportConfig()
+        timeout = transport.deadlines.connect + transport.deadlines.request
 
         async def setup() -> tuple[Node, list[ServerSpan]]:
             node = await Node.start(transport)
             try:
-                spans = await fetch_infos(node, tickets, transport.deadlines.connect + transport.deadlines.request)
+                if any(t.swarm_id for t in tickets):
+                    spans = await swarm_spans(node, tickets, model, timeout)
+                else:
+                    spans = await fetch_infos(node, tickets, timeout)
                 check_consistent(spans, num_blocks, hidden_size)
                 return node, plan_chain(spans, num_blocks)
             except BaseException:

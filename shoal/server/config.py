@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from shoal.transport import TransportConfig
+from shoal.swarm.gossip import GossipConfig
+from shoal.transport import Ticket, TransportConfig
 
 DTYPES = {
     "float32": torch.float32,
@@ -50,3 +51,7 @@ class ServerConfig:
     ticket_file: Path | None = None
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    new_swarm: bool = False  # create a swarm (its id goes into this server's ticket)
+    join: tuple[Ticket, ...] = ()  # tickets of peers of the swarm to join
+    throughput: float = 1.0  # what the server's record claims, until measurement exists
+    gossip: GossipConfig = field(default_factory=GossipConfig)

@@ -29,7 +29,7 @@ class Counters:
 
     sessions_opened: int = 0
     sessions_closed: int = 0  # closed by the client
-    sessions_abandoned: int = 0  # the client vanished mid-session
+    sessions_abandoned: int = 0  # the client vanished mid-session (or broke its stream)
     sessions_timed_out: int = 0  # idle for longer than the timeout
     sessions_active: int = 0
     sessions_rejected_busy: int = 0
@@ -150,19 +150,19 @@ class BlockServer:
 
     async def _run_session(self, stream: MessageStream, peer_id: str, request: Message) -> None:
         session = self._open(peer_id, request.meta)
+        ended = "sessions_abandoned"  # unless closed or timed out: the stream ended, broke or was cancelled
         try:
             await stream.send(Message("result", request.id, {"session": session.id, "max_length": session.max_length}))
             while True:
                 try:
                     message = await stream.recv(self.idle_timeout)
                 except RequestTimeout:
-                    self.counters.sessions_timed_out += 1
+                    ended = "sessions_timed_out"
                     return
                 except ClosedError:
-                    self.counters.sessions_abandoned += 1
                     return
                 if message.kind == "close":
-                    self.counters.sessions_closed += 1
+                    ended = "sessions_closed"
                     await stream.send(Message("result", message.id))
                     return
                 try:
@@ -171,6 +171,7 @@ class BlockServer:
                     self.counters.errors += 1
                     await stream.send(error_message(message.id, exc.code, exc.remote_message))
         finally:
+            setattr(self.counters, ended, getattr(self.counters, ended) + 1)
             self._free(session)
 
     async def _step(self, session: _Session, message: Message) -> Message:

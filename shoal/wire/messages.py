@@ -41,6 +41,7 @@ KINDS = frozenset(
         "open",  # open an inference session
         "step",  # one inference step of a session
         "close",  # close a session
+        "gossip",  # swarm record exchange: meta {"op"}, payload as one u8 tensor
         "result",  # a successful reply
         "error",  # an error reply: meta {"code", "message"}
     }

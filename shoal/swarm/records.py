@@ -1,0 +1,237 @@
+"""Signed, expiring swarm records: what a server hosts, and what a model is.
+
+A record travels as ``msgpack([body, signature])``. ``body`` is the canonical msgpack list of the
+record's fields; the signature is ed25519 over ``b"shoal/record/1\\0" + body`` by the key of the
+peer the record names (a server signs its own record; a model record is signed by its publisher).
+Peer ids are ed25519 public keys in hex (the same keys iroh uses for node ids).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from shoal.errors import ShoalError
+
+SIGNING_CONTEXT = b"shoal/record/1\0"
+MAX_RECORD_BYTES = 8192
+MAX_FIELD_LEN = 512  # strings, lists
+FINGERPRINT_BYTES = 32
+
+
+class RecordError(ShoalError):
+    """A record was rejected. ``reason`` is a short tag counted by tables."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+class State(enum.StrEnum):
+    JOINING = "joining"
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    swarm: str
+    peer: str
+    addrs: tuple[str, ...]
+    relay: str | None
+    model: str
+    start: int
+    end: int  # half-open span [start, end)
+    fingerprints: tuple[bytes, ...]  # one per block of the span
+    state: State
+    throughput: float  # requests/s the server can sustain (given or measured)
+    cache_tokens_free: int
+    rtts: tuple[tuple[str, float], ...]  # (peer id, ms) to servers next in the chain, sorted
+    version: str
+    timestamp: float  # clock time of signing: a newer record supersedes an older one
+    expires: float
+
+    TAG = "srv"
+
+    @property
+    def key(self) -> str:
+        return f"s:{self.peer}"
+
+    @property
+    def signer(self) -> str:
+        return self.peer
+
+    def fields(self) -> list:
+        return [
+            self.swarm, self.peer, list(self.addrs), self.relay, self.model, self.start, self.end,
+            list(self.fingerprints), str(self.state), self.throughput, self.cache_tokens_free,
+            [list(r) for r in self.rtts], self.version, self.timestamp, self.expires,
+        ]  # fmt: skip
+
+    @classmethod
+    def from_fields(cls, f: list) -> ServerRecord:
+        _expect(len(f) == 15, "field count")
+        swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f
+        _expect(isinstance(addrs, list) and len(addrs) <= 16 and all(_is_str(a) for a in addrs), "addrs")
+        _expect(relay is None or _is_str(relay), "relay")
+        _expect(_is_int(start) and _is_int(end) and 0 <= start < end <= 1 << 20, "span")
+        _expect(isinstance(fps, list) and len(fps) == end - start, "fingerprints")
+        _expect(all(isinstance(x, bytes) and len(x) == FINGERPRINT_BYTES for x in fps), "fingerprints")
+        _expect(state in State.__members__.values(), "state")
+        _expect(_is_num(tput) and tput >= 0 and _is_int(free) and free >= 0, "throughput/cache")
+        _expect(isinstance(rtts, list) and len(rtts) <= 64, "rtts")
+        _expect(all(isinstance(r, list) and len(r) == 2 and _is_peer(r[0]) and _is_num(r[1]) for r in rtts), "rtts")
+        _expect(_is_str(version), "version")
+        return cls(
+            _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), start, end, tuple(fps), State(state),
+            float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    swarm: str
+    publisher: str
+    name: str
+    num_blocks: int
+    fingerprints: tuple[bytes, ...]  # one per block of the whole model
+    timestamp: float
+    expires: float
+
+    TAG = "mdl"
+
+    @property
+    def key(self) -> str:
+        return f"m:{self.name}"
+
+    @property
+    def signer(self) -> str:
+        return self.publisher
+
+    def fields(self) -> list:
+        return [
+            self.swarm,
+            self.publisher,
+            self.name,
+            self.num_blocks,
+            list(self.fingerprints),
+            self.timestamp,
+            self.expires,
+        ]
+
+    @classmethod
+    def from_fields(cls, f: list) -> ModelRecord:
+        _expect(len(f) == 7, "field count")
+        swarm, publisher, name, num_blocks, fps, ts, exp = f
+        _expect(_is_int(num_blocks) and 0 < num_blocks <= 4096, "num_blocks")
+        _expect(isinstance(fps, list) and len(fps) == num_blocks, "fingerprints")
+        _expect(all(isinstance(x, bytes) and len(x) == FINGERPRINT_BYTES for x in fps), "fingerprints")
+        return cls(_swarm(swarm), _peer(publisher), _str(name), num_blocks, tuple(fps), *_times(ts, exp))
+
+
+Record = ServerRecord | ModelRecord
+_KINDS: dict[str, type] = {ServerRecord.TAG: ServerRecord, ModelRecord.TAG: ModelRecord}
+
+
+@dataclass(frozen=True)
+class SignedRecord:
+    """A decoded, signature-checked record with the exact bytes it came as."""
+
+    record: Record
+    data: bytes  # msgpack([body, signature]): what gossip forwards unchanged
+
+    @property
+    def key(self) -> str:
+        return self.record.key
+
+    @property
+    def timestamp(self) -> float:
+        return self.record.timestamp
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise RecordError("malformed", what)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
+
+
+def _is_str(x) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= MAX_FIELD_LEN
+
+
+def _is_peer(x) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def _str(x) -> str:
+    _expect(_is_str(x), "string field")
+    return x
+
+
+def _peer(x) -> str:
+    _expect(_is_peer(x), "peer id")
+    return x
+
+
+def _swarm(x) -> str:
+    _expect(_is_str(x) and len(x) <= 64, "swarm id")
+    return x
+
+
+def _times(ts, exp) -> tuple[float, float]:
+    _expect(_is_num(ts) and _is_num(exp) and 0 < ts < exp, "timestamp/expiry")
+    return float(ts), float(exp)
+
+
+def sign(record: Record, secret_key: bytes) -> SignedRecord:
+    """Sign ``record`` with the 32-byte ed25519 secret key of its signer."""
+    private = Ed25519PrivateKey.from_private_bytes(secret_key)
+    if private.public_key().public_bytes_raw().hex() != record.signer:
+        raise ValueError("the key does not belong to the peer the record names")
+    body = msgpack.packb([record.TAG, 1, *record.fields()], use_bin_type=True)
+    data = msgpack.packb([body, private.sign(SIGNING_CONTEXT + body)], use_bin_type=True)
+    return SignedRecord(record, data)
+
+
+@functools.lru_cache(maxsize=65536)
+def _verified(signer: str, body: bytes, signature: bytes) -> bool:
+    """Signature check, memoised: gossip delivers the same record several times."""
+    try:
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(signer)).verify(signature, SIGNING_CONTEXT + body)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+def decode(data: bytes) -> SignedRecord:
+    """Parse and verify one record, or raise :class:`RecordError` (``too_large``, ``malformed``,
+    ``bad_signature``)."""
+    if not isinstance(data, bytes) or len(data) > MAX_RECORD_BYTES:
+        raise RecordError("too_large", f"{len(data) if isinstance(data, bytes) else '?'} > {MAX_RECORD_BYTES} bytes")
+    try:
+        body, signature = msgpack.unpackb(data, raw=False)
+        fields = msgpack.unpackb(body, raw=False)
+    except Exception:  # msgpack raises many types; any of them means garbage
+        raise RecordError("malformed", "not msgpack [body, signature]") from None
+    _expect(isinstance(signature, bytes) and len(signature) == 64, "signature")
+    _expect(isinstance(fields, list) and len(fields) >= 2 and fields[0] in _KINDS and fields[1] == 1, "kind/version")
+    try:
+        record = _KINDS[fields[0]].from_fields(fields[2:])
+    except (TypeError, ValueError) as exc:
+        raise RecordError("malformed", str(exc)) from None
+    if not _verified(record.signer, body, signature):
+        raise RecordError("bad_signature", f"record {record.key} is not signed by {record.signer[:10]}")
+    return SignedRecord(record, data)

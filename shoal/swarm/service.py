@@ -1,0 +1,168 @@
+"""Runs a :class:`~shoal.swarm.gossip.Gossiper` over the network (protocol ``shoal/swarm/1``).
+
+Every gossip exchange is one request on a fresh stream of the pooled connection: a ``gossip``
+message with ``meta {"op": ...}`` and the msgpack payload as one u8 tensor (payloads can exceed
+the header size limit). ``table`` answers a peer's whole table, for clients and status tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+
+import msgpack
+import torch
+
+from shoal.errors import RemoteError, ShoalError
+from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing, pack
+from shoal.swarm.records import RecordError, SignedRecord, decode
+from shoal.swarm.table import RecordTable
+from shoal.transport import MessageStream, Node, Protocol, Ticket
+from shoal.wire import Message, error_message
+
+log = logging.getLogger(__name__)
+SWARM = Protocol("swarm", 1)
+MAX_FOLLOW_UPS = 4
+
+
+def blob(payload: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+
+
+def blob_bytes(message: Message) -> bytes:
+    if len(message.tensors) != 1 or message.tensors[0].dtype != torch.uint8 or message.tensors[0].dim() != 1:
+        raise RecordError("malformed", "gossip payload must be one 1-d u8 tensor")
+    return message.tensors[0].numpy().tobytes()
+
+
+async def fetch_table(node: Node, ticket: Ticket, timeout: float) -> dict:
+    """A peer's whole table: ``{"records": [bytes...], "rejected": {reason: n}}``."""
+    reply = await node.request(ticket, SWARM, Message("gossip", 1, {"op": "table"}, [blob(b"")]), timeout)
+    return msgpack.unpackb(blob_bytes(reply), raw=False)
+
+
+class SwarmService:
+    """A peer's participation in a swarm: serve gossip, run rounds, refresh own records."""
+
+    def __init__(
+        self,
+        node: Node,
+        table: RecordTable,
+        config: GossipConfig,
+        bootstrap: list[Ticket],
+        own_records: Callable[[], list[SignedRecord]] = list,
+        rng: random.Random | None = None,
+    ):
+        self.node = node
+        self.table = table
+        self.config = config
+        self.gossiper = Gossiper(table, node.id, config, rng)
+        self.bootstrap = {t.peer_id: t for t in bootstrap if t.peer_id != node.id}
+        self.gossiper.extra_peers.update(self.bootstrap)
+        self.own_records = own_records
+        self._tasks: list[asyncio.Task] = []
+        self._news = asyncio.Event()
+        self._calls: set[asyncio.Task] = set()
+
+    # ---- serving ------------------------------------------------------------------------------
+    async def handle(self, stream: MessageStream, peer_id: str) -> None:
+        while True:
+            request = await stream.recv(self.node.config.deadlines.idle)
+            try:
+                if request.kind != "gossip":
+                    raise RecordError("malformed", f"{request.kind!r} is not a swarm request")
+                op = request.meta.get("op")
+                if op == "table":
+                    reply = pack(
+                        {"records": [s.data for s in self.table.records()], "rejected": dict(self.table.rejected)}
+                    )
+                else:
+                    reply = self.gossiper.handle(str(op), blob_bytes(request))
+                    self._wake()
+            except RecordError as exc:
+                self.table.rejected[exc.reason] += 1
+                await stream.send(error_message(request.id, "bad_request", str(exc)))
+                continue
+            await stream.send(Message("result", request.id, {}, [blob(reply)]))
+
+    # ---- calling --------------------------------------------------------------------------------
+    def ticket_for(self, peer: str) -> Ticket | None:
+        signed = self.table.get(f"s:{peer}")
+        if signed is not None:
+            record = signed.record
+            return Ticket(peer, record.addrs, record.relay, self.table.swarm)
+        return self.bootstrap.get(peer)
+
+    async def call(self, out: Outgoing, depth: int = 0) -> None:
+        ticket = self.ticket_for(out.peer)
+        if ticket is None:
+            return
+        try:
+            reply = await self.node.request(ticket, SWARM, Message("gossip", 1, {"op": out.op}, [blob(out.payload)]))
+            follow_ups = self.gossiper.on_reply(out, blob_bytes(reply))
+        except (ShoalError, RemoteError) as exc:
+            log.debug("gossip %s to %s failed: %s", out.op, out.peer[:10], exc)
+            return
+        self._wake()
+        if depth < MAX_FOLLOW_UPS:
+            await asyncio.gather(*(self.call(o, depth + 1) for o in follow_ups))
+
+    def _wake(self) -> None:
+        if self.gossiper.has_news():
+            self._news.set()
+
+    # ---- running --------------------------------------------------------------------------------
+    def publish(self, signed: SignedRecord) -> None:
+        self.gossiper.publish(signed)
+        self._wake()
+
+    async def join(self) -> None:
+        """Pull the whole table from the bootstrap peers (concurrently), then publish our records."""
+        await asyncio.gather(*(self.call(self.gossiper.join_sync(peer)) for peer in self.bootstrap))
+        for signed in self.own_records():
+            self.publish(signed)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._rounds()), asyncio.create_task(self._offers())]
+
+    async def _rounds(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.period * random.uniform(0.8, 1.2))
+            for signed in self.own_records():
+                self.publish(signed)
+            for out in self.gossiper.tick():
+                task = asyncio.create_task(self.call(out))
+                self._calls.add(task)
+                task.add_done_callback(self._calls.discard)
+
+    async def _offers(self) -> None:
+        while True:
+            await self._news.wait()
+            await asyncio.sleep(self.config.push_delay)
+            self._news.clear()
+            outs = self.gossiper.take_offers()
+            if outs:
+                await asyncio.gather(*(self.call(o) for o in outs))
+
+    async def announce_to_all(self, signed: SignedRecord, timeout: float = 2.0) -> None:
+        """Push ``signed`` straight to every known peer (used for the offline record at shutdown)."""
+        self.gossiper.publish(signed)
+        outs = [Outgoing(peer, "push", pack([signed.data])) for peer in self.gossiper.peers()]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(self.call(o) for o in outs)), timeout)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+
+
+def decode_table(payload: dict) -> list[SignedRecord]:
+    out = []
+    for data in payload.get("records", []):
+        with contextlib.suppress(RecordError):
+            out.append(decode(data))
+    return out

@@ -1,0 +1,80 @@
+"""``shoal swarm status``: the swarm's table as seen through one peer, as text or JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from shoal.swarm.records import ServerRecord, State
+from shoal.swarm.service import decode_table, fetch_table
+from shoal.swarm.table import RecordTable
+from shoal.transport import Node, Ticket, TransportConfig
+
+
+async def swarm_status(ticket: Ticket, transport: TransportConfig) -> dict:
+    if not ticket.swarm_id:
+        raise ValueError("this ticket names no swarm (it was printed by a server started without --new-swarm/--join)")
+    async with await Node.start(transport) as node:
+        payload = await fetch_table(node, ticket, transport.deadlines.connect + transport.deadlines.request)
+    table = RecordTable(ticket.swarm_id)
+    table.merge_many(decode_table(payload))
+    return summarize(table, time.time())
+
+
+def _server(record: ServerRecord, now: float) -> dict:
+    return {
+        "peer": record.peer,
+        "start": record.start,
+        "end": record.end,
+        "state": str(record.state),
+        "throughput": record.throughput,
+        "cache_tokens_free": record.cache_tokens_free,
+        "rtts_ms": dict(record.rtts),
+        "version": record.version,
+        "age_s": round(now - record.timestamp, 2),
+        "expires_in_s": round(record.expires - now, 2),
+    }
+
+
+def summarize(table: RecordTable, now: float) -> dict:
+    models = []
+    for model in sorted(table.models(), key=lambda m: m.name):
+        servers = table.servers(model.name, include_offline=True)
+        coverage = [0] * model.num_blocks
+        for record in servers:
+            if record.state is State.ONLINE:
+                for block in range(record.start, min(record.end, model.num_blocks)):
+                    coverage[block] += 1
+        models.append(
+            {
+                "name": model.name,
+                "num_blocks": model.num_blocks,
+                "coverage": coverage,
+                "uncovered": [i for i, n in enumerate(coverage) if n == 0],
+                "servers": [_server(r, now) for r in servers],
+            }
+        )
+    listed = {s["peer"] for m in models for s in m["servers"]}
+    orphans = [_server(r, now) for r in table.servers(include_offline=True) if r.peer not in listed]
+    return {"swarm": table.swarm, "models": models, "unverified_servers": orphans}
+
+
+def render(status: dict) -> str:
+    lines = [f"swarm {status['swarm']}"]
+    for model in status["models"]:
+        bar = "".join(str(min(n, 9)) if n else "." for n in model["coverage"])
+        lines.append(f"model {model['name']}: {model['num_blocks']} blocks, coverage [{bar}]")
+        if model["uncovered"]:
+            lines.append(f"  uncovered blocks: {model['uncovered']}")
+        for s in model["servers"]:
+            lines.append(
+                f"  {s['peer'][:12]}  [{s['start']:>3}:{s['end']:<3})  {s['state']:<8} "
+                f"throughput {s['throughput']:<7.3g} free cache {s['cache_tokens_free']:<7} age {s['age_s']:.1f}s"
+            )
+    for s in status["unverified_servers"]:
+        lines.append(f"  (no model record) {s['peer'][:12]} [{s['start']}:{s['end']}) {s['state']}")
+    return "\n".join(lines)
+
+
+def to_json(status: dict) -> str:
+    return json.dumps(status, indent=2)

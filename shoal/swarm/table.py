@@ -1,0 +1,142 @@
+"""A peer's view of the swarm: the newest valid record per key, with every rejection counted.
+
+Merging is the only way in, so gossip, clients and tests all go through the same checks:
+signature, swarm, expiry, clock skew, lifetime, newer-than-held, size, and (for server records)
+fingerprints that match the swarm's model record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from shoal.swarm.records import ModelRecord, RecordError, ServerRecord, SignedRecord, State, decode
+
+log = logging.getLogger(__name__)
+
+
+class RecordTable:
+    def __init__(
+        self,
+        swarm: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_skew: float = 5.0,
+        max_lifetime: float = 3600.0,
+    ):
+        self.swarm = swarm
+        self.clock = clock
+        self.max_skew = max_skew
+        self.max_lifetime = max_lifetime
+        self._records: dict[str, SignedRecord] = {}
+        self.rejected: Counter[str] = Counter()
+        self.accepted = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, key: str) -> SignedRecord | None:
+        return self._records.get(key)
+
+    def check(self, signed: SignedRecord, now: float | None = None) -> None:
+        """Raise :class:`RecordError` if ``signed`` may not enter this table."""
+        record, now = signed.record, self.clock() if now is None else now
+        if record.swarm != self.swarm:
+            raise RecordError("wrong_swarm", f"{record.key} belongs to swarm {record.swarm!r}")
+        if record.expires <= now:
+            raise RecordError("expired", record.key)
+        if record.timestamp > now + self.max_skew:
+            raise RecordError("future", f"{record.key} is dated {record.timestamp - now:.1f} s ahead")
+        if record.expires - record.timestamp > self.max_lifetime:
+            raise RecordError("lifetime", f"{record.key} claims to live {record.expires - record.timestamp:.0f} s")
+        held = self._records.get(record.key)
+        if held is not None and record.timestamp <= held.timestamp:
+            raise RecordError("stale", f"{record.key} is not newer than the one held")
+        if isinstance(record, ModelRecord) and held is not None and held.record.fingerprints != record.fingerprints:
+            raise RecordError("fingerprint_mismatch", f"model {record.name} is already defined with other weights")
+        if isinstance(record, ServerRecord):
+            self._check_server(record)
+
+    def _check_server(self, record: ServerRecord) -> None:
+        model = self.model(record.model)
+        if model is None:
+            return  # checked once the model record arrives (see _purge_mismatching)
+        if record.end > model.num_blocks or record.fingerprints != model.fingerprints[record.start : record.end]:
+            raise RecordError("fingerprint_mismatch", f"{record.key} serves other weights than model {model.name}")
+
+    def merge(self, data: bytes | SignedRecord) -> bool:
+        """Take one record (bytes as gossiped, or already decoded). True if it was new."""
+        try:
+            signed = decode(data) if isinstance(data, bytes) else data
+            self.check(signed)
+        except RecordError as exc:
+            self.rejected[exc.reason] += 1
+            if exc.reason != "stale":  # stale copies are normal in gossip; the rest are worth a line
+                log.info("rejected record: %s", exc)
+            return False
+        self._records[signed.key] = signed
+        self.accepted += 1
+        if isinstance(signed.record, ModelRecord):
+            self._purge_mismatching(signed.record)
+        return True
+
+    def merge_many(self, items: Iterable[bytes | SignedRecord]) -> list[str]:
+        return [item.key if isinstance(item, SignedRecord) else decode(item).key for item in items if self.merge(item)]
+
+    def _purge_mismatching(self, model: ModelRecord) -> None:
+        for key, signed in list(self._records.items()):
+            record = signed.record
+            if isinstance(record, ServerRecord) and record.model == model.name:
+                try:
+                    self._check_server(record)
+                except RecordError as exc:
+                    del self._records[key]
+                    self.rejected[exc.reason] += 1
+
+    def expire(self, now: float | None = None) -> list[str]:
+        now = self.clock() if now is None else now
+        gone = [key for key, signed in self._records.items() if signed.record.expires <= now]
+        for key in gone:
+            del self._records[key]
+        return gone
+
+    def digest(self) -> list[tuple[str, float]]:
+        return [(key, signed.timestamp) for key, signed in self._records.items()]
+
+    def wanted(self, digest: Iterable[tuple[str, float]]) -> list[str]:
+        """Keys of ``digest`` for which the peer holds something newer than we do."""
+        out = []
+        for key, timestamp in digest:
+            held = self._records.get(key)
+            if held is None or held.timestamp < timestamp:
+                out.append(key)
+        return out
+
+    def newer_than(self, digest: Iterable[tuple[str, float]]) -> list[SignedRecord]:
+        """Records we hold that the peer (whose digest this is) lacks or holds older."""
+        theirs = dict(digest)
+        return [s for key, s in self._records.items() if theirs.get(key, -1.0) < s.timestamp]
+
+    def records(self) -> list[SignedRecord]:
+        return list(self._records.values())
+
+    def model(self, name: str) -> ModelRecord | None:
+        signed = self._records.get(f"m:{name}")
+        return signed.record if signed is not None else None
+
+    def models(self) -> list[ModelRecord]:
+        return [s.record for s in self._records.values() if isinstance(s.record, ModelRecord)]
+
+    def servers(self, model: str | None = None, include_offline: bool = False) -> list[ServerRecord]:
+        """Server records (of ``model``), verified against its model record when there is one."""
+        out = []
+        for signed in self._records.values():
+            record = signed.record
+            if not isinstance(record, ServerRecord) or (model is not None and record.model != model):
+                continue
+            if record.state is State.OFFLINE and not include_offline:
+                continue
+            out.append(record)
+        return sorted(out, key=lambda r: (r.model, r.start, r.peer))
