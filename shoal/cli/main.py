@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -140,9 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return args.func(args)
+        code = args.func(args)
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    # Everything is closed and flushed by now. Skip interpreter teardown: dropping iroh's Rust
+    # runtime there takes seconds, which every stop of a server would pay.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":

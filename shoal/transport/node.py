@@ -413,10 +413,12 @@ class Node:
             with contextlib.suppress(iroh.IrohError):
                 conn.close(0, b"bye")
         self._conns.clear()
-        for task in list(self._tasks) + ([self._accept_task] if self._accept_task else []):
-            task.cancel()
+        # close the endpoint first: it ends the pending accept_next; cancelling that call
+        # instead leaves iroh's close waiting for it
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._ep.close(), 3.0)
+        for task in list(self._tasks) + ([self._accept_task] if self._accept_task else []):
+            task.cancel()
 
     async def __aenter__(self) -> Node:
         return self
