@@ -140,7 +140,8 @@ class BlockServer:
         return session
 
     def _free(self, session: _Session) -> None:
-        self._sessions.pop(session.id, None)
+        if self._sessions.pop(session.id, None) is None:
+            return  # already freed
         self._per_peer[session.peer_id] -= 1
         if self._per_peer[session.peer_id] <= 0:
             del self._per_peer[session.peer_id]
@@ -150,19 +151,22 @@ class BlockServer:
 
     async def _run_session(self, stream: MessageStream, peer_id: str, request: Message) -> None:
         session = self._open(peer_id, request.meta)
-        ended = "sessions_abandoned"  # unless closed or timed out: the stream ended, broke or was cancelled
+        ended = False  # closed or timed out; any other end (stream closed, broken, cancelled) is "abandoned"
         try:
             await stream.send(Message("result", request.id, {"session": session.id, "max_length": session.max_length}))
             while True:
                 try:
                     message = await stream.recv(self.idle_timeout)
                 except RequestTimeout:
-                    ended = "sessions_timed_out"
+                    self.counters.sessions_timed_out += 1
+                    ended = True
                     return
-                except ClosedError:
+                except ClosedError:  # the client vanished: counted as abandoned below
                     return
                 if message.kind == "close":
-                    ended = "sessions_closed"
+                    self.counters.sessions_closed += 1
+                    ended = True
+                    self._free(session)  # before the reply: a client that saw it sees the cache free
                     await stream.send(Message("result", message.id))
                     return
                 try:
@@ -171,7 +175,8 @@ class BlockServer:
                     self.counters.errors += 1
                     await stream.send(error_message(message.id, exc.code, exc.remote_message))
         finally:
-            setattr(self.counters, ended, getattr(self.counters, ended) + 1)
+            if not ended:
+                self.counters.sessions_abandoned += 1
             self._free(session)
 
     async def _step(self, session: _Session, message: Message) -> Message:

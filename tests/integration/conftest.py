@@ -1,0 +1,75 @@
+"""Integration tests run real ``shoal serve`` processes (see tests/helpers/swarm.py).
+
+* Tests here parametrized by ``name`` (a model) run grouped by model, within each module, so a pool
+  that keeps one model's swarm at a time starts each swarm once.
+* ``model_order``: the models the selected tests use, in run order (lets a pool start the next swarm
+  while the current model's tests run).
+* ``smollm2_dir``: the fetched SmolLM2 checkpoint; a missing one FAILS the test (never skips).
+* ``parity_findings``: lines printed in the terminal summary (e.g. whether logits were bitwise equal).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_FINDINGS = pytest.StashKey[list[str]]()
+_ORDER = pytest.StashKey[list[str]]()
+
+
+def _model_of(item: pytest.Item) -> str | None:
+    """The ``name`` parameter of a test (the model it runs), if any."""
+    name = getattr(getattr(item, "callspec", None), "params", {}).get("name")
+    return name if isinstance(name, str) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Within each module of this directory, run the tests grouped by model, models in the order
+    they first appear (stable otherwise), so a module keeping one model's swarm starts each once."""
+    here = Path(__file__).parent
+    by_module: dict[Path, list[int]] = {}
+    for i, item in enumerate(items):
+        if here in Path(item.path).parents:
+            by_module.setdefault(Path(item.path), []).append(i)
+    for slots in by_module.values():
+        names = list(dict.fromkeys(_model_of(items[i]) for i in slots))
+        ordered = sorted((items[i] for i in slots), key=lambda item: names.index(_model_of(item)))
+        for slot, item in zip(slots, ordered, strict=True):
+            items[slot] = item
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    names = (_model_of(item) for item in session.items)
+    session.config.stash[_ORDER] = list(dict.fromkeys(n for n in names if n is not None))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    findings = config.stash.get(_FINDINGS, [])
+    if findings:
+        terminalreporter.section("swarm parity findings")
+        for line in findings:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def parity_findings(pytestconfig: pytest.Config) -> list[str]:
+    return pytestconfig.stash.setdefault(_FINDINGS, [])
+
+
+@pytest.fixture(scope="session")
+def model_order(pytestconfig: pytest.Config) -> list[str]:
+    return pytestconfig.stash.get(_ORDER, [])
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from shoal.checkpoints import fetch_model, is_fetched, model_cache_dir
+
+    if not is_fetched("smollm2"):
+        pytest.fail(
+            f"SmolLM2 is not fetched (expected at {model_cache_dir('smollm2')}): run `shoal models fetch smollm2` "
+            "once (it needs the network), then rerun the tests",
+            pytrace=False,
+        )
+    return fetch_model("smollm2", progress=False)
