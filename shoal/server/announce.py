@@ -61,7 +61,10 @@ class Announcement:
         """Records due for (re)publication now."""
         now = time.time()
         out = []
-        if force or self._signed is None or now - self._signed.timestamp >= self.gossip.refresh:
+        # Before its blocks are loaded a server does not know their fingerprints; a record without
+        # them is invalid (every peer would reject it), so the server is announced once loaded.
+        known = len(self.fingerprints) == self.end - self.start
+        if known and (force or self._signed is None or now - self._signed.timestamp >= self.gossip.refresh):
             out.append(self.server_record(now))
         if self.model_fingerprints and self.service is not None:
             held = self.service.table.get(f"m:{self.model}")

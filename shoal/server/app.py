@@ -156,7 +156,8 @@ async def serve(
             task.cancel()
         if service is not None and announcement is not None:
             await service.stop()
-            await service.announce_to_all(announcement.set_state(State.OFFLINE))
+            if announcement.fingerprints:  # announced at all (see Announcement.records)
+                await service.announce_to_all(announcement.set_state(State.OFFLINE))
         await node.close()
         if gate.server is not None:
             gate.server.backend.shutdown()

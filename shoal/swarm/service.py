@@ -66,6 +66,10 @@ class SwarmService:
         self._tasks: list[asyncio.Task] = []
         self._news = asyncio.Event()
         self._calls: set[asyncio.Task] = set()
+        # A gossip call must not wait a whole request deadline on a peer that died with its
+        # connection still pooled (QUIC notices only at its idle timeout).
+        deadlines = node.config.deadlines
+        self.call_timeout = min(deadlines.request, deadlines.connect + 2 * config.period)
 
     # ---- serving ------------------------------------------------------------------------------
     async def handle(self, stream: MessageStream, peer_id: str) -> None:
@@ -101,7 +105,8 @@ class SwarmService:
         if ticket is None:
             return
         try:
-            reply = await self.node.request(ticket, SWARM, Message("gossip", 1, {"op": out.op}, [blob(out.payload)]))
+            message = Message("gossip", 1, {"op": out.op}, [blob(out.payload)])
+            reply = await self.node.request(ticket, SWARM, message, self.call_timeout)
             follow_ups = self.gossiper.on_reply(out, blob_bytes(reply))
         except (ShoalError, RemoteError) as exc:
             log.debug("gossip %s to %s failed: %s", out.op, out.peer[:10], exc)
@@ -134,18 +139,21 @@ class SwarmService:
             for signed in self.own_records():
                 self.publish(signed)
             for out in self.gossiper.tick():
-                task = asyncio.create_task(self.call(out))
-                self._calls.add(task)
-                task.add_done_callback(self._calls.discard)
+                self._spawn_call(out)
+
+    def _spawn_call(self, out: Outgoing) -> None:
+        task = asyncio.create_task(self.call(out))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
 
     async def _offers(self) -> None:
         while True:
             await self._news.wait()
             await asyncio.sleep(self.config.push_delay)
             self._news.clear()
-            outs = self.gossiper.take_offers()
-            if outs:
-                await asyncio.gather(*(self.call(o) for o in outs))
+            # not awaited: one offer to a peer that stopped answering must not hold back the next news
+            for out in self.gossiper.take_offers():
+                self._spawn_call(out)
 
     async def announce_to_all(self, signed: SignedRecord, timeout: float = 2.0) -> None:
         """Push ``signed`` straight to every known peer (used for the offline record at shutdown)."""
