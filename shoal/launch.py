@@ -31,6 +31,7 @@ class ServerProcess:
             env={**os.environ, **(env or {})},
         )
         self.output: list[str] = []
+        self._terminated = False
         self.ticket = self._wait_ready(ready_timeout)
         threading.Thread(target=self._drain, daemon=True).start()
 
@@ -57,7 +58,9 @@ class ServerProcess:
     def stop(self, timeout: float = 15.0) -> int:
         """Ask the child to exit (SIGTERM), then SIGKILL after ``timeout``."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            if not self._terminated:  # a second SIGTERM would cut the server's shutdown short
+                self._terminated = True
+                self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -39,8 +39,12 @@ from shoal.wire import error_message
 log = logging.getLogger(__name__)
 
 
-def load_block_server(config: ServerConfig) -> BlockServer:
-    """Load blocks ``[start, end)`` (and nothing else) and wrap them for serving."""
+def load_block_server(
+    config: ServerConfig, on_fingerprints: Callable[[list[str]], None] | None = None
+) -> BlockServer:
+    """Load blocks ``[start, end)`` (and nothing else) and wrap them for serving.
+    ``on_fingerprints`` hears the span's fingerprints as soon as they are known (before the
+    blocks are built and warmed up), so the server can announce itself as joining."""
     started = time.perf_counter()
     model_dir = resolve_model(config.model, blocks=config.blocks)
     hf_config = load_config(model_dir)
@@ -51,6 +55,8 @@ def load_block_server(config: ServerConfig) -> BlockServer:
         raise ValueError(f"--blocks {start}:{end} is outside the model's {total} blocks")
     tensors = load_tensors(model_dir, span_tensor_filter(hf_config, start, end))
     fingerprints = span_fingerprints(hf_config, start, end, tensors)
+    if on_fingerprints is not None:
+        on_fingerprints([fingerprints[i] for i in range(start, end)])
     span = family.build_span(hf_config, start, end, tensors, config.dtype, config.device)
     del tensors
     info = SpanInfo(
@@ -132,7 +138,17 @@ async def serve(
             service = SwarmService(node, table, config.gossip, list(config.join), announcement.records)
             announcement.service = service
             await service.join()
-        gate.server = server = await asyncio.to_thread(load_block_server, config)
+            service.start()
+
+        def announce_joining(fingerprints: list[str]) -> None:  # on the loop, from the loading thread
+            if announcement is not None:
+                announcement.fingerprints = fingerprints
+                service.publish(announcement.server_record(time.time()))  # state: joining
+
+        def fingerprints_known(fingerprints: list[str]) -> None:
+            loop.call_soon_threadsafe(announce_joining, fingerprints)
+
+        gate.server = server = await asyncio.to_thread(load_block_server, config, fingerprints_known)
         if announcement is not None:
             announcement.fingerprints = server.info.fingerprints
             announcement.model_fingerprints = await asyncio.to_thread(model_fingerprints, model_dir)
@@ -141,7 +157,6 @@ async def serve(
             service.publish(announcement.server_record(time.time()))
             for signed in announcement.records():
                 service.publish(signed)
-            service.start()
             tasks.append(asyncio.create_task(keep_measuring(announcement, config.gossip.refresh)))
             tasks.append(asyncio.create_task(_track_cache(announcement, server, config.gossip.period)))
         ticket = node.ticket(swarm_id)

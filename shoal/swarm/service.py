@@ -79,6 +79,7 @@ class SwarmService:
                 if request.kind != "gossip":
                     raise RecordError("malformed", f"{request.kind!r} is not a swarm request")
                 op = request.meta.get("op")
+                self.table.expire()  # never hand out records that have lapsed
                 if op == "table":
                     reply = pack(
                         {"records": [s.data for s in self.table.records()], "rejected": dict(self.table.rejected)}
