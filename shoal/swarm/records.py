@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import msgpack
@@ -172,8 +173,11 @@ def _is_str(x) -> bool:
     return isinstance(x, str) and 0 < len(x) <= MAX_FIELD_LEN
 
 
+_PEER_ID = re.compile(r"[0-9a-f]{64}")
+
+
 def _is_peer(x) -> bool:
-    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+    return isinstance(x, str) and _PEER_ID.fullmatch(x) is not None
 
 
 def _str(x) -> str:
