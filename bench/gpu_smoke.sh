@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU smoke test: random Llama-3-8B-shaped model (bf16) on 2 shoal servers sharing one GPU, greedy
+# parity and decode tokens/s vs plain transformers on the same GPU. Prints JSON (bench/gpu_smoke.py).
+#
+#   bench/gpu_smoke.sh                           # --device cuda --dtype bfloat16, 32 new tokens
+#   bench/gpu_smoke.sh --device cpu --tiny       # the same steps on a 4-block toy model, on the CPU
+#   bench/gpu_smoke.sh --download-wheels         # on a machine WITH a package registry: fetch the
+#                                                # iroh/msgpack wheels for an offline Python 3.12 box
+#
+# Steps: (1) install shoal from this working tree (pip install -e . --no-deps, no build isolation,
+# no network needed; falls back to PYTHONPATH), and missing runtime deps from wheels in
+# ${SHOAL_WHEELS:-bench/wheels} if that folder exists; (2) re-exec itself in fresh network and PID
+# namespaces with only loopback up (as scripts/test does: iroh's port mapper must not probe the
+# network); (3) run python -m bench.gpu_smoke with the given arguments. If $OUT is set, the JSON is
+# also written to $OUT/gpu_smoke.json. Needs root (or unprivileged user namespaces).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+WHEELS=${SHOAL_WHEELS:-$ROOT/bench/wheels}
+
+if [ "${1:-}" = "--download-wheels" ]; then
+  mkdir -p "$WHEELS"
+  "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    -d "$WHEELS" "iroh==1.2.0" "msgpack>=1.0"
+  ls -l "$WHEELS"
+  exit 0
+fi
+
+if [ "${SHOAL_SMOKE_INSTALLED:-}" != 1 ]; then
+  echo "gpu_smoke: $("$PY" --version) at $(command -v "$PY")" >&2
+  # What shoal's serve/client path imports. torch, transformers, safetensors and numpy must be there
+  # already (the GPU image has them); iroh and msgpack are installed if missing.
+  find_missing() { "$PY" -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "$@"; }
+  core=$(find_missing torch transformers safetensors numpy)
+  if [ -n "$core" ]; then
+    echo "gpu_smoke: ERROR: $PY lacks $core (this script installs only iroh and msgpack)" >&2
+    exit 3
+  fi
+  missing=$(find_missing iroh msgpack)
+  if [ -n "$missing" ]; then
+    reqs=$(echo "$missing" | sed -e 's/iroh/iroh==1.2.0/' -e 's/msgpack/msgpack>=1.0/')
+    echo "gpu_smoke: missing: $missing; installing $reqs" >&2
+    if [ -d "$WHEELS" ]; then
+      "$PY" -m pip install --no-index --find-links "$WHEELS" $reqs >&2 || true
+    else
+      "$PY" -m pip install $reqs >&2 || true   # works only where a registry is reachable
+    fi
+    still=$(find_missing iroh msgpack)
+    if [ -n "$still" ]; then
+      echo "gpu_smoke: ERROR: still missing Python packages: $still" >&2
+      echo "gpu_smoke: this machine cannot reach a package registry. On one that can, run" >&2
+      echo "gpu_smoke:   bench/gpu_smoke.sh --download-wheels" >&2
+      echo "gpu_smoke: (wheels for iroh==1.2.0 and msgpack, Python 3.12, into bench/wheels/) and bring that" >&2
+      echo "gpu_smoke: folder along (or point SHOAL_WHEELS at it). iroh 1.2.0 is py3-none-manylinux_2_28_x86_64." >&2
+      exit 3
+    fi
+  fi
+  if ! "$PY" -c "import iroh, importlib.metadata as m; v = m.version('iroh'); assert v == '1.2.0', v" 2>/dev/null; then
+    echo "gpu_smoke: WARNING: iroh is not version 1.2.0 ($("$PY" -c "import importlib.metadata as m; print(m.version('iroh'))" 2>&1 | tail -1)); shoal pins 1.2.0" >&2
+  fi
+  if "$PY" -m pip install --no-deps --no-build-isolation -q -e "$ROOT" >&2 2>/tmp/shoal-smoke-pip.log; then
+    echo "gpu_smoke: installed shoal from $ROOT (editable)" >&2
+  else
+    echo "gpu_smoke: pip install -e failed (see /tmp/shoal-smoke-pip.log; no setuptools offline?); using PYTHONPATH=$ROOT" >&2
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  export SHOAL_SMOKE_INSTALLED=1
+fi
+
+if [ "${SHOAL_LO_ONLY:-}" != 1 ]; then
+  userns=()
+  [ "$(id -u)" = 0 ] || userns=(--user --map-root-user)
+  exec unshare "${userns[@]}" --net --pid --fork --kill-child --mount --mount-proc \
+    bash -c 'ip link set lo up && SHOAL_LO_ONLY=1 exec "$0" "$@"' "$0" "$@"
+fi
+"$PY" -c 'import socket, sys; names = [n for _, n in socket.if_nameindex()]; sys.exit(0 if names == ["lo"] else f"not isolated: interfaces {names}")'
+
+json_args=()
+if [ -n "${OUT:-}" ]; then json_args=(--json "$OUT/gpu_smoke.json"); fi
+exec "$PY" -m bench.gpu_smoke "${json_args[@]}" "$@"
