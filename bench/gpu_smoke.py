@@ -105,7 +105,7 @@ def load_local(path: Path, dtype: torch.dtype, device: str):
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=device)
-    except (ImportError, ValueError) as exc:  # device_map may want accelerate
+    except Exception as exc:  # device_map may want accelerate
         print(f"gpu_smoke: from_pretrained(device_map=...) failed ({exc}); loading on cpu, then .to()", file=sys.stderr)
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
     return model.eval()
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = [Server(path, b, extra_args=["--device", device, "--dtype", args.dtype]) for b in blocks]
     try:
         local = load_local(path, dtype, device)  # while the servers load
-        result["model"]["params_b"] = round(sum(p.numel() for p in local.parameters()) / 1e9, 3)
+        result["model"]["params_m"] = round(sum(p.numel() for p in local.parameters()) / 1e6, 3)
         timings["local_load_s"] = time.perf_counter() - t
         tickets = [s.wait_ready(timeout=360) for s in servers]
         timings["servers_ready_s"] = time.perf_counter() - t
@@ -198,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
             "local_tokens": expected,
             "swarm_tokens": got,
         }
+        if mismatch is not None:  # a near-tie (numerics) or a real divergence? the local top-2 gap there
+            out = local.generate(
+                ids, max_new_tokens=mismatch + 1, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, pad_token_id=pad,
+            )  # fmt: skip
+            top2 = out.logits[mismatch][0].float().topk(2).values
+            result["parity"]["local_top2_logit_gap_at_mismatch"] = round(float(top2[0] - top2[1]), 5)
 
         runs: dict[str, list[dict]] = {"local": [], "swarm": []}
         for rep in range(args.repeats):
