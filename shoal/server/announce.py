@@ -26,11 +26,12 @@ class Announcement:
     start: int
     end: int
     fingerprints: list[str]  # of the span, hex
-    throughput: float
+    throughput: float  # tokens/s per block (see ServerRecord)
     gossip: GossipConfig
     model_fingerprints: list[str] | None = None  # of every block, when this server can vouch for them
     state: State = State.JOINING
     cache_tokens_free: int = 0
+    step_ms: float = 0.0  # one-token step latency per block
     service: SwarmService | None = None
     _signed: SignedRecord | None = None
     _rtts: dict[str, float] | None = None
@@ -53,6 +54,7 @@ class Announcement:
             version=__version__,
             timestamp=now,
             expires=now + self.gossip.expiry,
+            step_ms=self.step_ms,
         )
         self._signed = sign(record, self.secret_key)
         return self._signed

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -25,7 +27,7 @@ from shoal.checkpoints import (
 from shoal.models import get_family
 from shoal.protocols import BLOCKS
 from shoal.server.announce import Announcement, keep_measuring
-from shoal.server.backend import SpanBackend
+from shoal.server.backend import SpanBackend, compute_thread
 from shoal.server.budget import CacheBudget
 from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer, SpanInfo
@@ -40,11 +42,14 @@ log = logging.getLogger(__name__)
 
 
 def load_block_server(
-    config: ServerConfig, on_fingerprints: Callable[[list[str]], None] | None = None
+    config: ServerConfig,
+    on_fingerprints: Callable[[list[str]], None] | None = None,
+    executor: ThreadPoolExecutor | None = None,
 ) -> BlockServer:
     """Load blocks ``[start, end)`` (and nothing else) and wrap them for serving.
     ``on_fingerprints`` hears the span's fingerprints as soon as they are known (before the
-    blocks are built and warmed up), so the server can announce itself as joining."""
+    blocks are built and warmed up), so the server can announce itself as joining. Call it on
+    ``executor``, the thread that will compute (see :func:`shoal.server.backend.compute_thread`)."""
     started = time.perf_counter()
     model_dir = resolve_model(config.model, blocks=config.blocks)
     hf_config = load_config(model_dir)
@@ -70,7 +75,7 @@ def load_block_server(
         version=__version__,
     )
     log.info("loaded blocks %d:%d of %s in %.1f s", start, end, info.model, time.perf_counter() - started)
-    backend = SpanBackend(span, hf_config.hidden_size, config.device)
+    backend = SpanBackend(span, hf_config.hidden_size, config.device, executor)
     backend.warm_up()
     return BlockServer(
         backend, info, CacheBudget(config.cache_tokens), config.max_sessions_per_peer, config.session_idle_timeout
@@ -112,6 +117,7 @@ async def serve(
     """Join (or create) the swarm, load the blocks, serve until ``stop`` is set or SIGINT/SIGTERM."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    compute = compute_thread(config.num_threads)
     key = load_or_create_identity(config.identity_file) if config.identity_file else generate_key()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -148,10 +154,11 @@ async def serve(
         def fingerprints_known(fingerprints: list[str]) -> None:
             loop.call_soon_threadsafe(announce_joining, fingerprints)
 
-        gate.server = server = await asyncio.to_thread(load_block_server, config, fingerprints_known)
+        load = functools.partial(load_block_server, config, fingerprints_known, compute)
+        gate.server = server = await loop.run_in_executor(compute, load)
         if announcement is not None:
             announcement.fingerprints = server.info.fingerprints
-            announcement.model_fingerprints = await asyncio.to_thread(model_fingerprints, model_dir)
+            announcement.model_fingerprints = await loop.run_in_executor(compute, model_fingerprints, model_dir)
             announcement.cache_tokens_free = server.budget.free_tokens
             announcement.state = State.ONLINE
             service.publish(announcement.server_record(time.time()))
@@ -176,6 +183,7 @@ async def serve(
         await node.close()
         if gate.server is not None:
             gate.server.backend.shutdown()
+        compute.shutdown(wait=False, cancel_futures=True)
 
 
 async def _track_cache(announcement: Announcement, server: BlockServer, period: float) -> None:

@@ -51,12 +51,13 @@ class ServerRecord:
     end: int  # half-open span [start, end)
     fingerprints: tuple[bytes, ...]  # one per block of the span
     state: State
-    throughput: float  # requests/s the server can sustain (given or measured)
+    throughput: float  # tokens/s the server can sustain per block (given or measured; placement weighs by it)
     cache_tokens_free: int
     rtts: tuple[tuple[str, float], ...]  # (peer id, ms) to servers next in the chain, sorted
     version: str
     timestamp: float  # clock time of signing: a newer record supersedes an older one
     expires: float
+    step_ms: float = 0.0  # measured latency of a one-token step through one block (0: unknown); routing uses it
 
     TAG = "srv"
 
@@ -72,13 +73,15 @@ class ServerRecord:
         return [
             self.swarm, self.peer, list(self.addrs), self.relay, self.model, self.start, self.end,
             list(self.fingerprints), str(self.state), self.throughput, self.cache_tokens_free,
-            [list(r) for r in self.rtts], self.version, self.timestamp, self.expires,
+            [list(r) for r in self.rtts], self.version, self.timestamp, self.expires, self.step_ms,
         ]  # fmt: skip
 
     @classmethod
     def from_fields(cls, f: list) -> ServerRecord:
-        _expect(len(f) == 15, "field count")
-        swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f
+        _expect(len(f) in (15, 16), "field count")  # 15: before step_ms existed
+        swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f[:15]
+        step_ms = f[15] if len(f) == 16 else 0.0
+        _expect(_is_num(step_ms) and 0 <= step_ms < 1e7, "step_ms")
         _expect(isinstance(addrs, list) and len(addrs) <= 16 and all(_is_str(a) for a in addrs), "addrs")
         _expect(relay is None or _is_str(relay), "relay")
         _expect(_is_int(start) and _is_int(end) and 0 <= start < end <= 1 << 20, "span")
@@ -91,7 +94,7 @@ class ServerRecord:
         _expect(_is_str(version), "version")
         return cls(
             _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), start, end, tuple(fps), State(state),
-            float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp),
+            float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp), float(step_ms),
         )  # fmt: skip
 
 
