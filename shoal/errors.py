@@ -13,7 +13,8 @@
     ├── RemoteError                 the peer understood the request and answered with an error
     │   ├── BadRequest              wrong shape, dtype, unknown session, step past max_length ...
     │   ├── BusyError               no room: cache budget or per-peer session limit
-    │   └── NotFound                unknown session or resource
+    │   ├── NotFound                unknown session or resource
+    │   └── Unavailable             the server is draining (leaving): use another one
     ├── IdentityError               the identity key file is missing, unreadable or corrupt
     └── TicketError                 a ticket string cannot be parsed
 """
@@ -35,6 +36,7 @@ __all__ = [
     "ShoalError",
     "TicketError",
     "TransportError",
+    "Unavailable",
     "WireError",
     "remote_error",
 ]
@@ -110,6 +112,12 @@ class NotFound(RemoteError):
     code = "not_found"
 
 
+class Unavailable(RemoteError):
+    """The server is leaving (draining): go elsewhere, nothing is wrong with the request."""
+
+    code = "unavailable"
+
+
 class IdentityError(ShoalError):
     pass
 
@@ -123,6 +131,7 @@ REMOTE_CODES: dict[str, type[RemoteError]] = {
     "bad_request": BadRequest,
     "busy": BusyError,
     "not_found": NotFound,
+    "unavailable": Unavailable,
     "wire": BadRequest,
 }
 

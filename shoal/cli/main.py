@@ -58,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         join=tuple(Ticket.parse(t) for t in args.join),
         throughput=args.throughput,
         gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
+        test_reply_delay=args.test_reply_delay_ms / 1e3,
     )
     run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
     return 0
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--identity", help="key file for a stable peer id (created if missing, mode 0600)")
     serve.add_argument("--ticket-file", help="also write the ticket to this file")
     serve.add_argument("--num-threads", type=int, help="torch threads for compute")
+    serve.add_argument("--test-reply-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow server
     swarm = serve.add_argument_group("swarm")
     swarm.add_argument("--new-swarm", action="store_true", help="create a swarm; the printed ticket joins it")
     swarm.add_argument("--join", action="append", default=[], metavar="TICKET", help="join the swarm of this peer")

@@ -156,6 +156,8 @@ async def serve(
 
         load = functools.partial(load_block_server, config, fingerprints_known, compute)
         gate.server = server = await loop.run_in_executor(compute, load)
+        server.attach(node)
+        server.reply_delay = config.test_reply_delay
         if announcement is not None:
             announcement.fingerprints = server.info.fingerprints
             announcement.model_fingerprints = await loop.run_in_executor(compute, model_fingerprints, model_dir)

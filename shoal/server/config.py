@@ -55,3 +55,4 @@ class ServerConfig:
     join: tuple[Ticket, ...] = ()  # tickets of peers of the swarm to join
     throughput: float = 1.0  # what the server's record claims, until measurement exists
     gossip: GossipConfig = field(default_factory=GossipConfig)
+    test_reply_delay: float = 0.0  # seconds before every reply: makes a slow server for routing tests

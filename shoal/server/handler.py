@@ -3,24 +3,50 @@
 A session lives on the stream that opened it: its KV cache is allocated at ``open`` (all or
 nothing, against the server-wide budget) and freed when the client closes it, the stream ends
 (client vanished) or no message arrives within the idle timeout.
+
+Server-to-server push: a ``step`` may carry the rest of the chain (``push``: the next servers'
+tickets, session ids and session tokens). The server then hands its output straight to the next
+server (a ``push`` message on a stream between the two servers) before answering its own client, so
+the next hop starts without a round trip through the client. The receiving server checks the
+session token it issued at ``open`` (only a holder of the token can drive the session), runs the
+step and answers on the session's client stream, and so on down the chain. Every server still
+answers the client with its output: the client keeps them to replay a span's history when a
+server fails.
+
+Drain (the server is leaving): new sessions and forwards get ``unavailable``; steps of open sessions
+are still served, flagged ``draining`` so their clients move to other servers at their next step;
+whatever is left when the drain times out is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import secrets
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shoal.errors import BadRequest, BusyError, ClosedError, NotFound, RemoteError, RequestTimeout
+from shoal.errors import (
+    BadRequest,
+    BusyError,
+    ClosedError,
+    NotFound,
+    RemoteError,
+    RequestTimeout,
+    ShoalError,
+    Unavailable,
+)
+from shoal.protocols import BLOCKS
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
-from shoal.transport import MessageStream
+from shoal.transport import MessageStream, Node, Ticket
 from shoal.wire import Message, error_message
 
 log = logging.getLogger(__name__)
 MAX_SESSION_LENGTH = 1 << 20
+MAX_PUSH_HOPS = 64
 
 
 @dataclass
@@ -38,6 +64,11 @@ class Counters:
     forward_requests: int = 0
     forward_tokens: int = 0
     errors: int = 0
+    pushes_sent: int = 0  # step outputs handed to the next server
+    pushes_received: int = 0  # steps that arrived from the previous server
+    pushes_failed: int = 0  # the next server could not be reached (the client falls back to its own hop)
+    pushes_rejected: int = 0  # unknown session or wrong token
+    sessions_drained: int = 0  # still open when a drain closed them
 
 
 @dataclass(frozen=True)
@@ -60,6 +91,10 @@ class _Session:
     max_length: int
     tokens: int
     cache: Any
+    stream: MessageStream  # the client's: every reply of the session goes there
+    token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets the previous server push steps
+    task: asyncio.Task | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time, from the client or a push
 
 
 class BlockServer:
@@ -77,11 +112,26 @@ class BlockServer:
         self.max_sessions_per_peer = max_sessions_per_peer
         self.idle_timeout = idle_timeout
         self.counters = Counters()
+        self.node: Node | None = None  # set by attach(): needed to push to the next server
+        self.draining = False
+        self.reply_delay = 0.0  # seconds added before every reply (a test-only flag: a slow server)
         self._sessions: dict[str, _Session] = {}
         self._per_peer: Counter[str] = Counter()
+        self._push_streams: dict[str, MessageStream] = {}
+        self._push_locks: dict[str, asyncio.Lock] = {}
+        self._tickets: dict[str, Ticket] = {}
+
+    def attach(self, node: Node) -> None:
+        """The endpoint this server answers on (pushes to the next server leave through it)."""
+        self.node = node
 
     def describe(self) -> dict:
-        return {**asdict(self.info), "free_cache_tokens": self.budget.free_tokens, "counters": asdict(self.counters)}
+        return {
+            **asdict(self.info),
+            "free_cache_tokens": self.budget.free_tokens,
+            "draining": self.draining,
+            "counters": asdict(self.counters),
+        }
 
     async def handle(self, stream: MessageStream, peer_id: str) -> None:
         """Serve requests on one stream until it ends; ``open`` turns it into a session."""
@@ -89,12 +139,15 @@ class BlockServer:
             request = await stream.recv(self.idle_timeout)
             try:
                 if request.kind == "info":
+                    await self._delay()
                     await stream.send(Message("result", request.id, self.describe()))
                 elif request.kind == "forward":
                     await stream.send(await self._forward(request))
                 elif request.kind == "open":
                     await self._run_session(stream, peer_id, request)
                     return
+                elif request.kind == "push":
+                    await self._receive_push(request, peer_id)
                 elif request.kind == "step":
                     raise NotFound(f"unknown session {request.meta.get('session')!r} (open one on this stream first)")
                 else:
@@ -103,14 +156,44 @@ class BlockServer:
                 self.counters.errors += 1
                 await stream.send(error_message(request.id, exc.code, exc.remote_message))
 
+    async def _delay(self) -> None:
+        if self.reply_delay:
+            await asyncio.sleep(self.reply_delay)
+
+    async def drain(self, timeout: float) -> None:
+        """Leave gracefully: refuse new work, keep serving open sessions (their replies say
+        ``draining``, so clients move away at their next step) until they are closed or
+        ``timeout`` passes; then finish in-flight steps and close what is left."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._sessions and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        for session in list(self._sessions.values()):
+            remaining = max(0.0, deadline - asyncio.get_running_loop().time()) + 1.0
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await session.lock.acquire()  # let an in-flight step finish (and answer)
+                    session.lock.release()
+            if session.id in self._sessions and session.task is not None:
+                self.counters.sessions_drained += 1
+                session.task.cancel()
+        for stream in list(self._push_streams.values()):
+            await stream.finish()
+        self._push_streams.clear()
+
     async def _forward(self, request: Message) -> Message:
+        if self.draining:
+            raise Unavailable("server is draining (leaving the swarm): use another server")
         hidden, position_ids, mask = self.backend.check_inputs(request.tensors)
         out = await self.backend.run(hidden, position_ids, mask)
         self.counters.forward_requests += 1
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
+        await self._delay()
         return Message("result", request.id, {}, [out])
 
-    def _open(self, peer_id: str, meta: dict) -> _Session:
+    def _open(self, peer_id: str, meta: dict, stream: MessageStream) -> _Session:
+        if self.draining:
+            raise Unavailable("server is draining (leaving the swarm): open the session elsewhere")
         max_length, batch_size = meta.get("max_length"), meta.get("batch_size", 1)
         if not isinstance(max_length, int) or not 0 < max_length <= MAX_SESSION_LENGTH:
             raise BadRequest(f"max_length must be an int in [1, {MAX_SESSION_LENGTH}], got {max_length!r}")
@@ -132,7 +215,8 @@ class BlockServer:
         except Exception:
             self.budget.release(tokens)
             raise
-        session = _Session(secrets.token_hex(8), peer_id, batch_size, max_length, tokens, cache)
+        session = _Session(secrets.token_hex(8), peer_id, batch_size, max_length, tokens, cache, stream)
+        session.task = asyncio.current_task()
         self._sessions[session.id] = session
         self._per_peer[peer_id] += 1
         self.counters.sessions_opened += 1
@@ -150,10 +234,11 @@ class BlockServer:
         session.cache = None
 
     async def _run_session(self, stream: MessageStream, peer_id: str, request: Message) -> None:
-        session = self._open(peer_id, request.meta)
+        session = self._open(peer_id, request.meta, stream)
         ended = False  # closed or timed out; any other end (stream closed, broken, cancelled) is "abandoned"
         try:
-            await stream.send(Message("result", request.id, {"session": session.id, "max_length": session.max_length}))
+            reply = {"session": session.id, "token": session.token, "max_length": session.max_length}
+            await stream.send(Message("result", request.id, reply))
             while True:
                 try:
                     message = await stream.recv(self.idle_timeout)
@@ -166,22 +251,104 @@ class BlockServer:
                 if message.kind == "close":
                     self.counters.sessions_closed += 1
                     ended = True
-                    self._free(session)  # before the reply: a client that saw it sees the cache free
+                    async with session.lock:  # a pushed step may be running
+                        self._free(session)  # before the reply: a client that saw it sees the cache free
                     await stream.send(Message("result", message.id))
                     return
-                try:
-                    await stream.send(await self._step(session, message))
-                except RemoteError as exc:
+                if message.kind != "step":
                     self.counters.errors += 1
-                    await stream.send(error_message(message.id, exc.code, exc.remote_message))
+                    text = f"a session stream takes step or close, not {message.kind!r}"
+                    await stream.send(error_message(message.id, "bad_request", text))
+                    continue
+                await self._serve_step(session, message)
         finally:
             if not ended:
                 self.counters.sessions_abandoned += 1
             self._free(session)
 
+    async def _serve_step(self, session: _Session, message: Message) -> None:
+        """Run one step, push the output down the chain if asked, answer the session's client."""
+        try:
+            async with session.lock:
+                if session.cache is None:
+                    raise NotFound(f"session {session.id} is closed")
+                reply = await self._step(session, message)
+            route = message.meta.get("push")
+            if route:
+                reply.meta["pushed"] = await self._push(reply, message, route)
+        except RemoteError as exc:
+            self.counters.errors += 1
+            reply = error_message(message.id, exc.code, exc.remote_message)
+        if self.draining:
+            reply.meta["draining"] = True
+        await self._delay()
+        await session.stream.send(reply)
+
+    async def _push(self, reply: Message, message: Message, route: Any) -> bool:
+        """Hand ``reply``'s output to the next server of ``route`` ([[ticket, session, token], ...]);
+        False if it could not be sent (the client then drives that hop itself)."""
+        if not isinstance(route, list) or not 0 < len(route) <= MAX_PUSH_HOPS:
+            raise BadRequest(f"push takes a list of 1..{MAX_PUSH_HOPS} [ticket, session, token] entries")
+        if not all(isinstance(hop, list) and len(hop) == 3 and all(isinstance(x, str) for x in hop) for hop in route):
+            raise BadRequest("every push hop is [ticket, session id, session token] (strings)")
+        if self.node is None:
+            return False
+        ticket_text, session_id, token = route[0]
+        meta = {
+            "session": session_id,
+            "token": token,
+            "position": message.meta.get("position"),
+            "step": message.id,
+            "push": route[1:],
+        }
+        tensors = [reply.tensors[0], *message.tensors[1:]]  # our output, the same positions and mask
+        try:
+            ticket = self._ticket(ticket_text)
+            lock = self._push_locks.setdefault(ticket.peer_id, asyncio.Lock())
+            async with lock:
+                stream = self._push_streams.get(ticket.peer_id)
+                if stream is None or stream.broken:
+                    stream = await self.node.open_stream(ticket, BLOCKS, timeout=2.0)
+                    self._push_streams[ticket.peer_id] = stream
+                try:
+                    await stream.send(Message("push", stream.next_id(), meta, tensors))
+                except ShoalError:
+                    self._push_streams.pop(ticket.peer_id, None)
+                    raise
+        except (ShoalError, ValueError) as exc:
+            self.counters.pushes_failed += 1
+            log.info("push to the next server failed: %s", exc)
+            return False
+        self.counters.pushes_sent += 1
+        return True
+
+    def _ticket(self, text: str) -> Ticket:
+        ticket = self._tickets.get(text)
+        if ticket is None:
+            if len(self._tickets) > 1024:
+                self._tickets.clear()
+            ticket = self._tickets[text] = Ticket.parse(text)
+        return ticket
+
+    async def _receive_push(self, message: Message, peer_id: str) -> None:
+        """A step pushed by the previous server: checked against the session's token, then served
+        like the client's own step (the reply goes to the session's client). Nothing is sent back
+        to the pushing server."""
+        session = self._sessions.get(message.meta.get("session"))
+        token = message.meta.get("token")
+        if session is None or not isinstance(token, str) or not secrets.compare_digest(token, session.token):
+            self.counters.pushes_rejected += 1
+            log.info("rejected a push from %s: unknown session or wrong token", peer_id[:10])
+            return
+        step_id = message.meta.get("step")
+        if not isinstance(step_id, int) or not 0 <= step_id < 1 << 32:
+            self.counters.pushes_rejected += 1
+            return
+        self.counters.pushes_received += 1
+        meta = {"session": session.id, "position": message.meta.get("position"), "push": message.meta.get("push")}
+        await self._serve_step(session, Message("step", step_id, meta, message.tensors))
+
     async def _step(self, session: _Session, message: Message) -> Message:
-        if message.kind != "step":
-            raise BadRequest(f"a session stream takes step or close, not {message.kind!r}")
         if message.meta.get("session") != session.id:
             raise NotFound(f"unknown session {message.meta.get('session')!r} on this stream")
         position = message.meta.get("position")

@@ -40,6 +40,7 @@ KINDS = frozenset(
         "forward",  # stateless forward through a span
         "open",  # open an inference session
         "step",  # one inference step of a session
+        "push",  # a server hands its step output to the next server of the session's chain
         "close",  # close a session
         "gossip",  # swarm record exchange: meta {"op"}, payload as one u8 tensor
         "result",  # a successful reply
