@@ -30,10 +30,15 @@ class AutoDistributedModelForCausalLM:
         device: str = "cpu",
         transport: TransportConfig | None = None,
         revision: str | None = None,
+        push: bool = True,
+        refresh_period: float = 30.0,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
-        ``initial_peers``: tickets of servers; their spans must chain over every block."""
+        ``initial_peers``: tickets of servers; their spans must chain over every block (or one
+        ticket of a swarm member). ``push``: servers hand a step's output straight to the next
+        server (else the client drives every hop). ``refresh_period``: seconds between background
+        refreshes of the server list and measured latencies."""
         model_dir = resolve_model(model, client=True, revision=revision)
         config = load_config(model_dir)
         family = get_family(config)
@@ -41,7 +46,13 @@ class AutoDistributedModelForCausalLM:
         head = family.build_client_head(config, tensors, dtype, device)
         del tensors
         blocks = RemoteSequence.connect(
-            initial_peers, family.num_blocks(config), config.hidden_size, transport, model=model_name(model)
+            initial_peers,
+            family.num_blocks(config),
+            config.hidden_size,
+            transport,
+            model=model_name(model),
+            push=push,
+            refresh_period=refresh_period,
         )
         distributed = DistributedModelForCausalLM(config, head, blocks)
         if (Path(model_dir) / "generation_config.json").is_file():

@@ -1,5 +1,17 @@
 """Routing: pure decisions about which servers carry which blocks. No I/O here."""
 
-from shoal.routing.chain import NoRouteError, ServerSpan, plan_chain, uncovered_blocks
+from shoal.routing.bans import BanList
+from shoal.routing.chain import NoRouteError, ServerSpan, plan_chain, plan_route, uncovered_blocks
+from shoal.routing.costs import LatencyModel, forward_cost, route_with_bans
 
-__all__ = ["NoRouteError", "ServerSpan", "plan_chain", "uncovered_blocks"]
+__all__ = [
+    "BanList",
+    "LatencyModel",
+    "NoRouteError",
+    "ServerSpan",
+    "forward_cost",
+    "plan_chain",
+    "plan_route",
+    "route_with_bans",
+    "uncovered_blocks",
+]

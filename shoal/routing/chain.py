@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,4 +76,60 @@ def plan_chain(spans: Sequence[ServerSpan], num_blocks: int) -> list[ServerSpan]
         span = previous[block]
         chain.append(span)
         block = span.start
+    return chain[::-1]
+
+
+def plan_route(
+    spans: Sequence[ServerSpan],
+    start: int,
+    end: int,
+    cost: Callable[[ServerSpan, ServerSpan | None], float],
+) -> list[ServerSpan]:
+    """Cheapest chain of whole spans from block ``start`` to block ``end`` (Dijkstra over block
+    boundaries). ``cost(span, previous)`` prices one hop (``previous`` is None for the first);
+    an infinite cost excludes the span. Ties go to the span given first."""
+    usable = [s for s in spans if start <= s.start < s.end <= end]
+    missing = [b for b in uncovered_blocks(usable, end) if b >= start]
+    if missing:
+        raise NoRouteError(f"no usable server hosts blocks {_ranges(missing)} (of {start}-{end - 1})", missing)
+    by_start: dict[int, list[tuple[int, ServerSpan]]] = {}
+    for order, span in enumerate(usable):
+        by_start.setdefault(span.start, []).append((order, span))
+    # state: (block, last span) so that costs may depend on the previous hop (server-to-server RTTs)
+    best: dict[tuple[int, str | None], float] = {(start, None): 0.0}
+    back: dict[tuple[int, str | None], tuple[tuple[int, str | None], ServerSpan]] = {}
+    heap: list[tuple[float, int, int, str | None]] = [(0.0, 0, start, None)]
+    last_span: dict[tuple[int, str | None], ServerSpan | None] = {(start, None): None}
+    done: tuple[int, str | None] | None = None
+    counter = 0
+    while heap:
+        total, _, block, peer = heapq.heappop(heap)
+        state = (block, peer)
+        if total > best.get(state, float("inf")):
+            continue
+        if block == end:
+            done = state
+            break
+        previous = last_span[state]
+        for _, span in by_start.get(block, []):
+            price = cost(span, previous)
+            if price == float("inf"):
+                continue
+            nxt = (span.end, span.peer_id)
+            if total + price < best.get(nxt, float("inf")):
+                best[nxt] = total + price
+                back[nxt] = (state, span)
+                last_span[nxt] = span
+                counter += 1
+                heapq.heappush(heap, (total + price, counter, span.end, span.peer_id))
+    if done is None:
+        raise NoRouteError(
+            f"no chain of usable whole spans links block {start} to block {end} "
+            f"(spans: {sorted((s.start, s.end) for s in usable)})",
+            [],
+        )
+    chain, state = [], done
+    while state in back:
+        state, span = back[state]
+        chain.append(span)
     return chain[::-1]

@@ -1,0 +1,211 @@
+"""The client's view of the servers it can route over, and what it has measured about them.
+
+Servers come from the swarm's table (tickets with a swarm id) or from asking each given peer
+(plain tickets). Round-trip times are measured with a blocks-protocol ``info`` request (so a
+server that is slow to answer looks slow), once at start and then in the background every
+``refresh_period`` seconds together with a fresh pull of the table: never on a step's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Collection, Sequence
+
+from shoal.errors import ShoalError
+from shoal.protocols import BLOCKS
+from shoal.routing import BanList, LatencyModel, ServerSpan, forward_cost, route_with_bans
+from shoal.swarm.records import State
+from shoal.swarm.service import decode_table, fetch_table
+from shoal.swarm.table import RecordTable
+from shoal.transport import META, Node, Ticket
+from shoal.wire import Message
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = 0.75  # a live server answers a ping within this, however busy its compute thread is
+MEASURE_TIMEOUT = 2.0
+
+
+async def fetch_infos(node: Node, tickets: Sequence[Ticket], timeout: float) -> list[ServerSpan]:
+    """Ask every given peer what it hosts; peers that fail to answer are skipped (and logged)."""
+
+    async def one(ticket: Ticket) -> ServerSpan | None:
+        try:
+            reply = await node.request(ticket, BLOCKS, Message("info", 1), timeout=timeout)
+        except ShoalError as exc:
+            log.warning("peer %s did not answer info: %s", ticket.peer_id[:10], exc)
+            return None
+        meta = reply.meta
+        return ServerSpan(ticket.peer_id, int(meta["start"]), int(meta["end"]), ticket, meta)
+
+    return [span for span in await asyncio.gather(*(one(t) for t in tickets)) if span is not None]
+
+
+async def swarm_spans(node: Node, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
+    """Pull the swarm's table through the first ticket that answers; the online servers of ``model``."""
+    swarm = next(t.swarm_id for t in tickets if t.swarm_id)
+    table = RecordTable(swarm)
+    for ticket in tickets:
+        try:
+            table.merge_many(decode_table(await fetch_table(node, ticket, timeout)))
+            break
+        except ShoalError as exc:
+            log.warning("could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc)
+    else:
+        raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(tickets)} tickets")
+    names = sorted(m.name for m in table.models())
+    if model is None or table.model(model) is None:
+        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
+    spans = []
+    for record in table.servers(model):
+        if record.state is State.ONLINE:
+            ticket = Ticket(record.peer, record.addrs, record.relay, swarm)
+            info = {
+                "num_blocks": table.model(model).num_blocks,
+                "hidden_size": None,
+                "throughput": record.throughput,
+                "step_ms": record.step_ms,
+                "rtts": record.rtts,
+                "free_cache_tokens": record.cache_tokens_free,
+            }
+            spans.append(ServerSpan(record.peer, record.start, record.end, ticket, info))
+    return spans
+
+
+def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: int) -> None:
+    """Servers must agree with the client's config and with each other on every block's weights."""
+    seen: dict[int, tuple[str, str]] = {}
+    for span in spans:
+        info = span.info
+        if info.get("num_blocks") != num_blocks or info.get("hidden_size") not in (hidden_size, None):
+            raise ShoalError(
+                f"server {span.peer_id[:10]} serves a model with {info.get('num_blocks')} blocks of size "
+                f"{info.get('hidden_size')}, the client's config has {num_blocks} of size {hidden_size}"
+            )
+        for block, fingerprint in zip(range(span.start, span.end), info.get("fingerprints", []), strict=False):
+            other = seen.setdefault(block, (fingerprint, span.peer_id))
+            if other[0] != fingerprint:
+                raise ShoalError(
+                    f"servers {other[1][:10]} and {span.peer_id[:10]} hold different weights for block {block}"
+                )
+
+
+class ServerDirectory:
+    """Known servers, their measured latencies and bans; answers "which route now?"."""
+
+    def __init__(
+        self,
+        node: Node,
+        tickets: Sequence[Ticket],
+        model: str | None,
+        num_blocks: int,
+        hidden_size: int,
+        timeout: float,
+        refresh_period: float = 30.0,
+        seed: int | None = None,
+    ):
+        self.node = node
+        self.tickets = list(tickets)
+        self.model = model
+        self.num_blocks = num_blocks
+        self.hidden_size = hidden_size
+        self.timeout = timeout
+        self.refresh_period = refresh_period
+        self.latency = LatencyModel()
+        self.bans = BanList()
+        self.rng = random.Random(seed)
+        self.spans: list[ServerSpan] = []
+        self._task: asyncio.Task | None = None
+
+    @property
+    def swarm(self) -> bool:
+        return any(t.swarm_id for t in self.tickets)
+
+    async def refresh(self) -> None:
+        """Pull the server list again (table or infos), then measure round trips to each server."""
+        if self.swarm:
+            spans = await swarm_spans(self.node, self.tickets, self.model, self.timeout)
+        else:
+            spans = await fetch_infos(self.node, self.tickets, self.timeout)
+        check_consistent(spans, self.num_blocks, self.hidden_size)
+        self.spans = await self._measure(spans)
+
+    async def _measure(self, spans: list[ServerSpan]) -> list[ServerSpan]:
+        """Time an ``info`` request to every server (in parallel); fresh free-cache and drain state
+        from the answers. Servers that do not answer stay listed (the table says they exist), and
+        are found out when used."""
+
+        async def one(span: ServerSpan) -> ServerSpan:
+            started = time.perf_counter()
+            try:
+                reply = await self.node.request(span.ticket, BLOCKS, Message("info", 1), timeout=MEASURE_TIMEOUT)
+            except ShoalError:
+                return span
+            self.latency.observe_rtt(span.peer_id, (time.perf_counter() - started) * 1e3)
+            info = dict(span.info)
+            info["free_cache_tokens"] = reply.meta.get("free_cache_tokens", info.get("free_cache_tokens"))
+            info["draining"] = bool(reply.meta.get("draining"))
+            return ServerSpan(span.peer_id, span.start, span.end, span.ticket, info)
+
+        return list(await asyncio.gather(*(one(s) for s in spans)))
+
+    def start(self) -> None:
+        if self._task is None and self.refresh_period > 0:
+            self._task = asyncio.get_running_loop().create_task(self._keep_fresh())
+
+    async def _keep_fresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_period * self.rng.uniform(0.8, 1.2))
+            try:
+                await self.refresh()
+            except ShoalError as exc:
+                log.info("refreshing the server list failed: %s", exc)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def usable(self) -> list[ServerSpan]:
+        return [s for s in self.spans if not s.info.get("draining")]
+
+    def route_inference(
+        self,
+        start: int,
+        *,
+        cache_tokens: int,
+        push: bool,
+        exclude: Collection[str] = (),
+        reuse: Collection[tuple[str, int, int]] = (),
+        replay_ms: float = 0.0,
+    ) -> list[ServerSpan]:
+        """The chain from ``start`` to the last block with the least expected per-token latency.
+        Spans in ``reuse`` (peer, start, end) already hold the session's state; others cost
+        ``replay_ms`` more (they would have to be replayed)."""
+        latency = self.latency
+
+        def cost(span: ServerSpan, previous: ServerSpan | None) -> float:
+            price = latency.inference_cost(span, previous, push=push, cache_tokens=cache_tokens)
+            return price if (span.peer_id, span.start, span.end) in reuse else price + replay_ms
+
+        return route_with_bans(self.usable(), start, self.num_blocks, cost, self.bans, exclude)
+
+    def route_forward(self, start: int, exclude: Collection[str] = ()) -> list[ServerSpan]:
+        """A route for one stateless forward, drawn so load spreads by capacity."""
+        return route_with_bans(self.usable(), start, self.num_blocks, forward_cost(self.rng), self.bans, exclude)
+
+    async def alive(self, span: ServerSpan, timeout: float = PROBE_TIMEOUT) -> bool:
+        """Does the server answer a ping right now? (Compute runs off its event loop, so a busy
+        server still answers fast.)"""
+        ping = self.node.request(span.ticket, META, Message("ping", 1, {"echo": False}), timeout=timeout)
+        try:
+            await asyncio.wait_for(ping, timeout)
+        except (ShoalError, TimeoutError):
+            return False
+        return True
