@@ -1,15 +1,23 @@
-"""Server lifecycle: load a slice of a model, join the network, serve until told to stop."""
+"""Server lifecycle: join the network, choose and load a slice of a model, serve until told to stop.
+
+With ``--blocks`` the span is fixed. Without it (in a swarm only), the server measures its throughput
+(:mod:`shoal.server.throughput`), reads the swarm's table, chooses the span that best fills the
+weakest part of the swarm's coverage (:mod:`shoal.server.placement`), and every ``balance_period``
+re-checks whether moving would clearly help; a move announces the new span as ``joining``, drains the
+old span, loads the new one and announces it ``online``. On SIGINT/SIGTERM the server first publishes
+its ``offline`` record to every peer, then drains (open sessions move on), then closes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
+import random
 import secrets
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -31,6 +39,8 @@ from shoal.server.backend import SpanBackend, compute_thread
 from shoal.server.budget import CacheBudget
 from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer, SpanInfo
+from shoal.server.placement import Balance, Placed, choose_span, plan_move
+from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
 from shoal.swarm.records import State
 from shoal.swarm.service import SWARM, SwarmService
 from shoal.swarm.table import RecordTable
@@ -39,30 +49,35 @@ from shoal.transport.identity import generate_key
 from shoal.wire import error_message
 
 log = logging.getLogger(__name__)
+Span = tuple[int, int]
+NO_BLOCKS: Span = (0, 0)  # resolve_model(blocks=NO_BLOCKS): config and index only, no weight shards
+MAX_DEFERRALS = 3  # re-checks in a row a server leaves a move to another one
+Loader = Callable[[Span], Awaitable[BlockServer]]  # loads a span on the compute thread
 
 
 def load_block_server(
     config: ServerConfig,
+    span: Span,
     on_fingerprints: Callable[[list[str]], None] | None = None,
     executor: ThreadPoolExecutor | None = None,
 ) -> BlockServer:
-    """Load blocks ``[start, end)`` (and nothing else) and wrap them for serving.
+    """Load blocks ``span = (start, end)`` (and nothing else) and wrap them for serving.
     ``on_fingerprints`` hears the span's fingerprints as soon as they are known (before the
     blocks are built and warmed up), so the server can announce itself as joining. Call it on
     ``executor``, the thread that will compute (see :func:`shoal.server.backend.compute_thread`)."""
     started = time.perf_counter()
-    model_dir = resolve_model(config.model, blocks=config.blocks)
+    model_dir = resolve_model(config.model, blocks=span)
     hf_config = load_config(model_dir)
     family = get_family(hf_config)
     total = family.num_blocks(hf_config)
-    start, end = config.blocks
+    start, end = span
     if end > total:
         raise ValueError(f"--blocks {start}:{end} is outside the model's {total} blocks")
     tensors = load_tensors(model_dir, span_tensor_filter(hf_config, start, end))
     fingerprints = span_fingerprints(hf_config, start, end, tensors)
     if on_fingerprints is not None:
         on_fingerprints([fingerprints[i] for i in range(start, end)])
-    span = family.build_span(hf_config, start, end, tensors, config.dtype, config.device)
+    built = family.build_span(hf_config, start, end, tensors, config.dtype, config.device)
     del tensors
     info = SpanInfo(
         model=model_name(config.model),
@@ -75,7 +90,7 @@ def load_block_server(
         version=__version__,
     )
     log.info("loaded blocks %d:%d of %s in %.1f s", start, end, info.model, time.perf_counter() - started)
-    backend = SpanBackend(span, hf_config.hidden_size, config.device, executor)
+    backend = SpanBackend(built, hf_config.hidden_size, config.device, executor)
     backend.warm_up()
     return BlockServer(
         backend, info, CacheBudget(config.cache_tokens), config.max_sessions_per_peer, config.session_idle_timeout
@@ -96,17 +111,179 @@ def swarm_id_of(config: ServerConfig) -> str | None:
 
 
 class _LoadingGate:
-    """Answers ``busy`` on the blocks protocol until the weights are loaded."""
+    """Answers ``busy`` on the blocks protocol while no span is loaded (starting, or moving)."""
 
     def __init__(self) -> None:
         self.server: BlockServer | None = None
 
     async def handle(self, stream, peer_id: str) -> None:
-        if self.server is None:
+        server = self.server
+        if server is None:
             request = await stream.recv(5.0)
             await stream.send(error_message(request.id, "busy", "server is still loading its blocks"))
             return
-        await self.server.handle(stream, peer_id)
+        await server.handle(stream, peer_id)
+
+
+class _Presence:
+    """A server's part in a swarm: its announcement, its measurement, where it sits, its moves."""
+
+    def __init__(self, config: ServerConfig, node: Node, key: bytes, swarm_id: str, gate: _LoadingGate, compute):
+        self.config, self.node, self.gate, self.compute = config, node, gate, compute
+        self.model_dir = resolve_model(config.model, blocks=config.blocks or NO_BLOCKS)
+        self.hf_config = load_config(self.model_dir)
+        self.total = get_family(self.hf_config).num_blocks(self.hf_config)
+        self.model = model_name(config.model)
+        self.rng = random.Random()
+        self.leaving = False
+        start, end = config.blocks or (0, 1)  # placeholder until placed: nothing is announced without fingerprints
+        self.announcement = Announcement(
+            node, key, swarm_id, self.model, start, end, fingerprints=[], throughput=0.0, gossip=config.gossip
+        )
+        table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
+        self.service = SwarmService(node, table, config.gossip, list(config.join), self.announcement.records)
+        self.announcement.service = self.service
+
+    @property
+    def announced(self) -> bool:
+        a = self.announcement
+        return bool(a.fingerprints) and len(a.fingerprints) == a.end - a.start
+
+    def publish(self) -> None:
+        self.service.publish(self.announcement.server_record(time.time()))
+
+    def announce_span(self, span: Span, fingerprints: list[str], state: State) -> None:
+        if self.leaving:  # e.g. a load still running on the compute thread at shutdown
+            return
+        a = self.announcement
+        a.start, a.end = span
+        a.fingerprints, a.state = fingerprints, state
+        self.publish()
+
+    def known_fingerprints(self, span: Span) -> list[str] | None:
+        """The span's fingerprints from the swarm's model record (None without one)."""
+        record = self.service.table.model(self.model)
+        if record is None or record.num_blocks != self.total:
+            return None
+        return [record.fingerprints[i].hex() for i in range(*span)]
+
+    # ---- measuring -------------------------------------------------------------------------
+    async def measure(self) -> None:
+        """Fill the announcement's throughput and step_ms: given, or measured (cached)."""
+        a, config = self.announcement, self.config
+        if config.throughput is not None:
+            a.throughput = config.throughput
+            a.step_ms = 1000.0 / config.throughput if config.throughput > 0 else 0.0
+            return
+        loop = asyncio.get_running_loop()
+        compute, cached = await loop.run_in_executor(
+            self.compute, cached_compute, self.hf_config, config.dtype, config.device
+        )
+        network = None
+        peers = [t for t in config.join if t.peer_id != self.node.id]
+        if peers:
+            network = await measure_network(self.node, peers[0])
+        a.throughput = round(announced_throughput(compute, network, self.hf_config.hidden_size), 3)
+        a.step_ms = round(compute.step_ms, 4)
+        log.info(
+            "throughput %.1f tokens/s per block (%s: step %.3f ms, prefill %.0f tokens/s; network %s)",
+            a.throughput, "cached" if cached else "measured", compute.step_ms, compute.prefill_tokens_per_s,
+            "not measured" if network is None else f"{network / 2**20:.0f} MiB/s",
+        )  # fmt: skip
+
+    # ---- placement -------------------------------------------------------------------------
+    def placed(self) -> list[Placed]:
+        """Online and joining servers of this model in the table."""
+        now = time.time()
+        return [
+            Placed(r.peer, r.start, r.end, r.throughput)
+            for r in self.service.table.servers(self.model)
+            if r.expires > now and r.state is not State.OFFLINE
+        ]
+
+    async def choose(self) -> Span:
+        config = self.config
+        n = config.num_blocks
+        if n is None:
+            n = default_num_blocks(self.hf_config, config.dtype, config.device, config.cache_tokens)
+        n = min(n, self.total)
+        if not config.new_swarm:  # let servers starting at the same time see each other's choices
+            await asyncio.sleep(config.gossip.period * self.rng.uniform(1.0, 2.0))
+        others = [p for p in self.placed() if p.peer != self.node.id]
+        span = choose_span(others, self.total, n, self.announcement.throughput, self.rng)
+        log.info("placed at blocks %d:%d of %d (%d servers in the swarm)", *span, self.total, len(others))
+        return span
+
+    async def keep_balanced(self, load: Loader) -> None:
+        """Every ``balance_period`` (+-20%): move when :func:`plan_move` says it clearly helps. A
+        server that defers to another one (which should move first) does so ``MAX_DEFERRALS`` checks
+        in a row at most: that one may never move (started with ``--blocks``)."""
+        deferred = 0
+        while True:
+            await asyncio.sleep(self.config.balance_period * self.rng.uniform(0.8, 1.2))
+            plan = plan_move(
+                self.placed(), self.total, self.node.id, self.rng, self.config.balance_margin,
+                defer=deferred < MAX_DEFERRALS,
+            )  # fmt: skip
+            if plan.defer_to is not None:
+                deferred += 1
+                log.debug("placement: leaving the next move to %s", plan.defer_to[:10])
+                continue
+            deferred = 0
+            move = plan.move
+            if move is None:
+                continue
+            a = self.announcement
+            log.info(
+                "moving from blocks %d:%d to %d:%d: swarm %s -> %s%s", a.start, a.end, move.start, move.end,
+                _describe(move.before), _describe(move.after),
+                f" (expected {_describe(move.expected)} once others follow)" if move.neutral else "",
+            )  # fmt: skip
+            await self.move((move.start, move.end), load)
+
+    async def move(self, span: Span, load: Loader) -> None:
+        fingerprints = self.known_fingerprints(span)
+        if fingerprints is not None:
+            self.announce_span(span, fingerprints, State.JOINING)
+        old = self.gate.server
+        if old is not None:
+            await old.drain(self.config.drain_timeout)
+        self.gate.server = None  # new requests get "busy" until the new span is loaded
+        del old  # its weights and caches go (the compute thread stays: it is shared)
+        self.gate.server = await load(span)
+        self.announce_online()
+
+    def announce_online(self) -> None:
+        server = self.gate.server
+        self.announcement.cache_tokens_free = server.budget.free_tokens
+        self.announce_span((server.info.start, server.info.end), server.info.fingerprints, State.ONLINE)
+        for signed in self.announcement.records():
+            self.service.publish(signed)
+
+    async def track_cache(self) -> None:
+        """Free cache changes with sessions: republish early when it moved by more than 10%."""
+        a = self.announcement
+        while True:
+            await asyncio.sleep(self.config.gossip.period)
+            server = self.gate.server
+            if server is None or a.state is not State.ONLINE:
+                continue
+            free = server.budget.free_tokens
+            if abs(free - a.cache_tokens_free) > 0.1 * server.budget.capacity_tokens:
+                a.cache_tokens_free = free
+                self.publish()
+
+    async def leave(self) -> None:
+        """Publish the offline record to every peer at once (before draining)."""
+        self.leaving = True
+        if self.announced:
+            await self.service.announce_to_all(self.announcement.set_state(State.OFFLINE))
+
+
+def _describe(balance: Balance) -> str:
+    if balance.uncovered:
+        return f"{balance.uncovered} uncovered blocks"
+    return f"bottleneck {balance.bottleneck:.3g} tokens/s"
 
 
 async def serve(
@@ -125,74 +302,109 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signum, stop.set)
     swarm_id = swarm_id_of(config)
+    if config.blocks is None and swarm_id is None:
+        raise ValueError("--blocks START:END is required outside a swarm (--new-swarm or --join TICKET)")
     gate = _LoadingGate()
     handlers = {BLOCKS: gate.handle}
-    service: SwarmService | None = None
+    presence: _Presence | None = None
     if swarm_id:
-        handlers[SWARM] = lambda stream, peer: service.handle(stream, peer)
+        handlers[SWARM] = lambda stream, peer: presence.service.handle(stream, peer)
     node = await Node.start(config.transport, handlers, secret_key=key)
     tasks: list[asyncio.Task] = []
-    announcement = None
-    try:
-        if swarm_id:
-            model_dir = resolve_model(config.model, blocks=config.blocks)
-            announcement = Announcement(
-                node, key, swarm_id, model_name(config.model), *config.blocks, fingerprints=[],
-                throughput=config.throughput, gossip=config.gossip,
-            )  # fmt: skip
-            table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
-            service = SwarmService(node, table, config.gossip, list(config.join), announcement.records)
-            announcement.service = service
-            await service.join()
-            service.start()
+    metrics = None  # the Prometheus exporter (--metrics-port)
 
-        def announce_joining(fingerprints: list[str]) -> None:  # on the loop, from the loading thread
-            if announcement is not None:
-                announcement.fingerprints = fingerprints
-                service.publish(announcement.server_record(time.time()))  # state: joining
+    async def load(span: Span) -> BlockServer:
+        def fingerprints_known(fingerprints: list[str]) -> None:  # from the compute thread
+            if presence is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
+                    loop.call_soon_threadsafe(presence.announce_span, span, fingerprints, State.JOINING)
 
-        def fingerprints_known(fingerprints: list[str]) -> None:
-            loop.call_soon_threadsafe(announce_joining, fingerprints)
-
-        load = functools.partial(load_block_server, config, fingerprints_known, compute)
-        gate.server = server = await loop.run_in_executor(compute, load)
+        server = await loop.run_in_executor(compute, load_block_server, config, span, fingerprints_known, compute)
         server.attach(node)
         server.reply_delay = config.test_reply_delay
-        if announcement is not None:
-            announcement.fingerprints = server.info.fingerprints
-            announcement.model_fingerprints = await loop.run_in_executor(compute, model_fingerprints, model_dir)
-            announcement.cache_tokens_free = server.budget.free_tokens
-            announcement.state = State.ONLINE
-            service.publish(announcement.server_record(time.time()))
-            for signed in announcement.records():
-                service.publish(signed)
-            tasks.append(asyncio.create_task(keep_measuring(announcement, config.gossip.refresh)))
-            tasks.append(asyncio.create_task(_track_cache(announcement, server, config.gossip.period)))
+        return server
+
+    try:
+        if config.metrics_port is not None:
+            from shoal.server.metrics import start_metrics
+
+            metrics = start_metrics(
+                config.metrics_host,
+                config.metrics_port,
+                lambda: gate.server,
+                node,
+                lambda: presence.service.table if presence is not None else None,
+            )
+        span = config.blocks
+        if swarm_id:
+            presence = _Presence(config, node, key, swarm_id, gate, compute)
+            await presence.service.join()
+            presence.service.start()
+            await presence.measure()
+            if span is None:
+                span = await presence.choose()
+                fingerprints = presence.known_fingerprints(span)
+                if fingerprints is not None:
+                    presence.announce_span(span, fingerprints, State.JOINING)
+        gate.server = await load(span)
+        if presence is not None:
+            presence.announcement.model_fingerprints = await loop.run_in_executor(
+                compute, model_fingerprints, presence.model_dir
+            )
+            presence.announce_online()
+            tasks.append(asyncio.create_task(keep_measuring(presence.announcement, config.gossip.refresh)))
+            tasks.append(asyncio.create_task(presence.track_cache()))
+            if config.placed_automatically and config.rebalance:
+                tasks.append(asyncio.create_task(presence.keep_balanced(load)))
         ticket = node.ticket(swarm_id)
         if config.ticket_file:
             config.ticket_file.write_text(f"{ticket}\n")
         if on_ready:
             on_ready(ticket)
-        await stop.wait()
+        await _until(stop, tasks)
         log.info("shutting down")
     finally:
-        for task in tasks:
-            task.cancel()
-        if service is not None and announcement is not None:
-            await service.stop()
-            if announcement.fingerprints:  # announced at all (see Announcement.records)
-                await service.announce_to_all(announcement.set_state(State.OFFLINE))
-        await node.close()
-        if gate.server is not None:
-            gate.server.backend.shutdown()
-        compute.shutdown(wait=False, cancel_futures=True)
+        await _shut_down(config, node, gate, presence, tasks, compute)
+        if metrics is not None:
+            metrics.close()
 
 
-async def _track_cache(announcement: Announcement, server: BlockServer, period: float) -> None:
-    """Free cache changes with sessions: republish early when it moved by more than 10%."""
-    while True:
-        await asyncio.sleep(period)
-        free = server.budget.free_tokens
-        if abs(free - announcement.cache_tokens_free) > 0.1 * server.budget.capacity_tokens:
-            announcement.cache_tokens_free = free
-            announcement.service.publish(announcement.server_record(time.time()))
+async def _until(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    """Wait for ``stop``; a background task that fails (e.g. a move that could not load) ends the
+    server with its error."""
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            if stopped in done:
+                return
+            for task in done:
+                tasks.remove(task)
+                task.result()  # raises its error; a task that simply ended is dropped
+    finally:
+        stopped.cancel()
+
+
+async def _shut_down(
+    config: ServerConfig,
+    node: Node,
+    gate: _LoadingGate,
+    presence: _Presence | None,
+    tasks: list[asyncio.Task],
+    compute: ThreadPoolExecutor,
+) -> None:
+    """Offline first (every peer hears it at once), then drain open sessions, then close."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if presence is not None:
+        await presence.leave()
+    server = gate.server
+    if server is not None:
+        await server.drain(config.drain_timeout)
+    if presence is not None:
+        await presence.service.stop()
+    await node.close()
+    if server is not None:
+        server.backend.shutdown()
+    compute.shutdown(wait=False, cancel_futures=True)

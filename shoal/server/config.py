@@ -41,7 +41,7 @@ def parse_blocks(text: str) -> tuple[int, int]:
 @dataclass(frozen=True)
 class ServerConfig:
     model: str  # local Hugging Face directory, known model name or Hub id
-    blocks: tuple[int, int]  # half-open [start, end)
+    blocks: tuple[int, int] | None = None  # half-open [start, end); None: placed automatically (needs a swarm)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     cache_tokens: int = 8192  # KV cache budget per hosted block, in tokens (all sessions together)
@@ -53,6 +53,32 @@ class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     new_swarm: bool = False  # create a swarm (its id goes into this server's ticket)
     join: tuple[Ticket, ...] = ()  # tickets of peers of the swarm to join
-    throughput: float = 1.0  # what the server's record claims, until measurement exists
+    throughput: float | None = None  # tokens/s per block to announce; None: measure (see shoal.server.throughput)
+    num_blocks: int | None = None  # blocks to host when placed automatically; None: as many as memory allows
+    rebalance: bool = True  # placed automatically: re-check the swarm's balance and move when it clearly helps
+    balance_period: float = 120.0  # seconds between re-checks (randomised +-20% per check)
+    balance_margin: float = 1.2  # move only if the swarm's bottleneck rises by this factor (or a hole closes)
+    drain_timeout: float = 5.0  # seconds open sessions get to move away when the server leaves or moves
     gossip: GossipConfig = field(default_factory=GossipConfig)
+    metrics_port: int | None = None  # serve Prometheus metrics on this TCP port (0: any free one; None: off)
+    metrics_host: str = "127.0.0.1"
     test_reply_delay: float = 0.0  # seconds before every reply: makes a slow server for routing tests
+
+    def __post_init__(self):
+        if self.blocks is None and not (self.new_swarm or self.join):
+            raise ValueError(
+                "--blocks START:END is required outside a swarm; to let the server choose its blocks, "
+                "start it in a swarm (--new-swarm, or --join TICKET)"
+            )
+        if self.blocks is not None and self.num_blocks is not None:
+            raise ValueError("--blocks and --num-blocks exclude each other (--num-blocks: placed automatically)")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"--num-blocks must be at least 1, got {self.num_blocks}")
+        if self.throughput is not None and not 0 <= self.throughput < 1e12:
+            raise ValueError(f"--throughput must be a non-negative number, got {self.throughput}")
+        if not self.balance_period > 0:
+            raise ValueError(f"--balance-period must be positive, got {self.balance_period}")
+
+    @property
+    def placed_automatically(self) -> bool:
+        return self.blocks is None
