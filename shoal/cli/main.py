@@ -42,24 +42,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.server.app import serve
     from shoal.server.config import ServerConfig, parse_blocks, parse_dtype
 
-    config = ServerConfig(
-        model=args.model,
-        blocks=parse_blocks(args.blocks),
-        dtype=parse_dtype(args.dtype),
-        device=args.device,
-        cache_tokens=args.cache_tokens,
-        max_sessions_per_peer=args.max_sessions_per_peer,
-        session_idle_timeout=args.session_timeout,
-        identity_file=Path(args.identity) if args.identity else None,
-        ticket_file=Path(args.ticket_file) if args.ticket_file else None,
-        num_threads=args.num_threads,
-        transport=_transport(args),
-        new_swarm=args.new_swarm,
-        join=tuple(Ticket.parse(t) for t in args.join),
-        throughput=args.throughput,
-        gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
-        test_reply_delay=args.test_reply_delay_ms / 1e3,
-    )
+    try:
+        config = ServerConfig(
+            model=args.model,
+            blocks=parse_blocks(args.blocks) if args.blocks else None,
+            dtype=parse_dtype(args.dtype),
+            device=args.device,
+            cache_tokens=args.cache_tokens,
+            max_sessions_per_peer=args.max_sessions_per_peer,
+            session_idle_timeout=args.session_timeout,
+            identity_file=Path(args.identity) if args.identity else None,
+            ticket_file=Path(args.ticket_file) if args.ticket_file else None,
+            num_threads=args.num_threads,
+            transport=_transport(args),
+            new_swarm=args.new_swarm,
+            join=tuple(Ticket.parse(t) for t in args.join),
+            throughput=args.throughput,
+            num_blocks=args.num_blocks,
+            rebalance=not args.no_rebalance,
+            balance_period=args.balance_period,
+            drain_timeout=args.drain_timeout,
+            gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
+            test_reply_delay=args.test_reply_delay_ms / 1e3,
+        )
+    except ValueError as exc:
+        print(f"shoal serve: error: {exc}", file=sys.stderr)
+        return 2
     run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
     return 0
 
@@ -94,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="host a span of a model's blocks")
     serve.add_argument("model", help="local Hugging Face directory, known model name (smollm2) or Hub id")
-    serve.add_argument("--blocks", required=True, help="START:END, half-open (e.g. 0:10)")
+    serve.add_argument("--blocks", help="START:END, half-open (e.g. 0:10); omit it to be placed automatically")
+    serve.add_argument("--num-blocks", type=int, help="blocks to host when placed automatically (default: what fits)")
     serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     serve.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     serve.add_argument("--cache-tokens", type=int, default=8192, help="KV cache budget per block, in tokens")
@@ -107,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     swarm = serve.add_argument_group("swarm")
     swarm.add_argument("--new-swarm", action="store_true", help="create a swarm; the printed ticket joins it")
     swarm.add_argument("--join", action="append", default=[], metavar="TICKET", help="join the swarm of this peer")
-    swarm.add_argument("--throughput", type=float, default=1.0, help="throughput to announce (requests/s)")
+    swarm.add_argument("--throughput", type=float, help="tokens/s per block to announce (default: measure, cached)")
+    swarm.add_argument("--balance-period", type=float, default=120.0, help="seconds between placement re-checks")
+    swarm.add_argument("--no-rebalance", action="store_true", help="placed automatically: never move")
+    swarm.add_argument("--drain-timeout", type=float, default=5.0, help="seconds sessions get to move on at exit")
     swarm.add_argument("--gossip-period", type=float, default=5.0, help="seconds between gossip rounds")
     swarm.add_argument("--refresh-period", type=float, default=60.0, help="seconds between record refreshes")
     swarm.add_argument("--expiry", type=float, default=180.0, help="seconds a record stays valid")
