@@ -15,6 +15,7 @@ transformers' own loop. Two hooks connect it to remote sessions:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -137,12 +138,28 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.head = head
         self.blocks = blocks
         self.wire_dtype = wire_dtype
-        self._active: SessionCache | None = None
-        self._opened: list[SessionCache] | None = None
+        self._per_thread = threading.local()  # the active session and generate's own: one set per thread
         self.post_init()
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """The head's tensors come from the checkpoint: nothing to initialise."""
+
+    # Per thread, so that threads sharing the model (e.g. a gateway) each generate in their own session.
+    @property
+    def _active(self) -> SessionCache | None:
+        return getattr(self._per_thread, "active", None)
+
+    @_active.setter
+    def _active(self, cache: SessionCache | None) -> None:
+        self._per_thread.active = cache
+
+    @property
+    def _opened(self) -> list[SessionCache] | None:
+        return getattr(self._per_thread, "opened", None)
+
+    @_opened.setter
+    def _opened(self, caches: list[SessionCache] | None) -> None:
+        self._per_thread.opened = caches
 
     @property
     def active_session(self) -> SessionCache | None:
