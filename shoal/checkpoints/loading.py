@@ -43,8 +43,19 @@ def select(names: Iterable[str], wanted: Wanted) -> list[str]:
     return [n for n in names if wanted(n)] if callable(wanted) else list(dict.fromkeys(wanted))
 
 
-def load_tensors(model_dir: str | Path, wanted: Wanted, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Load the ``wanted`` tensors (names, or a predicate on names) as stored, opening only their shards."""
+def progress_bar(progress: bool | None, **kwargs):
+    """A tqdm bar on stderr, shown only on a terminal, never with ``progress=False``, and only once
+    the work has taken half a second (quick loads print nothing)."""
+    from tqdm import tqdm
+
+    return tqdm(disable=True if progress is False else None, delay=0.5, leave=False, **kwargs)
+
+
+def load_tensors(
+    model_dir: str | Path, wanted: Wanted, device: str = "cpu", progress: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """Load the ``wanted`` tensors (names, or a predicate on names) as stored, opening only their
+    shards. ``progress``: a bar on a terminal (None: the default, shown there; False: never)."""
     model_dir = Path(model_dir)
     where = weight_map(model_dir)
     names = select(where, wanted)
@@ -59,10 +70,12 @@ def load_tensors(model_dir: str | Path, wanted: Wanted, device: str = "cpu") -> 
         detail = "; ".join(f"{shard} (holds {held[:3]}{' ...' * (len(held) > 3)})" for shard, held in absent.items())
         raise CheckpointError(f"{model_dir}: missing shard files: {detail}")
     out: dict[str, torch.Tensor] = {}
-    for shard, held in by_shard.items():
-        with safe_open(model_dir / shard, framework="pt", device=device) as f:
-            for name in held:
-                out[name] = f.get_tensor(name)
+    with progress_bar(progress, total=len(names), unit="tensor", desc="load weights") as bar:
+        for shard, held in by_shard.items():
+            with safe_open(model_dir / shard, framework="pt", device=device) as f:
+                for name in held:
+                    out[name] = f.get_tensor(name)
+                    bar.update()
     return out
 
 
@@ -149,9 +162,10 @@ def model_fingerprints(model_dir: str | Path) -> list[str] | None:
         except (OSError, ValueError, KeyError):
             pass
     prints = []
-    for i in range(family.num_blocks(config)):
+    for i in progress_bar(None, iterable=range(family.num_blocks(config)), unit="block", desc="fingerprint"):
         prefix = family.block_tensor_prefix(config, i)
-        prints.append(block_fingerprint(load_tensors(model_dir, lambda n, p=prefix: n.startswith(p)), prefix))
+        block = load_tensors(model_dir, lambda n, p=prefix: n.startswith(p), progress=False)
+        prints.append(block_fingerprint(block, prefix))
     try:
         cache.write_text(json.dumps({"stamp": stamp, "fingerprints": prints}))
     except OSError:
