@@ -63,6 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             balance_period=args.balance_period,
             drain_timeout=args.drain_timeout,
             gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
             test_reply_delay=args.test_reply_delay_ms / 1e3,
         )
     except ValueError as exc:
@@ -112,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--identity", help="key file for a stable peer id (created if missing, mode 0600)")
     serve.add_argument("--ticket-file", help="also write the ticket to this file")
     serve.add_argument("--num-threads", type=int, help="torch threads for compute")
+    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this TCP port (0: any free one)")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     serve.add_argument("--test-reply-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow server
     swarm = serve.add_argument_group("swarm")
     swarm.add_argument("--new-swarm", action="store_true", help="create a swarm; the printed ticket joins it")
@@ -144,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--servers", type=int, default=3)
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(func=cmd_demo)
+
+    from shoal.gateway.cli import add_commands  # api, dashboard, chat
+
+    add_commands(sub)
     return parser
 
 

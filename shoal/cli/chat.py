@@ -1,0 +1,87 @@
+"""``shoal chat MODEL --join TICKET``: a terminal chat over a swarm.
+
+The whole conversation runs in ONE inference session: each turn renders the chat template over the
+history and generates from it; the servers already hold every earlier token, so a turn sends only
+what is new (the client rolls back to the common prefix where re-tokenising the last answer
+differs). Tokens are printed as they arrive. Turns are read line by line from stdin, a terminal or a
+pipe; ``/exit`` or end of input ends the chat.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from shoal.transport import Ticket, TransportConfig
+
+__all__ = ["ChatOptions", "run_chat"]
+
+EXIT = ("/exit", "/quit")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    model: str
+    join: tuple[Ticket, ...]
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    system: str | None = None  # a system message opening the conversation
+    max_new_tokens: int = 256  # per answer
+    max_length: int | None = None  # session positions (the whole conversation); None: min(context, 2048)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    num_threads: int | None = None
+
+
+def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+    import torch
+
+    from shoal.checkpoints import model_name
+    from shoal.client import AutoDistributedModelForCausalLM
+    from shoal.gateway.engine import Engine, GatewayError, Sampling
+
+    if options.num_threads:
+        torch.set_num_threads(options.num_threads)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        options.model, initial_peers=list(options.join), transport=options.transport
+    )
+    try:
+        engine = Engine(model, model_name(options.model))
+        length = options.max_length or min(engine.context_length, 2048)
+        interactive = stdin.isatty()
+        messages = [{"role": "system", "content": options.system}] if options.system else []
+        if interactive:
+            print(f"chatting with {engine.model_id}; /exit or Ctrl-D ends", file=sys.stderr)
+        with model.inference_session(max_length=length):
+            while True:
+                if interactive:
+                    print("you: ", end="", file=sys.stderr, flush=True)
+                line = stdin.readline()
+                if not line or line.strip() in EXIT:
+                    break
+                if not line.strip():
+                    continue
+                messages.append({"role": "user", "content": line.rstrip("\n")})
+                try:
+                    prompt = engine.chat_prompt(messages)
+                except GatewayError as exc:
+                    print(f"shoal chat: {exc.message}", file=sys.stderr)
+                    return 1
+                room = length - len(prompt)
+                if room < 1:
+                    print(f"shoal chat: the conversation fills the session's {length} positions", file=sys.stderr)
+                    break
+                sampling = Sampling(min(options.max_new_tokens, room), options.temperature, options.top_p, options.seed)
+                print("assistant: ", end="", file=stdout, flush=True)
+                done = engine.complete(prompt, sampling, on_text=lambda text: _write(stdout, text))
+                print(file=stdout, flush=True)
+                messages.append({"role": "assistant", "content": done.text})
+    finally:
+        model.blocks.close()
+    return 0
+
+
+def _write(out: TextIO, text: str) -> None:
+    out.write(text)
+    out.flush()

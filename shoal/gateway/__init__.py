@@ -1,0 +1,5 @@
+"""OpenAI-compatible HTTP gateway over a swarm and the live swarm dashboard (``shoal api``,
+``shoal dashboard``): :mod:`~shoal.gateway.engine` generates, :mod:`~shoal.gateway.app` serves HTTP,
+:mod:`~shoal.gateway.swarm` watches swarm tables, :mod:`~shoal.gateway.serve` runs it all.
+
+Import-light on purpose (the CLI imports :mod:`shoal.gateway.cli` for every command)."""

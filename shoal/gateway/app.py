@@ -1,0 +1,291 @@
+"""The HTTP side: OpenAI-compatible routes, server-sent events, the dashboard.
+
+    GET  /v1/models                 the one model this gateway serves
+    POST /v1/chat/completions       chat template, ``stream: true`` as SSE chunks ending in [DONE]
+    POST /v1/completions            plain prompt continuation
+    GET  /dashboard                 live swarm page (HTML + a little JS, polls /api/swarm)
+    GET  /api/swarm[?ticket=T]      the swarm's status as JSON (any swarm, with ``ticket``)
+
+Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``. Generation
+runs in a thread pool (one ``generate`` and one server-side session per request); a streaming client
+that disconnects sets its request's cancel flag, which stops ``generate`` at the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from importlib.resources import files
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shoal.errors import BusyError, ShoalError
+from shoal.gateway.engine import Completion, Engine, GatewayError
+from shoal.gateway.schemas import ChatRequest, CompletionRequest, parse
+from shoal.gateway.swarm import Watchers
+
+log = logging.getLogger(__name__)
+
+__all__ = ["build_app"]
+
+
+def _error_response(error: GatewayError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _translate(exc: BaseException) -> GatewayError:
+    """What a failed generation means to the API client."""
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, BusyError):
+        return GatewayError(
+            503, f"the swarm has no room for this request now: {exc}", "server_error", code="swarm_busy"
+        )
+    if isinstance(exc, ShoalError):
+        return GatewayError(
+            503, f"the swarm cannot serve this request: {exc}", "server_error", code="swarm_unavailable"
+        )
+    if isinstance(exc, ValueError):
+        return GatewayError(400, str(exc))
+    log.exception("generation failed", exc_info=exc)
+    return GatewayError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _usage(done: Completion) -> dict:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
+
+
+class Gateway:
+    def __init__(self, engine: Engine | None, watchers: Watchers, api_key: str | None, max_concurrency: int):
+        self.engine = engine
+        self.watchers = watchers
+        self.api_key = api_key
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shoal-generate")
+        self.created = int(time.time())
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if not header or scheme.lower() != "bearer" or not key.strip():
+            raise GatewayError(
+                401,
+                "You didn't provide an API key. You need to provide your API key in an Authorization header "
+                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).",
+                code="missing_api_key",
+            )
+        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise GatewayError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def check_model(self, name: str) -> Engine:
+        if self.engine is None or name != self.engine.model_id:
+            raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return self.engine
+
+    def models(self) -> list[dict]:
+        if self.engine is None:
+            return []
+        return [{"id": self.engine.model_id, "object": "model", "created": self.created, "owned_by": "shoal"}]
+
+    # ---- generation ------------------------------------------------------------------------------
+    async def run(self, request: Request, prompt: list[int], body) -> Completion:
+        """A non-streamed generation; a client that went away cancels it."""
+        cancel = threading.Event()
+        loop = asyncio.get_running_loop()
+        sampling = body.sampling(self.engine.budget(prompt, body.limit, _param(body)))
+        future = loop.run_in_executor(self.pool, self.engine.complete, prompt, sampling, None, cancel)
+        try:
+            return await _watching(request, future, cancel)
+        finally:
+            cancel.set()  # also when this handler is cancelled
+
+    async def stream(self, request: Request, prompt: list[int], body, chunk, first: dict | None) -> AsyncIterator[str]:
+        """SSE events: ``chunk(delta_text, finish_reason)`` builds each payload (the first one carries
+        ``first``); ends with ``data: [DONE]``. Waits for the first text (or the failure) before
+        answering, so a request the swarm cannot serve gets its status code, not a broken stream.
+        Leaving early (client gone) cancels the generation."""
+        sampling = body.sampling(self.engine.budget(prompt, body.limit, _param(body)))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def on_text(delta: str) -> None:  # in the worker thread
+            loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+        future = loop.run_in_executor(self.pool, self.engine.complete, prompt, sampling, on_text, cancel)
+        future.add_done_callback(lambda _: queue.put_nowait(None))  # after every on_text of the run
+        try:
+            head = await _watching(request, asyncio.ensure_future(queue.get()), cancel)
+        except BaseException:
+            cancel.set()
+            raise
+        if head is None and future.exception() is not None:
+            raise _translate(future.exception())
+
+        def wrap(text: str) -> dict | str:
+            return {"content": text} if first is not None else text
+
+        async def events() -> AsyncIterator[str]:
+            delta = head
+            try:
+                if first is not None:
+                    yield _sse(chunk(first, None))
+                while delta is not None:
+                    yield _sse(chunk(wrap(delta), None))
+                    delta = await queue.get()
+                try:
+                    done = future.result()
+                except Exception as exc:  # failed mid-stream: the status line is sent already
+                    yield _sse(_translate(exc).body())
+                    return
+                yield _sse(chunk(wrap("") if first is None else {}, done.finish_reason))
+                if body.include_usage:
+                    yield _sse({**chunk(wrap("") if first is None else {}, None), "choices": [], "usage": _usage(done)})
+                yield _sse("[DONE]")
+            finally:
+                cancel.set()  # the client went away (this generator was cancelled or closed): stop generate
+
+        return events()
+
+
+async def _watching(request: Request, future: asyncio.Future, cancel: threading.Event):
+    """``future``'s result; meanwhile, a client that disconnects sets ``cancel`` (checked every 0.25 s)."""
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=0.25)
+        if done:
+            return future.result()
+        if not cancel.is_set() and await request.is_disconnected():
+            cancel.set()
+
+
+def _param(body) -> str:
+    return "messages" if isinstance(body, ChatRequest) else "prompt"
+
+
+def build_app(
+    engine: Engine | None, watchers: Watchers, api_key: str | None = None, max_concurrency: int = 16
+) -> FastAPI:
+    """The ASGI app; ``engine`` None serves only the dashboard."""
+    gateway = Gateway(engine, watchers, api_key, max_concurrency)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        gateway.pool.shutdown(wait=False, cancel_futures=True)
+        await gateway.watchers.close()
+
+    app = FastAPI(title="shoal gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = "not_found" if exc.status_code == 404 else None
+        detail = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error_response(GatewayError(exc.status_code, detail, kind, None, code))
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict:
+        gateway.authorize(request)
+        return {"object": "list", "data": gateway.models()}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str, request: Request) -> dict:
+        gateway.authorize(request)
+        gateway.check_model(name)
+        return gateway.models()[0]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        gateway.authorize(request)
+        body = parse(await request.body(), ChatRequest)
+        engine = gateway.check_model(body.model)
+        prompt = engine.chat_prompt([m.as_template_input() for m in body.messages])
+        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+
+        def chunk(delta: dict, finish_reason: str | None) -> dict:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": engine.model_id,
+                    "system_fingerprint": None, "choices": [choice]}  # fmt: skip
+
+        if body.stream:
+            events = await gateway.stream(request, prompt, body, chunk, {"role": "assistant", "content": ""})
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done = await _guarded(gateway.run(request, prompt, body))
+        message = {"role": "assistant", "content": done.text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
+        head = {"id": ident, "object": "chat.completion", "created": created, "model": engine.model_id}
+        return JSONResponse({**head, "system_fingerprint": None, "choices": [choice], "usage": _usage(done)})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gateway.authorize(request)
+        body = parse(await request.body(), CompletionRequest)
+        engine = gateway.check_model(body.model)
+        prompt = engine.text_prompt(body.prompt_input)
+        ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+
+        def chunk(text: str, finish_reason: str | None) -> dict:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"id": ident, "object": "text_completion", "created": created, "model": engine.model_id,
+                    "choices": [choice]}  # fmt: skip
+
+        if body.stream:
+            events = await gateway.stream(request, prompt, body, chunk, None)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done = await _guarded(gateway.run(request, prompt, body))
+        return JSONResponse({**chunk(done.text, done.finish_reason), "usage": _usage(done)})
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard")
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(files("shoal.gateway").joinpath("dashboard.html").read_text(encoding="utf-8"))
+
+    @app.get("/api/swarm")
+    async def swarm(ticket: str | None = None) -> JSONResponse:
+        try:
+            watcher = gateway.watchers.get(ticket)
+        except ValueError as exc:
+            raise GatewayError(400, str(exc), param="ticket") from None
+        status = await watcher.status()
+        status["gateway_model"] = engine.model_id if engine is not None else None
+        return JSONResponse(status, headers={"Cache-Control": "no-store"})
+
+    return app
+
+
+async def _guarded(coro):
+    try:
+        return await coro
+    except GatewayError:
+        raise
+    except Exception as exc:
+        raise _translate(exc) from None

@@ -1,0 +1,113 @@
+"""Subcommands ``shoal api``, ``shoal dashboard`` and ``shoal chat``: parse, build options, run.
+
+Kept import-light: torch, transformers, FastAPI and uvicorn are imported by the command, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shoal.transport import Deadlines, NetworkProfile, Ticket, TransportConfig
+
+
+def _client_network(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("swarm connection")
+    group.add_argument("--join", required=True, metavar="TICKET", help="ticket of any member of the swarm")
+    group.add_argument(
+        "--network",
+        choices=[p.value for p in NetworkProfile],
+        default="local",
+        help="local: direct addresses only (LAN, loopback); internet: iroh relays and address lookup",
+    )
+    group.add_argument("--bind", default="0.0.0.0:0", metavar="ADDR:PORT", help="UDP address of the iroh endpoint")
+    group.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach a peer")
+    group.add_argument("--request-timeout", type=float, default=60.0, help="seconds for one request or step")
+
+
+def _transport(args: argparse.Namespace) -> TransportConfig:
+    return TransportConfig(
+        profile=NetworkProfile(args.network),
+        bind_addr=args.bind,
+        deadlines=Deadlines(connect=args.connect_timeout, request=args.request_timeout),
+    )
+
+
+def _http(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    from shoal.gateway.serve import GatewayOptions, serve_gateway
+
+    options = GatewayOptions(
+        join=Ticket.parse(args.join),
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("SHOAL_API_KEY") or None,
+        transport=_transport(args),
+        max_concurrency=args.max_concurrency,
+        default_max_tokens=args.max_tokens,
+        num_threads=args.num_threads,
+    )
+    return serve_gateway(options)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from shoal.gateway.serve import GatewayOptions, serve_gateway
+
+    options = GatewayOptions(join=Ticket.parse(args.join), host=args.host, port=args.port, transport=_transport(args))
+    return serve_gateway(options)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from shoal.cli.chat import ChatOptions, run_chat
+
+    options = ChatOptions(
+        model=args.model,
+        join=(Ticket.parse(args.join),),
+        transport=_transport(args),
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        max_length=args.max_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )
+    return run_chat(options)
+
+
+def add_commands(sub) -> None:
+    """Register ``api``, ``dashboard`` and ``chat`` on the ``shoal`` subparsers ``sub``."""
+    model_help = "the model's local directory, known name (smollm2) or Hub id, as the swarm's servers name it"
+    api = sub.add_parser("api", help="OpenAI-compatible HTTP API (and dashboard) over a swarm")
+    api.add_argument("model", help=model_help)
+    _http(api)
+    api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $SHOAL_API_KEY; none)")
+    api.add_argument("--max-concurrency", type=int, default=16, help="generations running at once")
+    api.add_argument("--max-tokens", type=int, default=512, help="answer length when a request names none")
+    api.add_argument("--num-threads", type=int, help="torch threads (embeddings, LM head)")
+    _client_network(api)
+    api.set_defaults(func=cmd_api)
+
+    dashboard = sub.add_parser("dashboard", help="live web page of a swarm: models, block coverage, servers")
+    _http(dashboard)
+    _client_network(dashboard)
+    dashboard.set_defaults(func=cmd_dashboard)
+
+    chat = sub.add_parser("chat", help="chat in the terminal with a model served by a swarm (one session)")
+    chat.add_argument("model", help=model_help)
+    chat.add_argument("--system", help="system message opening the conversation")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
+    chat.add_argument(
+        "--max-length", type=int, help="positions of the whole conversation (default: min(context, 2048))"
+    )
+    chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--num-threads", type=int, help="torch threads (embeddings, LM head)")
+    _client_network(chat)
+    chat.set_defaults(func=cmd_chat)

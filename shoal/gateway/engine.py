@@ -1,0 +1,229 @@
+"""Generation behind the gateway: prompts, sampling, stop strings, streaming and cancellation.
+
+One :class:`Engine` wraps the client model created once at startup. :meth:`Engine.complete` is
+blocking and runs in a worker thread; every call is its own ``generate`` with its own server-side
+session (the model keeps per-thread state), so concurrent requests never share a cache.
+
+Text is produced by :class:`TextStream` from the generated token ids, the same way whether the
+request streams or not: a streamed answer's deltas join to exactly the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import TopPLogitsWarper
+
+__all__ = ["Completion", "Engine", "GatewayError", "Sampling", "TextStream"]
+
+DEFAULT_MAX_TOKENS = 512  # when a request names no max_tokens (and the context leaves room)
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses, in OpenAI's terms: HTTP status, error type, param, code."""
+
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code=None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    finish_reason: str  # "stop" (eos or a stop string), "length", or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class TextStream:
+    """Generated ids -> text deltas, ending at the first stop string (which is not part of the text).
+
+    Holds back what may still change: a trailing incomplete character (decoded as U+FFFD) and a
+    suffix that could be the start of a stop string. :meth:`final` is the whole text."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stops = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False  # a stop string appeared
+
+    def _text(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return text[:cut]
+        return text
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Take the newly generated ``ids``; return the text that became certain."""
+        if self.stopped:
+            return ""
+        self.ids.extend(ids)
+        text = self._text()
+        if not self.stopped:
+            text = text.rstrip("\ufffd")
+            hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+            text = text[: len(text) - hold]
+        return self._advance(text)
+
+    def final(self) -> str:
+        return self._text()
+
+    def finish(self) -> str:
+        """The rest of the text (what was held back)."""
+        return self._advance(self.final())
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.sent):
+            return ""  # decoding changed text already sent (rare with byte-level BPE): wait for more
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
+class _Watch(StoppingCriteria):
+    """Feeds each new token to the text stream and stops on a stop string or a cancel request."""
+
+    def __init__(self, stream: TextStream, prompt_length: int, on_text, cancel: threading.Event):
+        self.stream, self.prompt_length, self.on_text, self.cancel = stream, prompt_length, on_text, cancel
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new = input_ids[0, self.prompt_length + len(self.stream.ids) :].tolist()
+        delta = self.stream.push(new)
+        if delta and self.on_text is not None:
+            self.on_text(delta)
+        done = self.stream.stopped or self.cancel.is_set()
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+class _SeededSample(LogitsProcessor):
+    """Samples the next token with its own generator (a seed reproduces the answer whatever else
+    runs concurrently) and leaves only that token possible, so ``generate`` runs greedy over it."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int | None):
+        self.temperature = temperature
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        probs = torch.softmax(scores, dim=-1)
+        token = torch.multinomial(probs.cpu(), 1, generator=self.generator).to(scores.device)
+        return torch.full_like(scores, -float("inf")).scatter_(1, token, 0.0)
+
+
+class Engine:
+    """The gateway's model: ``model_id`` is the name clients use, ``model`` the client model."""
+
+    def __init__(self, model, model_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS):
+        self.model = model
+        self.model_id = model_id
+        self.tokenizer = model.tokenizer
+        if self.tokenizer is None:
+            raise ValueError(f"model {model_id} has no tokenizer files: the gateway needs one")
+        self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+        self.default_max_tokens = default_max_tokens
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template, ready for the answer."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise GatewayError(400, f"model {self.model_id} has no chat template: use /v1/completions", param="model")
+        try:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        except Exception as exc:  # the template rejected the conversation (e.g. roles out of order)
+            raise GatewayError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        return list(encoded["input_ids"])
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise GatewayError(400, f"token ids must lie in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def budget(self, prompt: Sequence[int], max_tokens: int | None, param: str) -> int:
+        """``max_tokens`` checked against the context (OpenAI's error when it does not fit)."""
+        room = self.context_length - len(prompt)
+        if max_tokens is None and room > 0:
+            return min(self.default_max_tokens, room)
+        asked = len(prompt) + (max_tokens or 0)
+        if room <= 0 or asked > self.context_length:
+            raise GatewayError(
+                400,
+                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
+                f"{asked} tokens ({len(prompt)} in the {param}, {max_tokens or 0} in the completion). "
+                f"Please reduce the length of the {param} or completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    # ---- generation ----------------------------------------------------------------------------
+    def complete(
+        self,
+        prompt: Sequence[int],
+        sampling: Sampling,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Completion:
+        """Generate (blocking); ``on_text`` hears each text delta; setting ``cancel`` stops at the
+        next token (and ``generate`` closes the servers' session)."""
+        cancel = cancel or threading.Event()
+        stream = TextStream(self.tokenizer, sampling.stop)
+        config = copy.deepcopy(self.model.generation_config)
+        config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+        config.max_new_tokens, config.max_length = sampling.max_tokens, None
+        processors = LogitsProcessorList()
+        if sampling.temperature > 0:
+            processors.append(_SeededSample(sampling.temperature, sampling.top_p, sampling.seed))
+        watch = _Watch(stream, len(prompt), on_text, cancel)
+        input_ids = torch.tensor([list(prompt)], dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList([watch]),
+            )
+        generated = out[0, len(prompt) :].tolist()
+        rest = stream.push(generated[len(stream.ids) :]) + stream.finish()
+        if rest and on_text is not None:
+            on_text(rest)
+        if stream.stopped or (generated and generated[-1] in self.eos_ids):
+            reason = "stop"
+        elif cancel.is_set() and len(generated) < sampling.max_tokens:
+            reason = "cancelled"
+        else:
+            reason = "length"
+        return Completion(stream.final(), reason, len(prompt), len(generated))

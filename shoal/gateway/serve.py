@@ -1,0 +1,82 @@
+"""``shoal api`` and ``shoal dashboard``: build the app once, bind, serve with uvicorn until stopped.
+
+The client model is created once at startup (its routing and sessions live on the client's loop
+thread); uvicorn runs the HTTP side on its own loop in the main thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from shoal.transport import Ticket, TransportConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GatewayOptions", "serve_gateway"]
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    join: Ticket  # any swarm member's ticket
+    model: str | None = None  # None: serve only the dashboard
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the printed URL names it)
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 when set
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    max_concurrency: int = 16  # generations running at once (each holds one server-side session)
+    default_max_tokens: int = 512
+    num_threads: int | None = None  # torch threads (embeddings, LM head, sampling)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_gateway(options: GatewayOptions) -> int:
+    import uvicorn
+
+    from shoal.gateway.app import build_app
+    from shoal.gateway.swarm import Watchers
+
+    model, engine = None, None
+    if options.model is not None:
+        import torch
+
+        from shoal.checkpoints import model_name
+        from shoal.client import AutoDistributedModelForCausalLM
+        from shoal.gateway.engine import Engine
+
+        if options.num_threads:
+            torch.set_num_threads(options.num_threads)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            options.model, initial_peers=[options.join], transport=options.transport
+        )
+        engine = Engine(model, model_name(options.model), options.default_max_tokens)
+    try:
+        app = build_app(engine, Watchers(options.transport, options.join), options.api_key, options.max_concurrency)
+        sock = _bind(options.host, options.port)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        if engine is not None:
+            print(f"model: {engine.model_id}", flush=True)
+            print(f"api: {url}/v1", flush=True)
+        print(f"dashboard: {url}/dashboard", flush=True)
+        print(f"gateway: {url}", flush=True)  # last: the gateway is ready (the socket is listening)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        if model is not None:
+            try:
+                model.blocks.close()
+            except Exception as exc:  # closing at exit: nothing left to do about it
+                print(f"shoal: closing the client failed: {exc}", file=sys.stderr)
+    return 0

@@ -1,0 +1,52 @@
+"""Shared, session-scoped pieces of the gateway tests: the tiny chat model, one 3-server swarm with
+metrics, and one gateway (``shoal api``) over it. The browser test starts its own swarm (it stops a
+server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.gateway.support import MetricsSwarm, build_chat_model, gateway
+
+API_KEY = "test-key-4b1d"
+MODEL_ID = "tinychat"  # the model directory's name: what the swarm and the gateway call it
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir() -> Path:
+    from shoal.checkpoints import fetch_model, is_fetched, model_cache_dir
+
+    if not is_fetched("smollm2"):
+        pytest.fail(
+            f"SmolLM2 is not fetched (expected at {model_cache_dir('smollm2')}): run `shoal models fetch smollm2` "
+            "once (it needs the network), then rerun the tests",
+            pytrace=False,
+        )
+    return fetch_model("smollm2", progress=False)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory, smollm2_tokenizer_dir):
+    """(model_dir, reference transformers model, tokenizer)."""
+    model_dir = tmp_path_factory.mktemp("models") / MODEL_ID
+    reference = build_chat_model(model_dir, smollm2_tokenizer_dir)
+    return model_dir, reference, AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="session")
+def swarm(chat_model):
+    swarm = MetricsSwarm(chat_model[0]).start()
+    try:
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@pytest.fixture(scope="session")
+def api(chat_model, swarm):
+    """The running gateway (``.url``), requiring :data:`API_KEY`."""
+    with gateway(chat_model[0], swarm.ticket, "--api-key", API_KEY) as process:
+        yield process
