@@ -1,6 +1,6 @@
-"""Shared, session-scoped pieces of the gateway tests: the tiny chat model, one 3-server swarm with
-metrics, and one gateway (``shoal api``) over it. The browser test starts its own swarm (it stops a
-server)."""
+"""Shared pieces of the gateway tests: the tiny chat model, one 3-server swarm with metrics, and one
+gateway (``shoal api``) over it. Package-scoped: they stop when the last test of tests/gateway ends,
+not at the end of the whole run. The browser test starts its own swarm (it stops a server)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ API_KEY = "test-key-4b1d"
 MODEL_ID = "tinychat"  # the model directory's name: what the swarm and the gateway call it
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def smollm2_tokenizer_dir() -> Path:
     from shoal.checkpoints import fetch_model, is_fetched, model_cache_dir
 
@@ -28,7 +28,7 @@ def smollm2_tokenizer_dir() -> Path:
     return fetch_model("smollm2", progress=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chat_model(tmp_path_factory, smollm2_tokenizer_dir):
     """(model_dir, reference transformers model, tokenizer)."""
     model_dir = tmp_path_factory.mktemp("models") / MODEL_ID
@@ -36,7 +36,7 @@ def chat_model(tmp_path_factory, smollm2_tokenizer_dir):
     return model_dir, reference, AutoTokenizer.from_pretrained(str(model_dir))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def swarm(chat_model):
     swarm = MetricsSwarm(chat_model[0]).start()
     try:
@@ -45,7 +45,7 @@ def swarm(chat_model):
         swarm.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def api(chat_model, swarm):
     """The running gateway (``.url``), requiring :data:`API_KEY`."""
     with gateway(chat_model[0], swarm.ticket, "--api-key", API_KEY) as process:
