@@ -32,13 +32,15 @@ class AutoDistributedModelForCausalLM:
         revision: str | None = None,
         push: bool = True,
         refresh_period: float = 30.0,
+        routing_seed: int | None = None,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
         ``initial_peers``: tickets of servers; their spans must chain over every block (or one
         ticket of a swarm member). ``push``: servers hand a step's output straight to the next
         server (else the client drives every hop). ``refresh_period``: seconds between background
-        refreshes of the server list and measured latencies."""
+        refreshes of the server list and measured latencies. ``routing_seed``: seeds the random
+        choices of routes (stateless forward spreads load by drawing servers)."""
         model_dir = resolve_model(model, client=True, revision=revision)
         config = load_config(model_dir)
         family = get_family(config)
@@ -53,6 +55,7 @@ class AutoDistributedModelForCausalLM:
             model=model_name(model),
             push=push,
             refresh_period=refresh_period,
+            seed=routing_seed,
         )
         distributed = DistributedModelForCausalLM(config, head, blocks)
         if (Path(model_dir) / "generation_config.json").is_file():

@@ -44,6 +44,7 @@ MAX_RECOVERIES = 8  # per step (and per session open)
 MIN_DEADLINE = 0.25  # seconds before a late reply makes the client check that the server lives
 DEADLINE_FACTOR = 4.0  # ... or this many times the expected reply time, if longer
 REPLAY_MS = 50.0  # routing price of a server that would need a replay (prefer those holding state)
+RECOVERY_CONNECT_TIMEOUT = 1.5  # dialling a replacement: a dead candidate must not stall recovery long
 
 
 def _inputs(hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> list[Tensor]:
@@ -286,8 +287,8 @@ class RemoteSession:
                 raise _gave_up(self.directory, failed, 0, errors[0][1])
         raise AssertionError("unreachable")
 
-    async def _open_hop(self, span: ServerSpan) -> _Hop:
-        stream = await self.sequence.node.open_stream(span.ticket, BLOCKS)
+    async def _open_hop(self, span: ServerSpan, connect_timeout: float | None = None) -> _Hop:
+        stream = await self.sequence.node.open_stream(span.ticket, BLOCKS, connect_timeout)
         hop = _Hop(span, stream, ticket=str(span.ticket))
         try:
             reply = await stream.request(
@@ -389,10 +390,13 @@ class RemoteSession:
                 await hops[k].stream.send(Message("step", step_id, meta, _inputs(hidden, position_ids, mask)))
             except ShoalError as exc:
                 raise _HopFailed(k, exc, outputs) from exc
+            sent_to = k
             while True:  # replies of hop k, then of the hops it pushed to
                 started = time.perf_counter()
                 try:
-                    reply = await self._reply(hops[k], step_id, n)
+                    reply = await self._reply(hops[k], step_id, n, pushed=k > sent_to)
+                except _PushLost:
+                    break  # the server lives but the push never reached it: send it the step ourselves
                 except (ShoalError, TimeoutError) as exc:
                     raise _HopFailed(k, exc, outputs) from exc
                 peer = hops[k].span.peer_id
@@ -407,9 +411,10 @@ class RemoteSession:
                     break
         return outputs
 
-    async def _reply(self, hop: _Hop, step_id: int, n: int) -> Message:
+    async def _reply(self, hop: _Hop, step_id: int, n: int, pushed: bool = False) -> Message:
         """The reply to step ``step_id`` from ``hop``. Late: ping the server; a live one gets more
-        time (up to the request deadline), a dead one fails the hop."""
+        time (up to the request deadline), a dead one fails the hop. A live server late with a
+        ``pushed`` step may never have received it: :class:`_PushLost` (the caller resends)."""
         estimate = self.directory.latency.step_estimate_ms(hop.span) / 1e3
         deadline = max(MIN_DEADLINE, DEADLINE_FACTOR * estimate) * max(1.0, n / 8)
         give_up = time.monotonic() + self.sequence.node.config.deadlines.request
@@ -422,6 +427,8 @@ class RemoteSession:
                     raise TimeoutError(f"no reply from {hop.span.peer_id[:10]} within the request deadline")
                 if not await self.directory.alive(hop.span):
                     raise ClosedError(f"server {hop.span.peer_id[:10]} stopped answering")
+                if pushed:
+                    raise _PushLost()
                 continue
             task, hop.pending = hop.pending, None
             message = task.result()  # raises ClosedError, WireError ...
@@ -501,7 +508,7 @@ class RemoteSession:
                 hops.append(reused)
                 continue
             try:
-                hop = await self._open_hop(span)
+                hop = await self._open_hop(span, RECOVERY_CONNECT_TIMEOUT)
             except ShoalError as exc:
                 raise _RebuildFailed(span, exc) from exc
             try:
@@ -529,6 +536,10 @@ class RemoteSession:
         reply = await self._reply(hop, step_id, self._position)
         if hop.span.end not in history.hidden or not history.hidden[hop.span.end]:
             history.hidden[hop.span.end] = [reply.tensors[0]]
+
+
+class _PushLost(Exception):
+    """A pushed step's reply is late although its server answers pings."""
 
 
 class _RebuildFailed(Exception):

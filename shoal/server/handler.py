@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ class Counters:
     pushes_failed: int = 0  # the next server could not be reached (the client falls back to its own hop)
     pushes_rejected: int = 0  # unknown session or wrong token
     sessions_drained: int = 0  # still open when a drain closed them
+    step_seconds: float = 0.0  # compute time of all steps (metrics: latency = step_seconds / steps)
 
 
 @dataclass(frozen=True)
@@ -304,16 +306,17 @@ class BlockServer:
         tensors = [reply.tensors[0], *message.tensors[1:]]  # our output, the same positions and mask
         try:
             ticket = self._ticket(ticket_text)
-            lock = self._push_locks.setdefault(ticket.peer_id, asyncio.Lock())
+            # keyed by the whole ticket: a peer restarted at new addresses gets a new stream
+            lock = self._push_locks.setdefault(ticket_text, asyncio.Lock())
             async with lock:
-                stream = self._push_streams.get(ticket.peer_id)
+                stream = self._push_streams.get(ticket_text)
                 if stream is None or stream.broken:
                     stream = await self.node.open_stream(ticket, BLOCKS, timeout=2.0)
-                    self._push_streams[ticket.peer_id] = stream
+                    self._push_streams[ticket_text] = stream
                 try:
                     await stream.send(Message("push", stream.next_id(), meta, tensors))
                 except ShoalError:
-                    self._push_streams.pop(ticket.peer_id, None)
+                    self._push_streams.pop(ticket_text, None)
                     raise
         except (ShoalError, ValueError) as exc:
             self.counters.pushes_failed += 1
@@ -357,7 +360,9 @@ class BlockServer:
         hidden, position_ids, mask = self.backend.check_inputs(
             message.tensors, past_length=position, batch_size=session.batch_size, max_length=session.max_length
         )
+        started = time.perf_counter()
         out = await self.backend.run(hidden, position_ids, mask, session.cache, position)
+        self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1
         self.counters.positions_processed += hidden.shape[1]
         return Message("result", message.id, {"position": position + hidden.shape[1]}, [out])

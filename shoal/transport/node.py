@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -236,11 +237,13 @@ class Node:
         self._handlers = {p.alpn: h for p, h in handlers.items()}
         self._handlers[META.alpn] = self._serve_meta
         self._conns: dict[tuple[str, bytes], Any] = {}
+        self._conn_addrs: dict[tuple[str, bytes], tuple[str, ...]] = {}  # what each was dialled at
         self._dial_locks: dict[tuple[str, bytes], asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._accept_task: asyncio.Task | None = None
         self.id: str = str(endpoint.id())
         self.closed = False
+        self.rejected_frames: Counter[str] = Counter()  # malformed frames answered with a wire error, by reason
 
     @classmethod
     async def start(
@@ -314,6 +317,7 @@ class Node:
         except (ClosedError, RequestTimeout):
             pass
         except WireError as exc:  # framing is lost: answer once, then drop the stream
+            self.rejected_frames[exc.reason] += 1
             with contextlib.suppress(ShoalError):
                 await stream.send(error_message(0, "wire", str(exc), reason=exc.reason))
         except Exception:
@@ -339,16 +343,31 @@ class Node:
     async def connect(self, ticket: Ticket, protocol: Protocol, timeout: float | None = None) -> Any:
         """A pooled connection to ``ticket``'s peer for ``protocol`` (dialled if needed)."""
         key = (ticket.peer_id, protocol.alpn)
-        conn = self._conns.get(key)
-        if conn is not None and conn.close_reason() is None:
+        conn = self._usable(key, ticket)
+        if conn is not None:
             return conn
         async with self._dial_locks.setdefault(key, asyncio.Lock()):
-            conn = self._conns.get(key)
-            if conn is not None and conn.close_reason() is None:
+            conn = self._usable(key, ticket)
+            if conn is not None:
                 return conn
             conn = await self._dial(ticket, protocol, timeout)
             self._conns[key] = conn
+            self._conn_addrs[key] = tuple(ticket.addrs)
             return conn
+
+    def _usable(self, key: tuple[str, bytes], ticket: Ticket) -> Any:
+        """The pooled connection, unless it closed or the ticket shares no address with the one it
+        was dialled at (the peer restarted elsewhere with the same identity: the old connection
+        may not know yet that it is dead)."""
+        conn = self._conns.get(key)
+        if conn is None or conn.close_reason() is not None:
+            return None
+        if ticket.addrs and not set(ticket.addrs) & set(self._conn_addrs.get(key, ticket.addrs)):
+            self._conns.pop(key, None)
+            with contextlib.suppress(Exception):
+                conn.close(0, b"peer moved")
+            return None
+        return conn
 
     async def _dial(self, ticket: Ticket, protocol: Protocol, timeout: float | None) -> Any:
         if self.closed:
