@@ -44,7 +44,7 @@ MAX_RECOVERIES = 8  # per step (and per session open)
 MIN_DEADLINE = 0.25  # seconds before a late reply makes the client check that the server lives
 DEADLINE_FACTOR = 4.0  # ... or this many times the expected reply time, if longer
 REPLAY_MS = 50.0  # routing price of a server that would need a replay (prefer those holding state)
-RECOVERY_CONNECT_TIMEOUT = 1.5  # dialling a replacement: a dead candidate must not stall recovery long
+RECOVERY_TIMEOUT = 1.5  # opening a session on a replacement: a dead candidate must not stall recovery long
 
 
 def _inputs(hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> list[Tensor]:
@@ -287,12 +287,14 @@ class RemoteSession:
                 raise _gave_up(self.directory, failed, 0, errors[0][1])
         raise AssertionError("unreachable")
 
-    async def _open_hop(self, span: ServerSpan, connect_timeout: float | None = None) -> _Hop:
-        stream = await self.sequence.node.open_stream(span.ticket, BLOCKS, connect_timeout)
+    async def _open_hop(self, span: ServerSpan, timeout: float | None = None) -> _Hop:
+        """Open the session on ``span``'s server; ``timeout`` bounds the dial and the reply each
+        (recovery must not wait a whole request deadline on a dead replacement)."""
+        stream = await self.sequence.node.open_stream(span.ticket, BLOCKS, timeout)
         hop = _Hop(span, stream, ticket=str(span.ticket))
         try:
             reply = await stream.request(
-                Message("open", 1, {"max_length": self.max_length, "batch_size": self.batch_size})
+                Message("open", 1, {"max_length": self.max_length, "batch_size": self.batch_size}), timeout
             )
         except BaseException:
             await stream.abort()
@@ -342,6 +344,10 @@ class RemoteSession:
     async def _step(self, hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> Tensor:
         inputs: dict[int, Tensor] = {0: hidden}  # block -> this step's input there
         failed: set[str] = set()
+        while draining := [i for i, hop in enumerate(self._hops) if hop.draining]:
+            # the server said it is leaving: move its span before this step
+            peer = self._hops[draining[0]].span.peer_id
+            await self._recover(draining[0], ShoalError(f"server {peer[:10]} is draining"), failed, drain=True)
         index = 0
         while index < len(self._hops):
             try:
@@ -356,9 +362,6 @@ class RemoteSession:
                 inputs[self._hops[k].span.end] = out
             index = len(self._hops)
         self._remember(inputs, position_ids, mask, hidden.shape[1])
-        for i, hop in enumerate(self._hops):
-            if hop.draining:  # the server is leaving: move this span now, between steps
-                await self._recover(i, ShoalError(f"server {hop.span.peer_id[:10]} is draining"), failed, drain=True)
         return inputs[self.sequence.num_blocks]
 
     def _remember(self, inputs: dict[int, Tensor], position_ids: Tensor, mask: Tensor | None, n: int) -> None:
@@ -508,7 +511,7 @@ class RemoteSession:
                 hops.append(reused)
                 continue
             try:
-                hop = await self._open_hop(span, RECOVERY_CONNECT_TIMEOUT)
+                hop = await self._open_hop(span, RECOVERY_TIMEOUT)
             except ShoalError as exc:
                 raise _RebuildFailed(span, exc) from exc
             try:
