@@ -11,7 +11,8 @@
    spare for the second and the third. A client generates; at a random step (seeded) one server of
    its route is SIGKILLed (the first hop that has a spare, alternating middle and last); the time
    from the kill to the next token's logits is the recovery latency, next to the median token
-   interval of that run. The killed server is restarted (same identity) before the next kill.
+   interval of that run. The killed server is restarted (a new identity: see tests/routing/helpers.py)
+   before the next kill.
 
 Prints JSON. ``targets``: push not slower than hops beyond noise (ratio >= 0.95), recovery < 2 s.
 """
@@ -25,7 +26,6 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -105,13 +105,12 @@ def push_vs_hops(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dic
 
 def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
     spans = even_spans(load_config(path).num_hidden_layers, 3)
-    keys = Path(tempfile.mkdtemp(prefix="shoal-bench-keys-"))
     layout = {"c0": spans[0], "c1": spans[1], "c2": spans[2], "s1": spans[1], "s2": spans[2]}
     threads = args.server_threads
 
     def start(name: str, join: str | None) -> Server:
         swarm = ["--new-swarm"] if join is None else ["--join", join]
-        extra = ["--identity", str(keys / f"{name}.key"), "--throughput", "10", *SWARM_FLAGS, *swarm]
+        extra = ["--throughput", "10", *SWARM_FLAGS, *swarm]
         return Server(path, layout[name], threads=threads, extra_args=extra)
 
     servers = {"c0": start("c0", None)}

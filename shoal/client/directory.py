@@ -21,7 +21,7 @@ from shoal.routing import BanList, LatencyModel, ServerSpan, forward_cost, route
 from shoal.swarm.records import State
 from shoal.swarm.service import decode_table, fetch_table
 from shoal.swarm.table import RecordTable
-from shoal.transport import META, Node, Ticket
+from shoal.transport import Node, Ticket
 from shoal.wire import Message
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,11 @@ async def fetch_infos(node: Node, tickets: Sequence[Ticket], timeout: float) -> 
             log.warning("peer %s did not answer info: %s", ticket.peer_id[:10], exc)
             return None
         meta = reply.meta
-        return ServerSpan(ticket.peer_id, int(meta["start"]), int(meta["end"]), ticket, meta)
+        try:
+            return ServerSpan(ticket.peer_id, int(meta["start"]), int(meta["end"]), ticket, meta)
+        except (KeyError, TypeError, ValueError):
+            log.warning("peer %s answered a malformed info: %r", ticket.peer_id[:10], meta)
+            return None
 
     return [span for span in await asyncio.gather(*(one(t) for t in tickets)) if span is not None]
 
@@ -162,7 +166,7 @@ class ServerDirectory:
             await asyncio.sleep(self.refresh_period * self.rng.uniform(0.8, 1.2))
             try:
                 await self.refresh()
-            except ShoalError as exc:
+            except Exception as exc:  # keep refreshing: the next round may work
                 log.info("refreshing the server list failed: %s", exc)
 
     async def stop(self) -> None:
@@ -200,12 +204,14 @@ class ServerDirectory:
         """A route for one stateless forward, drawn so load spreads by capacity."""
         return route_with_bans(self.usable(), start, self.num_blocks, forward_cost(self.rng), self.bans, exclude)
 
-    async def alive(self, span: ServerSpan, timeout: float = PROBE_TIMEOUT) -> bool:
-        """Does the server answer a ping right now? (Compute runs off its event loop, so a busy
-        server still answers fast.)"""
-        ping = self.node.request(span.ticket, META, Message("ping", 1, {"echo": False}), timeout=timeout)
+    async def alive(self, span: ServerSpan) -> bool:
+        """Does the server answer right now? An ``info`` on the pooled blocks connection (no
+        dial for a live server; compute runs off its event loop, so a busy server answers fast),
+        allowed ``PROBE_TIMEOUT`` or 4 round trips, whichever is longer."""
+        timeout = max(PROBE_TIMEOUT, 4e-3 * self.latency.client_rtt_ms.get(span.peer_id, 0.0))
+        probe = self.node.request(span.ticket, BLOCKS, Message("info", 1), timeout=timeout)
         try:
-            await asyncio.wait_for(ping, timeout)
+            await asyncio.wait_for(probe, timeout)
         except (ShoalError, TimeoutError):
             return False
         return True

@@ -355,8 +355,7 @@ class RemoteSession:
             except _HopFailed as failure:
                 for k, out in failure.outputs:
                     inputs[self._hops[k].span.end] = out
-                await self._recover(failure.index, failure.cause, failed)
-                index = failure.index
+                index = await self._recover(failure.index, failure.cause, failed)
                 continue
             for k, out in outputs:
                 inputs[self._hops[k].span.end] = out
@@ -420,7 +419,7 @@ class RemoteSession:
         ``pushed`` step may never have received it: :class:`_PushLost` (the caller resends)."""
         estimate = self.directory.latency.step_estimate_ms(hop.span) / 1e3
         deadline = max(MIN_DEADLINE, DEADLINE_FACTOR * estimate) * max(1.0, n / 8)
-        give_up = time.monotonic() + self.sequence.node.config.deadlines.request
+        give_up = time.monotonic() + self.sequence.node.config.deadlines.request * max(1.0, n / 256)
         while True:
             if hop.pending is None:
                 hop.pending = asyncio.get_running_loop().create_task(hop.stream.recv())
@@ -443,8 +442,11 @@ class RemoteSession:
 
     # ---- recovery ------------------------------------------------------------------------------
 
-    async def _recover(self, index: int, cause: BaseException, failed: set[str], drain: bool = False) -> None:
-        """Replace hop ``index`` (and re-plan the chain from its first block); replay history."""
+    async def _recover(self, index: int, cause: BaseException, failed: set[str], drain: bool = False) -> int:
+        """Replace hop ``index``: re-plan the chain from its first block (or, when no route starts
+        there, from an earlier hop's first block), reusing hops that hold the session and
+        replaying history to new ones. A draining hop keeps serving until its replacement is
+        ready, and stays if there is none. Returns the index of the first hop replaced."""
         if isinstance(cause, BadRequest):
             raise cause  # our request was wrong: another server would refuse it too
         broken = self._hops[index]
@@ -454,27 +456,19 @@ class RemoteSession:
         if broken.pending is not None:
             broken.pending.cancel()
             broken.pending = None
-        if drain:
-            await self._close_hop(broken)
-        else:
+        if not drain:
             await broken.stream.abort()
-        start, kept = broken.span.start, self._hops[:index]
-        reusable = {hop.key: hop for hop in self._hops[index + 1 :]}
         started = time.perf_counter()
         for _attempt in range(MAX_RECOVERIES):
-            if len(failed) > MAX_RECOVERIES * 2:
-                break
             try:
-                route = self.directory.route_inference(
-                    start,
-                    cache_tokens=self.cache_tokens,
-                    push=self.sequence.push,
-                    exclude=failed,
-                    reuse=set(reusable),
-                    replay_ms=REPLAY_MS,
-                )
+                first, route = self._replan(index, failed)
             except NoRouteError as exc:
-                raise _gave_up(self.directory, failed, start, exc) from exc
+                if drain:  # nobody can take over yet: keep using the leaving server while it serves
+                    broken.draining = False
+                    log.warning("no replacement for draining server %s yet: %s", broken.span.peer_id[:10], exc)
+                    return index
+                raise _gave_up(self.directory, failed, broken.span.start, exc) from exc
+            reusable = {hop.key: hop for i, hop in enumerate(self._hops) if i >= first and i != index}
             try:
                 suffix, replayed = await self._rebuild(route, reusable)
             except _RebuildFailed as rebuild:
@@ -484,10 +478,12 @@ class RemoteSession:
                 if isinstance(rebuild.cause, BadRequest):
                     raise rebuild.cause from None
                 continue
-            for hop in reusable.values():
-                if hop not in suffix:
+            for hop in self._hops[first:]:
+                if hop not in suffix and hop is not broken:
                     await self._close_hop(hop)
-            self._hops = kept + suffix
+            if drain:
+                await self._close_hop(broken)
+            self._hops = self._hops[:first] + suffix
             self.sequence.chain = self.chain
             self.recoveries.append(
                 {
@@ -499,29 +495,57 @@ class RemoteSession:
                     "drain": drain,
                 }
             )
-            return
-        raise _gave_up(self.directory, failed, start, cause)
+            return first
+        raise _gave_up(self.directory, failed, broken.span.start, cause)
+
+    def _replan(self, index: int, failed: set[str]) -> tuple[int, list[ServerSpan]]:
+        """(first hop replaced, new route from that hop's first block): from the failed hop if a
+        route starts there, else from the nearest earlier hop where one does."""
+        reuse = {hop.key for i, hop in enumerate(self._hops) if i != index}
+        error: NoRouteError | None = None
+        for first in range(index, -1, -1):
+            try:
+                route = self.directory.route_inference(
+                    self._hops[first].span.start,
+                    cache_tokens=self.cache_tokens,
+                    push=self.sequence.push,
+                    exclude=failed,
+                    reuse=reuse,
+                    replay_ms=REPLAY_MS,
+                )
+            except NoRouteError as exc:
+                error = error or exc
+                continue
+            return first, route
+        raise error
 
     async def _rebuild(self, route: list[ServerSpan], reusable: dict) -> tuple[list[_Hop], dict[str, int]]:
-        """Hops for ``route``: reuse the ones holding the session, open and replay the others."""
-        hops, replayed = [], {}
-        for span in route:
-            reused = reusable.get((span.peer_id, span.start, span.end))
-            if reused is not None:
-                hops.append(reused)
-                continue
-            try:
-                hop = await self._open_hop(span, RECOVERY_TIMEOUT)
-            except ShoalError as exc:
-                raise _RebuildFailed(span, exc) from exc
-            try:
-                if self._position:
-                    await self._replay(hop)
-                    replayed[span.peer_id] = self._position
-            except (ShoalError, TimeoutError) as exc:
-                await hop.stream.abort()
-                raise _RebuildFailed(span, exc) from exc
-            hops.append(hop)
+        """Hops for ``route``: reuse the ones holding the session, open and replay the others (in
+        order: each replay's output is the history the next new hop needs). On failure, the hops
+        opened here are closed again."""
+        hops, opened, replayed = [], [], {}
+        try:
+            for span in route:
+                reused = reusable.get((span.peer_id, span.start, span.end))
+                if reused is not None:
+                    hops.append(reused)
+                    continue
+                try:
+                    hop = await self._open_hop(span, RECOVERY_TIMEOUT)
+                except ShoalError as exc:
+                    raise _RebuildFailed(span, exc) from exc
+                opened.append(hop)
+                try:
+                    if self._position:
+                        await self._replay(hop)
+                        replayed[span.peer_id] = self._position
+                except (ShoalError, TimeoutError) as exc:
+                    raise _RebuildFailed(span, exc) from exc
+                hops.append(hop)
+        except _RebuildFailed:
+            for hop in opened:
+                await self._close_hop(hop)
+            raise
         return hops, replayed
 
     async def _replay(self, hop: _Hop) -> None:

@@ -48,6 +48,7 @@ from shoal.wire import Message, error_message
 log = logging.getLogger(__name__)
 MAX_SESSION_LENGTH = 1 << 20
 MAX_PUSH_HOPS = 64
+MAX_PUSH_TARGETS = 256
 
 
 @dataclass
@@ -97,6 +98,9 @@ class _Session:
     token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets the previous server push steps
     task: asyncio.Task | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time, from the client or a push
+    pending: asyncio.Task | None = None  # the read of the client's next message
+    last_active: float = field(default_factory=lambda: asyncio.get_running_loop().time())
+    last_step: int = 0  # id of the latest step served: older pushes arriving late are dropped
 
 
 class BlockServer:
@@ -119,6 +123,7 @@ class BlockServer:
         self.reply_delay = 0.0  # seconds added before every reply (a test-only flag: a slow server)
         self._sessions: dict[str, _Session] = {}
         self._per_peer: Counter[str] = Counter()
+        self._push_tasks: set[asyncio.Task] = set()
         self._push_streams: dict[str, MessageStream] = {}
         self._push_locks: dict[str, asyncio.Lock] = {}
         self._tickets: dict[str, Ticket] = {}
@@ -148,8 +153,10 @@ class BlockServer:
                 elif request.kind == "open":
                     await self._run_session(stream, peer_id, request)
                     return
-                elif request.kind == "push":
-                    await self._receive_push(request, peer_id)
+                elif request.kind == "push":  # each in its own task: sessions must not queue behind each other
+                    task = asyncio.get_running_loop().create_task(self._receive_push(request, peer_id))
+                    self._push_tasks.add(task)
+                    task.add_done_callback(self._push_tasks.discard)
                 elif request.kind == "step":
                     raise NotFound(f"unknown session {request.meta.get('session')!r} (open one on this stream first)")
                 else:
@@ -179,9 +186,7 @@ class BlockServer:
             if session.id in self._sessions and session.task is not None:
                 self.counters.sessions_drained += 1
                 session.task.cancel()
-        for stream in list(self._push_streams.values()):
-            await stream.finish()
-        self._push_streams.clear()
+        await self._drop_push_streams()
 
     async def _forward(self, request: Message) -> Message:
         if self.draining:
@@ -243,7 +248,7 @@ class BlockServer:
             await stream.send(Message("result", request.id, reply))
             while True:
                 try:
-                    message = await stream.recv(self.idle_timeout)
+                    message = await self._next_message(session)
                 except RequestTimeout:
                     self.counters.sessions_timed_out += 1
                     ended = True
@@ -264,9 +269,35 @@ class BlockServer:
                     continue
                 await self._serve_step(session, message)
         finally:
+            if session.pending is not None:
+                session.pending.cancel()
             if not ended:
                 self.counters.sessions_abandoned += 1
+            if session.lock.locked():  # a pushed step is running: free once it is done
+                asyncio.get_running_loop().create_task(self._free_after(session))
+            else:
+                self._free(session)
+
+    async def _free_after(self, session: _Session) -> None:
+        async with session.lock:
             self._free(session)
+
+    async def _next_message(self, session: _Session) -> Message:
+        """The client's next message. A session is idle when neither its client nor a pushing
+        server has sent it anything for ``idle_timeout`` (with push, the client talks only to the
+        first server of the chain)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if session.pending is None:
+                session.pending = loop.create_task(session.stream.recv())
+            remaining = session.last_active + self.idle_timeout - loop.time()
+            done, _ = await asyncio.wait({session.pending}, timeout=max(0.0, remaining))
+            if done:
+                task, session.pending = session.pending, None
+                session.last_active = loop.time()
+                return task.result()
+            if loop.time() - session.last_active >= self.idle_timeout:
+                raise RequestTimeout(f"session {session.id} idle for {self.idle_timeout:.3g} s")
 
     async def _serve_step(self, session: _Session, message: Message) -> None:
         """Run one step, push the output down the chain if asked, answer the session's client."""
@@ -275,6 +306,7 @@ class BlockServer:
                 if session.cache is None:
                     raise NotFound(f"session {session.id} is closed")
                 reply = await self._step(session, message)
+                session.last_step = max(session.last_step, message.id)
             route = message.meta.get("push")
             if route:
                 reply.meta["pushed"] = await self._push(reply, message, route)
@@ -284,7 +316,10 @@ class BlockServer:
         if self.draining:
             reply.meta["draining"] = True
         await self._delay()
-        await session.stream.send(reply)
+        try:
+            await session.stream.send(reply)
+        except ShoalError as exc:  # the client vanished: its session ends with its stream
+            log.info("could not answer session %s: %s", session.id, exc)
 
     async def _push(self, reply: Message, message: Message, route: Any) -> bool:
         """Hand ``reply``'s output to the next server of ``route`` ([[ticket, session, token], ...]);
@@ -307,6 +342,8 @@ class BlockServer:
         try:
             ticket = self._ticket(ticket_text)
             # keyed by the whole ticket: a peer restarted at new addresses gets a new stream
+            if len(self._push_streams) > MAX_PUSH_TARGETS:  # bounded: targets come from clients
+                await self._drop_push_streams()
             lock = self._push_locks.setdefault(ticket_text, asyncio.Lock())
             async with lock:
                 stream = self._push_streams.get(ticket_text)
@@ -324,6 +361,11 @@ class BlockServer:
             return False
         self.counters.pushes_sent += 1
         return True
+
+    async def _drop_push_streams(self) -> None:
+        streams, self._push_streams, self._push_locks = self._push_streams, {}, {}
+        for stream in streams.values():
+            await stream.finish()
 
     def _ticket(self, text: str) -> Ticket:
         ticket = self._tickets.get(text)
@@ -347,9 +389,16 @@ class BlockServer:
         if not isinstance(step_id, int) or not 0 <= step_id < 1 << 32:
             self.counters.pushes_rejected += 1
             return
+        if step_id <= session.last_step:  # overtaken: the client resent this step or moved on
+            self.counters.pushes_rejected += 1
+            return
         self.counters.pushes_received += 1
+        session.last_active = asyncio.get_running_loop().time()
         meta = {"session": session.id, "position": message.meta.get("position"), "push": message.meta.get("push")}
-        await self._serve_step(session, Message("step", step_id, meta, message.tensors))
+        try:
+            await self._serve_step(session, Message("step", step_id, meta, message.tensors))
+        except Exception:
+            log.exception("pushed step for session %s failed", session.id)
 
     async def _step(self, session: _Session, message: Message) -> Message:
         if message.meta.get("session") != session.id:

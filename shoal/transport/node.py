@@ -363,10 +363,7 @@ class Node:
         if conn is None or conn.close_reason() is not None:
             return None
         if ticket.addrs and not set(ticket.addrs) & set(self._conn_addrs.get(key, ticket.addrs)):
-            self._conns.pop(key, None)
-            with contextlib.suppress(Exception):
-                conn.close(0, b"peer moved")
-            return None
+            return None  # dial anew; streams still open on the old connection keep it until they end
         return conn
 
     async def _dial(self, ticket: Ticket, protocol: Protocol, timeout: float | None) -> Any:
