@@ -393,13 +393,16 @@ async def _shut_down(
     tasks: list[asyncio.Task],
     compute: ThreadPoolExecutor,
 ) -> None:
-    """Offline first (every peer hears it at once), then drain open sessions, then close."""
+    """Offline first (every peer hears it at once), then drain open sessions, then close. From
+    the first moment, replies tell clients to move on and new sessions are refused."""
+    server = gate.server
+    if server is not None:
+        server.draining = True
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     if presence is not None:
         await presence.leave()
-    server = gate.server
     if server is not None:
         await server.drain(config.drain_timeout)
     if presence is not None:

@@ -218,3 +218,22 @@ def counters(model) -> dict[str, dict]:
         return out
 
     return blocks.runtime.run(gather())
+
+
+def wait_draining(model, peer: str, timeout: float = 10.0) -> None:
+    """Until the server ``peer`` answers ``info`` with ``draining`` (it got SIGTERM and began leaving)."""
+    from shoal.protocols import BLOCKS
+    from shoal.wire import Message
+
+    blocks = model.blocks
+    span = next(s for s in blocks.directory.spans if s.peer_id == peer)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            reply = blocks.runtime.run(blocks.node.request(span.ticket, BLOCKS, Message("info", 1), timeout=2.0))
+        except Exception:
+            return  # already gone
+        if reply.meta.get("draining"):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"server {peer[:10]} did not start draining within {timeout} s")

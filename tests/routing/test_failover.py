@@ -17,7 +17,7 @@ import torch
 from shoal.routing import NoRouteError
 from tests.helpers.parity import min_top2_gap, tiny_causal_lm
 from tests.helpers.swarm import write_checkpoint
-from tests.routing.helpers import AtStep, KillableSwarm, TokenRecorder, connect, counters
+from tests.routing.helpers import AtStep, KillableSwarm, TokenRecorder, connect, counters, wait_draining
 
 NEW_TOKENS = 64
 PROMPT = torch.tensor([[1, 17, 42, 99, 7, 3, 250, 8]])
@@ -123,11 +123,16 @@ def test_sigterm_drain_during_generation_keeps_the_tokens(swarm, reference_and_d
     try:
         with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as cache:
             victim = swarm.by_peer(cache.session.chain[0].peer_id).name
+
+            def leave(name: str) -> None:  # SIGTERM, and generation goes on once the server is leaving
+                swarm.terminate(name)
+                wait_draining(model, swarm.members[name].peer)
+
             out = model.generate(
                 PROMPT,
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
-                logits_processor=[AtStep(10, lambda: swarm.terminate(victim))],
+                logits_processor=[AtStep(10, lambda: leave(victim))],
             )
             session = cache.session
         assert torch.equal(out, expected)
