@@ -379,9 +379,10 @@ class BlockServer:
         """A step pushed by the previous server: checked against the session's token, then served
         like the client's own step (the reply goes to the session's client). Nothing is sent back
         to the pushing server."""
-        session = self._sessions.get(message.meta.get("session"))
-        token = message.meta.get("token")
-        if session is None or not isinstance(token, str) or not secrets.compare_digest(token, session.token):
+        session_id, token = message.meta.get("session"), message.meta.get("token")
+        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        valid = isinstance(token, str) and session is not None
+        if not valid or not secrets.compare_digest(token.encode(), session.token.encode()):
             self.counters.pushes_rejected += 1
             log.info("rejected a push from %s: unknown session or wrong token", peer_id[:10])
             return

@@ -487,3 +487,49 @@ def test_malformed_frame_gets_a_wire_error_and_the_server_keeps_serving(server, 
             await assert_serving(node, server.ticket, span)
 
     run(go())
+
+
+def test_pushes_need_the_session_token_and_a_forged_one_changes_nothing(server, span):
+    """Pushes (server-to-server hand-offs) into a session: unknown or malformed session ids, wrong
+    or non-ASCII tokens, bad step ids are dropped and counted; the session's client hears nothing
+    and its cache is untouched. A push with the right token is served, answered on the session's
+    own stream under the pushed step id."""
+
+    async def go():
+        async with await Node.start(CLIENT_CONFIG) as node:
+            stream = await node.open_stream(server.ticket, BLOCKS)
+            opened = await stream.request(Message("open", 1, {"max_length": 8, "batch_size": 1}))
+            session, token = opened.meta["session"], opened.meta["token"]
+            before = (await info(node, server.ticket))["counters"]
+            step = inputs(HIDDEN, 2, seed=5)
+            forged = [
+                {"session": "feedfacefeedface", "token": token, "position": 0, "step": 7, "push": []},
+                {"session": session, "token": "0" * 32, "position": 0, "step": 7, "push": []},
+                {"session": session, "token": "tökén", "position": 0, "step": 7, "push": []},
+                {"session": [session], "token": token, "position": 0, "step": 7, "push": []},
+                {"session": session, "token": token, "position": 0, "step": "7", "push": []},
+            ]
+            pusher = await node.open_stream(server.ticket, BLOCKS)
+            for meta in forged:
+                await pusher.send(Message("push", pusher.next_id(), meta, step))
+            await wait_for_info(
+                node, server.ticket, lambda m: m["counters"]["pushes_rejected"] >= before["pushes_rejected"] + 5
+            )
+            with pytest.raises(ShoalError):  # nothing reached the session's client
+                await stream.recv(0.5)
+            stream = await node.open_stream(server.ticket, BLOCKS)  # (that recv timeout spent the old stream)
+            opened = await stream.request(Message("open", 1, {"max_length": 8, "batch_size": 1}))
+            session, token = opened.meta["session"], opened.meta["token"]
+            meta = {"session": session, "token": token, "position": 0, "step": 9, "push": []}
+            await pusher.send(Message("push", pusher.next_id(), meta, step))
+            reply = await stream.recv(30.0)
+            assert reply.kind == "result" and reply.id == 9 and reply.meta["position"] == 2
+            assert_same(reply.tensors[0], local_forward(span, step, span.allocate_cache(1, 8), 0))
+            after = (await info(node, server.ticket))["counters"]
+            assert after["pushes_received"] == before["pushes_received"] + 1
+            await stream.request(Message("close", 10), timeout=10)
+            await stream.finish()
+            await pusher.finish()
+            await assert_serving(node, server.ticket, span)
+
+    run(go())
