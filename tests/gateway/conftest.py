@@ -16,16 +16,9 @@ MODEL_ID = "tinychat"  # the model directory's name: what the swarm and the gate
 
 
 @pytest.fixture(scope="package")
-def smollm2_tokenizer_dir() -> Path:
-    from shoal.checkpoints import fetch_model, is_fetched, model_cache_dir
-
-    if not is_fetched("smollm2"):
-        pytest.fail(
-            f"SmolLM2 is not fetched (expected at {model_cache_dir('smollm2')}): run `shoal models fetch smollm2` "
-            "once (it needs the network), then rerun the tests",
-            pytrace=False,
-        )
-    return fetch_model("smollm2", progress=False)
+def smollm2_tokenizer_dir(smollm2_dir) -> Path:
+    """SmolLM2's directory: the tiny chat model borrows its tokenizer and chat template."""
+    return smollm2_dir
 
 
 @pytest.fixture(scope="package")

@@ -4,7 +4,7 @@
   that keeps one model's swarm at a time starts each swarm once.
 * ``model_order``: the models the selected tests use, in run order (lets a pool start the next swarm
   while the current model's tests run).
-* ``smollm2_dir``: the fetched SmolLM2 checkpoint; a missing one FAILS the test (never skips).
+* ``smollm2_dir`` (tests/conftest.py): the fetched SmolLM2 checkpoint; a missing one FAILS the test.
 * ``parity_findings``: lines printed in the terminal summary (e.g. whether logits were bitwise equal).
 """
 
@@ -60,16 +60,3 @@ def parity_findings(pytestconfig: pytest.Config) -> list[str]:
 @pytest.fixture(scope="session")
 def model_order(pytestconfig: pytest.Config) -> list[str]:
     return pytestconfig.stash.get(_ORDER, [])
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    from shoal.checkpoints import fetch_model, is_fetched, model_cache_dir
-
-    if not is_fetched("smollm2"):
-        pytest.fail(
-            f"SmolLM2 is not fetched (expected at {model_cache_dir('smollm2')}): run `shoal models fetch smollm2` "
-            "once (it needs the network), then rerun the tests",
-            pytrace=False,
-        )
-    return fetch_model("smollm2", progress=False)
