@@ -273,10 +273,12 @@ def server_record(
     state: State = State.ONLINE,
     addrs: Sequence[str] = ("127.0.0.1:9",),
     throughput: float = 1234.5,
+    cache_tokens_free: int = 100,
 ) -> ServerRecord:
     return ServerRecord(
         swarm=swarm, peer=peer, addrs=tuple(addrs), relay=None, model=model, start=span[0], end=span[1],
-        fingerprints=tuple(fingerprints), state=state, throughput=throughput, cache_tokens_free=100, rtts=(),
+        fingerprints=tuple(fingerprints), state=state, throughput=throughput, cache_tokens_free=cache_tokens_free,
+        rtts=(),
         version="test", timestamp=now, expires=now + lifetime,
     )  # fmt: skip
 

@@ -22,7 +22,6 @@ import math
 import random
 from collections import Counter
 
-import msgpack
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -30,7 +29,6 @@ from bench.registry import EPOCH, MODEL, SWARM, Sim, SimConfig, SimPeer, holds
 from shoal.swarm.gossip import ENTRY, GossipConfig, Gossiper, key_id, pack, unpack
 from shoal.swarm.records import (
     MAX_RECORD_BYTES,
-    SIGNING_CONTEXT,
     ModelRecord,
     Record,
     RecordError,
@@ -41,6 +39,8 @@ from shoal.swarm.records import (
     sign,
 )
 from shoal.swarm.table import RecordTable
+from tests.helpers import registry
+from tests.helpers.registry import sign_with, with_field
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,26 +68,10 @@ def server_record(
     state: State = State.ONLINE,
     throughput: float = 10.5,
 ) -> ServerRecord:
-    return ServerRecord(
-        swarm=swarm, peer=peer, addrs=("192.0.2.1:4000",), relay=None, model=MODEL, start=span[0], end=span[1],
-        fingerprints=fingerprints, state=state, throughput=throughput, cache_tokens_free=1000, rtts=(),
-        version="test", timestamp=now, expires=now + lifetime,
+    return registry.server_record(
+        swarm, peer, MODEL, span, fingerprints, now, lifetime, state=state, addrs=("192.0.2.1:4000",),
+        throughput=throughput, cache_tokens_free=1000,
     )  # fmt: skip
-
-
-def signed_by(record: Record, secret: bytes) -> bytes:
-    """``record`` signed by ``secret`` whether or not it is the signer's key (``sign`` refuses that)."""
-    body = msgpack.packb([record.TAG, 1, *record.fields()], use_bin_type=True)
-    signature = Ed25519PrivateKey.from_private_bytes(secret).sign(SIGNING_CONTEXT + body)
-    return msgpack.packb([body, signature], use_bin_type=True)
-
-
-def with_field(data: bytes, index: int, value) -> bytes:
-    """``data`` with field ``index`` (as in ``fields()``) changed and the signature kept."""
-    body, signature = msgpack.unpackb(data, raw=False)
-    fields = msgpack.unpackb(body, raw=False)
-    fields[2 + index] = value
-    return msgpack.packb([msgpack.packb(fields, use_bin_type=True), signature], use_bin_type=True)
 
 
 THROUGHPUT_FIELD = 9  # index of ``throughput`` in ServerRecord.fields()
@@ -127,7 +111,7 @@ REJECTIONS = {
     "fingerprint_mismatch": lambda: alice(fingerprints=(FPS[1], FPS[0])),
     "fingerprint_mismatch/span": lambda: alice(span=(3, 5), fingerprints=(FPS[3], FPS[0])),  # past the model
     "fingerprint_mismatch/model": lambda: model_data(tuple(reversed(FPS)), NOW + 1.0, MALLORY),
-    "bad_signature/wrong_key": lambda: signed_by(server_record(ALICE[1], FPS[0:2], (0, 2), NOW), MALLORY[0]),
+    "bad_signature/wrong_key": lambda: sign_with(server_record(ALICE[1], FPS[0:2], (0, 2), NOW), MALLORY[0]),
     "bad_signature/tampered": lambda: with_field(alice(), THROUGHPUT_FIELD, 99999.0),
     "malformed/garbage": lambda: b"\x93not a record",
     "malformed/fingerprint_count": lambda: alice(span=(0, 3), fingerprints=FPS[0:2]),
@@ -271,9 +255,9 @@ def test_forged_records_never_enter_a_table():
     forged: dict[str, tuple[Record, bytes, str]] = {}  # name -> (record, data, reason at the first peer)
 
     fresh = server_record(a[1], fps[0:4], (0, 4), now)
-    forged["new peer, signed by another key"] = (fresh, signed_by(fresh, b[0]), "bad_signature")
+    forged["new peer, signed by another key"] = (fresh, sign_with(fresh, b[0]), "bad_signature")
     usurped = server_record(victim.id, victim.signed.record.fingerprints, (victim.start, victim.end), now + 0.5)
-    forged["victim's record, signed by another key"] = (usurped, signed_by(usurped, b[0]), "bad_signature")
+    forged["victim's record, signed by another key"] = (usurped, sign_with(usurped, b[0]), "bad_signature")
     alien = server_record(c[1], fps[0:4], (0, 4), now, swarm="another-swarm")
     forged["valid signature, wrong swarm"] = (alien, sign(alien, c[0]).data, "wrong_swarm")
     valid = server_record(d[1], fps[4:8], (4, 8), now)
