@@ -11,8 +11,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from shoal.transport import Ticket
 
@@ -101,35 +102,39 @@ def serve_args(model_dir: str | Path, span: tuple[int, int], *extra: str) -> lis
     ]
 
 
+T = TypeVar("T")
+
+
+def start_parallel(starters: Sequence[Callable[[], T]]) -> tuple[list[T | None], list[str]]:
+    """Call every starter in its own thread (servers load in parallel) and wait for all; returns
+    what each started (None where it failed) and the failures' messages."""
+    started: list[T | None] = [None] * len(starters)
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            started[i] = starters[i]()
+        except Exception as exc:  # reported to the caller once every thread ended
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(starters))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return started, errors
+
+
 class LocalSwarm:
     """Servers for ``spans`` of one model on loopback; a context manager that stops them all."""
 
     def __init__(self, model_dir: str | Path, spans: Sequence[tuple[int, int]], extra_args: Sequence[str] = ()):
-        self.servers: list[ServerProcess] = []
-        try:
-            # start all first (they load in parallel), then wait for each
-            pending = [
-                threading.Thread(target=self._start, args=(serve_args(model_dir, span, *extra_args),)) for span in spans
-            ]
-            for thread in pending:
-                thread.start()
-            for thread in pending:
-                thread.join()
-            if len(self.servers) != len(spans):
-                raise RuntimeError(f"only {len(self.servers)} of {len(spans)} servers started:\n{self._errors}")
-            order = {f"{a}:{b}": i for i, (a, b) in enumerate(spans)}
-            self.servers.sort(key=lambda s: order[s.args[s.args.index("--blocks") + 1]])
-        except BaseException:
+        starters = [lambda span=span: ServerProcess(serve_args(model_dir, span, *extra_args)) for span in spans]
+        started, errors = start_parallel(starters)
+        self.servers: list[ServerProcess] = [s for s in started if s is not None]  # in the order of spans
+        if errors:
             self.stop()
-            raise
-
-    _errors = ""
-
-    def _start(self, args: list[str]) -> None:
-        try:
-            self.servers.append(ServerProcess(args))
-        except RuntimeError as exc:
-            self._errors += f"{exc}\n"
+            raise RuntimeError(f"only {len(self.servers)} of {len(spans)} servers started:\n" + "\n".join(errors))
 
     @property
     def tickets(self) -> list[Ticket]:

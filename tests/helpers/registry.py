@@ -28,7 +28,6 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ from pathlib import Path
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.launch import ServerProcess, serve_args
+from shoal.launch import ServerProcess, serve_args, start_parallel
 from shoal.swarm.gossip import GossipConfig, pack, unpack
 from shoal.swarm.records import SIGNING_CONTEXT, Record, ServerRecord, SignedRecord, State, decode, sign
 from shoal.swarm.service import SWARM, SwarmService, blob, blob_bytes, fetch_table
@@ -80,10 +79,16 @@ class Server:
         return "".join(self.process.output)
 
 
+def swarm_server_args(model_dir: Path, span: Span, join: Ticket | None, *extra: str) -> list[str]:
+    """``shoal serve`` of ``span`` with one torch thread and the short gossip periods, creating a
+    swarm (``join`` None) or joining through ``join``."""
+    swarm = ["--new-swarm"] if join is None else ["--join", str(join)]
+    return serve_args(model_dir, span, "--num-threads", "1", *SWARM_FLAGS, *swarm, *extra)
+
+
 def start_server(model_dir: Path, span: Span, throughput: float, join: Ticket | None) -> Server:
     """``shoal serve`` of ``span`` creating a swarm (``join`` None) or joining through ``join``."""
-    swarm = ["--new-swarm"] if join is None else ["--join", str(join)]
-    args = serve_args(model_dir, span, "--num-threads", "1", "--throughput", str(throughput), *SWARM_FLAGS, *swarm)
+    args = swarm_server_args(model_dir, span, join, "--throughput", str(throughput))
     return Server(span, throughput, ServerProcess(args, ready_timeout=120.0, env={"OMP_NUM_THREADS": "1"}))
 
 
@@ -103,20 +108,7 @@ class RegistrySwarm:
 
     def join_all(self, spans: Sequence[tuple[Span, float, Ticket]]) -> list[Server]:
         """Start one server per ``(span, throughput, join ticket)`` in parallel; all must start."""
-        started: list[Server | None] = [None] * len(spans)
-        errors: list[str] = []
-
-        def one(i: int) -> None:
-            try:
-                started[i] = start_server(self.model_dir, *spans[i])
-            except Exception as exc:  # reported below, after every thread ended
-                errors.append(f"server {spans[i][0]}: {exc}")
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(spans))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        started, errors = start_parallel([lambda spec=spec: start_server(self.model_dir, *spec) for spec in spans])
         self.servers += [s for s in started if s is not None]
         if errors:
             raise RuntimeError("servers did not start:\n" + "\n".join(errors))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,9 +20,9 @@ from transformers import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
 from shoal import AutoDistributedModelForCausalLM
-from shoal.launch import ServerProcess, serve_args
+from shoal.launch import ServerProcess, start_parallel
 from shoal.transport import Ticket
-from tests.helpers.registry import LOOPBACK, SWARM_FLAGS
+from tests.helpers.registry import LOOPBACK, swarm_server_args
 
 Span = tuple[int, int]
 
@@ -50,14 +49,13 @@ class Member:
 
 @dataclass
 class KillableSwarm:
-    """Named servers in one swarm; :meth:`restart` brings one back with its old peer id."""
+    """Named servers in one swarm; :meth:`restart` brings one back (under a new peer id)."""
 
     model_dir: Path
     members: dict[str, Member] = field(default_factory=dict)
 
     def _args(self, member: Member, join: Ticket | None) -> list[str]:
-        swarm = ["--new-swarm"] if join is None else ["--join", str(join)]
-        return serve_args(self.model_dir, member.span, "--num-threads", "1", *SWARM_FLAGS, *swarm, *member.extra)
+        return swarm_server_args(self.model_dir, member.span, join, *member.extra)
 
     def start(self, specs: Sequence[tuple[str, Span, tuple[str, ...]]]) -> None:
         """The first spec founds the swarm (unless one is running); the rest join in parallel."""
@@ -72,19 +70,12 @@ class KillableSwarm:
 
     def _start_parallel(self, members: Sequence[Member]) -> None:
         join = self.any_ticket()
-        errors: list[str] = []
-
-        def one(member: Member) -> None:
-            try:
-                member.process = ServerProcess(self._args(member, join), env={"OMP_NUM_THREADS": "1"})
-            except Exception as exc:
-                errors.append(f"{member.name}: {exc}")
-
-        threads = [threading.Thread(target=one, args=(m,)) for m in members]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        started, errors = start_parallel(
+            [lambda m=m: ServerProcess(self._args(m, join), env={"OMP_NUM_THREADS": "1"}) for m in members]
+        )
+        for member, process in zip(members, started, strict=True):
+            if process is not None:
+                member.process = process
         if errors:
             raise RuntimeError("servers did not start:\n" + "\n".join(errors))
 
