@@ -65,15 +65,16 @@ async def swarm_spans(node: Node, tickets: Sequence[Ticket], model: str | None, 
     if model is None or table.model(model) is None:
         raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
     spans = []
+    num_blocks = table.model(model).num_blocks
     for record in table.servers(model):
         if record.state is State.ONLINE:
             ticket = Ticket(record.peer, record.addrs, record.relay, swarm)
             info = {
-                "num_blocks": table.model(model).num_blocks,
+                "num_blocks": num_blocks,
                 "hidden_size": None,
                 "throughput": record.throughput,
                 "step_ms": record.step_ms,
-                "rtts": record.rtts,
+                "rtts": dict(record.rtts),
                 "free_cache_tokens": record.cache_tokens_free,
             }
             spans.append(ServerSpan(record.peer, record.start, record.end, ticket, info))

@@ -33,8 +33,7 @@ from shoal.client.directory import ServerDirectory
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.errors import BadRequest, ClosedError, NotFound, ShoalError, remote_error
 from shoal.protocols import BLOCKS
-from shoal.routing import NoRouteError, ServerSpan
-from shoal.routing.chain import _ranges, uncovered_blocks
+from shoal.routing import NoRouteError, ServerSpan, format_blocks, uncovered_blocks
 from shoal.transport import MessageStream, Node, Ticket, TransportConfig
 from shoal.wire import Message
 
@@ -173,7 +172,7 @@ class RemoteSequence:
 def _gave_up(directory: ServerDirectory, failed: set[str], block: int, cause: BaseException) -> NoRouteError:
     live = [s for s in directory.spans if s.peer_id not in failed]
     missing = [b for b in uncovered_blocks(live, directory.num_blocks) if b >= block]
-    where = f"no live server left for blocks {_ranges(missing)}" if missing else "every route failed"
+    where = f"no live server left for blocks {format_blocks(missing)}" if missing else "every route failed"
     return NoRouteError(f"gave up after {MAX_RECOVERIES} recoveries: {where} (last error: {cause})", missing)
 
 

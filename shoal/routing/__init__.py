@@ -1,7 +1,7 @@
 """Routing: pure decisions about which servers carry which blocks. No I/O here."""
 
 from shoal.routing.bans import BanList
-from shoal.routing.chain import NoRouteError, ServerSpan, plan_chain, plan_route, uncovered_blocks
+from shoal.routing.chain import NoRouteError, ServerSpan, format_blocks, plan_route, uncovered_blocks
 from shoal.routing.costs import LatencyModel, forward_cost, route_with_bans
 
 __all__ = [
@@ -9,8 +9,8 @@ __all__ = [
     "LatencyModel",
     "NoRouteError",
     "ServerSpan",
+    "format_blocks",
     "forward_cost",
-    "plan_chain",
     "plan_route",
     "route_with_bans",
     "uncovered_blocks",

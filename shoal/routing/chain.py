@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,8 @@ def uncovered_blocks(spans: Sequence[ServerSpan], num_blocks: int) -> list[int]:
     return [i for i in range(num_blocks) if i not in covered]
 
 
-def _ranges(blocks: list[int]) -> str:
+def format_blocks(blocks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     parts, start = [], None
     for i, b in enumerate(blocks):
         start = b if start is None else start
@@ -45,38 +45,6 @@ def _ranges(blocks: list[int]) -> str:
             parts.append(f"{start}" if start == b else f"{start}-{b}")
             start = None
     return ", ".join(parts)
-
-
-def plan_chain(spans: Sequence[ServerSpan], num_blocks: int) -> list[ServerSpan]:
-    """Fewest-hop chain from block 0 to ``num_blocks`` where each server starts where the previous
-    one ended (a server runs its whole span). Ties keep the order servers were given in."""
-    missing = uncovered_blocks(spans, num_blocks)
-    if missing:
-        raise NoRouteError(f"no server hosts blocks {_ranges(missing)} (of {num_blocks})", missing)
-    by_start: dict[int, list[ServerSpan]] = {}
-    for span in spans:
-        by_start.setdefault(span.start, []).append(span)
-    previous: dict[int, ServerSpan | None] = {0: None}
-    queue = deque([0])
-    while queue:
-        block = queue.popleft()
-        for span in by_start.get(block, []):
-            if span.end <= num_blocks and span.end not in previous:
-                previous[span.end] = span
-                queue.append(span.end)
-    if num_blocks not in previous:
-        reachable = max(previous)
-        raise NoRouteError(
-            f"servers cover every block but no chain of whole spans links block {reachable} onward "
-            f"(spans: {sorted((s.start, s.end) for s in spans)})",
-            [],
-        )
-    chain, block = [], num_blocks
-    while block:
-        span = previous[block]
-        chain.append(span)
-        block = span.start
-    return chain[::-1]
 
 
 def plan_route(
@@ -91,7 +59,7 @@ def plan_route(
     usable = [s for s in spans if start <= s.start < s.end <= end]
     missing = [b for b in uncovered_blocks(usable, end) if b >= start]
     if missing:
-        raise NoRouteError(f"no usable server hosts blocks {_ranges(missing)} (of {start}-{end - 1})", missing)
+        raise NoRouteError(f"no usable server hosts blocks {format_blocks(missing)} (of {start}-{end - 1})", missing)
     by_start: dict[int, list[tuple[int, ServerSpan]]] = {}
     for order, span in enumerate(usable):
         by_start.setdefault(span.start, []).append((order, span))

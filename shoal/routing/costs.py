@@ -41,12 +41,13 @@ class LatencyModel:
     def observe_step(self, peer: str, ms: float) -> None:
         self.observed_ms[peer] = _ema(self.observed_ms.get(peer), ms)
 
-    def step_estimate_ms(self, span: ServerSpan) -> float:
-        """Expected time from sending a one-token step to this server to its reply."""
+    def step_estimate_ms(self, span: ServerSpan, previous: ServerSpan | None = None) -> float:
+        """Expected time from sending a one-token step to this server (from the client, or pushed
+        by ``previous``) to its reply: what the client observed, else network plus compute."""
         seen = self.observed_ms.get(span.peer_id)
         if seen is not None:
             return seen
-        return self.network_ms(span, None) + self.compute_ms(span)
+        return self.network_ms(span, previous) + self.compute_ms(span)
 
     def compute_ms(self, span: ServerSpan) -> float:
         step_ms = float(span.info.get("step_ms") or 0.0) or UNKNOWN_STEP_MS
@@ -54,7 +55,7 @@ class LatencyModel:
 
     def network_ms(self, span: ServerSpan, previous: ServerSpan | None) -> float:
         if previous is not None:
-            published = dict(previous.info.get("rtts") or ())
+            published = previous.info.get("rtts") or {}  # peer id -> ms, from the server's record
             if span.peer_id in published:
                 return float(published[span.peer_id])
         return self.client_rtt_ms.get(span.peer_id, UNKNOWN_RTT_MS)
@@ -62,9 +63,7 @@ class LatencyModel:
     def inference_cost(
         self, span: ServerSpan, previous: ServerSpan | None, *, push: bool, cache_tokens: int = 0
     ) -> float:
-        cost = self.observed_ms.get(span.peer_id)
-        if cost is None:
-            cost = self.network_ms(span, previous if push else None) + self.compute_ms(span)
+        cost = self.step_estimate_ms(span, previous if push else None)
         free = span.info.get("free_cache_tokens")
         if cache_tokens and free is not None and free < cache_tokens:
             cost += CACHE_PENALTY_MS
