@@ -6,7 +6,8 @@
 For each model, two ``shoal serve`` processes on loopback each host half of the blocks (one pair per
 server thread setting, all started up front so runs can alternate); the client is
 ``AutoDistributedModelForCausalLM`` in this process. The local reference is
-``AutoModelForCausalLM.from_pretrained`` (fp32) in this same process. Each repeat runs local and
+``AutoModelForCausalLM.from_pretrained`` (fp32) in a child process of its own, with the OpenMP
+environment this benchmark was started with (stock, unless you set one). Each repeat runs local and
 every swarm setting once, in a rotating order (the machine is shared and noisy: medians of
 alternated runs are what is compared).
 
@@ -25,14 +26,14 @@ stopped and discarded above ``--abort-above`` (0.4). Runs repeat until every con
 ``--repeats`` clean runs or ``--max-minutes`` pass; summaries use the clean runs (noisy ones only if
 there is no clean one, which ``summary_of`` says).
 
-Thread policy: this process (local model and swarm client) uses ``--client-threads`` (default: all
-cores); each server setting ``N`` runs ``shoal serve --num-threads N`` with ``OMP_NUM_THREADS=N``,
-``Np`` adds ``OMP_WAIT_POLICY=passive`` (libgomp otherwise spins ~3 ms after every parallel region,
-which steals a core from the next stage of the pipeline); ``Nf`` runs the servers through
-``bench.profile_step --serve``, which patches ``shoal serve`` to load and compute on one thread
-(shoal loads on an ``asyncio.to_thread`` worker and computes on another thread; libgomp keeps a
-pool per such thread, and once its threads outnumber the CPUs every barrier sleeps instead of
-spinning: 2-thread compute gets ~2x slower). ``f`` settings measure a suggested fix, not shoal.
+Thread policy: the local reference and the swarm client use ``--client-threads`` (default: all
+cores). shoal's own processes lower libgomp's spin count (:mod:`shoal.omp`: a worker that spins
+after its stage is done takes a core from the next stage on the same machine); ``shoal serve``
+does it itself, and this benchmark re-executes itself with it for the client, while the local
+reference keeps the OpenMP environment the benchmark was started with. Each server setting ``N``
+runs ``shoal serve --num-threads N`` with ``OMP_NUM_THREADS=N``; ``Np`` adds
+``OMP_WAIT_POLICY=passive``; ``Nf`` runs the servers through ``bench.profile_step --serve`` (load
+and compute forced onto one thread: what ``shoal serve`` now does by itself).
 
 Prints JSON; ``targets_met``: ratio >= 0.9 for llama270m and >= 0.8 for smollm2 (best setting).
 Models: ``smollm2`` (``shoal.checkpoints.fetch_model``) and ``llama270m`` (random Llama, hidden
@@ -64,7 +65,11 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from shoal.checkpoints import load_config
+from shoal.omp import SPIN_COUNT
+
 TARGETS = {"llama270m": 0.9, "smollm2": 0.8}
+OMP_ENV_MARK = "SHOAL_BENCH_STARTED_OMP_ENV"  # the OpenMP variables the benchmark was started with
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. Once upon a time,"
 PROMPT_TOKENS_RANDOM = 24
 
@@ -184,6 +189,49 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+class LocalWorker:
+    """Plain transformers in a child process (``--local-worker``), answering one JSON line per
+    request with ``run_once``'s timings and the generated ids. A process of its own keeps the
+    reference's OpenMP environment apart from the swarm client's (see :mod:`shoal.omp`)."""
+
+    def __init__(self, name: str, threads: int, env: dict[str, str]):
+        cmd = [sys.executable, "-m", "bench.generate", "--local-worker", name, "--client-threads", str(threads)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        hello = self.proc.stdout.readline()
+        if not hello:
+            raise RuntimeError(f"the local reference for {name} did not start (exit {self.proc.wait()})")
+        self.params = json.loads(hello)["params"]
+
+    def run(self, new_tokens: int, meter: CpuMeter | None = None, abort_above: float = 1.0):
+        """Like :func:`run_once` (the reference cannot be stopped mid-run: a noisy run is dropped after)."""
+        start = meter.sample() if meter is not None else None
+        self.proc.stdin.write(json.dumps({"new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self.proc.stdout.readline())
+        out = torch.tensor(reply.pop("out"))
+        if meter is not None:
+            reply["foreign_cpu"] = meter.foreign(start)
+            if reply["foreign_cpu"] > abort_above:
+                return None, out
+        return reply, out
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def serve_local_worker(name: str) -> None:
+    path = model_dir(name)
+    config = load_config(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = prompt_ids(name, path, config.vocab_size)
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    print(json.dumps({"params": sum(p.numel() for p in model.parameters())}), flush=True)
+    for line in sys.stdin:
+        run, out = run_once(model, ids, json.loads(line)["new_tokens"], pad)
+        print(json.dumps({**run, "out": out.tolist()}), flush=True)
 
 
 def halves(num_blocks: int) -> list[tuple[int, int]]:
@@ -381,7 +429,6 @@ def summarize(runs: list[dict]) -> dict:
 
 def bench_model(name: str, args: argparse.Namespace) -> dict:
     from shoal import AutoDistributedModelForCausalLM
-    from shoal.checkpoints import load_config
     from shoal.transport import TransportConfig
 
     path = model_dir(name)
@@ -396,9 +443,9 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             entry = ("-m", "bench.profile_step", "--serve")
         threads = int(spec.rstrip("pf"))
         settings[spec] = [Server(path, b, threads, env, entry=entry) for b in blocks]
+    reference = LocalWorker(name, args.client_threads, args.local_env)
     try:
-        local = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        params = sum(p.numel() for p in local.parameters())
+        params = reference.params
         ids = prompt_ids(name, path, config.vocab_size)
         pad = config.pad_token_id if config.pad_token_id is not None else 0
         swarms = {}
@@ -409,11 +456,16 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             )
             swarm.blocks = BlockTimer(swarm.blocks)
             swarms[f"server_threads_{spec}"] = swarm
-        contenders = {"local": local, **swarms}
+
+        def swarm_runner(model):
+            return lambda meter=None: run_once(model, ids, args.new_tokens, pad, None, meter, args.abort_above)
+
+        contenders = {"local": lambda meter=None: reference.run(args.new_tokens, meter, args.abort_above)}
+        contenders.update((label, swarm_runner(model)) for label, model in swarms.items())
 
         outputs = {}
-        for label, model in contenders.items():  # warm-up (first-call allocations, connections)
-            _, outputs[label] = run_once(model, ids, args.new_tokens, pad)
+        for label, runner in contenders.items():  # warm-up (first-call allocations, connections)
+            _, outputs[label] = runner()
         identical = {label: bool(torch.equal(outputs[label], outputs["local"])) for label in swarms}
 
         # Runs alternate (rotating order) until each contender has --repeats clean runs (others used
@@ -433,7 +485,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
                 if len(clean[label]) >= args.repeats or time.monotonic() >= deadline:
                     continue
                 meter.wait_quiet(args.quiet_below, deadline)
-                run, _ = run_once(contenders[label], ids, args.new_tokens, pad, None, meter, args.abort_above)
+                run, _ = contenders[label](meter)
                 if run is None:
                     aborted[label] += 1
                 else:
@@ -474,6 +526,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             swarm.blocks.inner.close()
         return result
     finally:
+        reference.stop()
         for servers in settings.values():
             for server in servers:
                 server.stop()
@@ -504,7 +557,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         "to load and compute on one thread (bench.profile_step; a suggested fix, not shoal as it is)",
     )
     parser.add_argument("--client-threads", type=int, default=os.cpu_count(), help="torch threads here")
+    parser.add_argument("--local-worker", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.local_worker:
+        torch.set_num_threads(args.client_threads)
+        serve_local_worker(args.local_worker)
+        return
+    if OMP_ENV_MARK not in os.environ:  # libgomp read its environment when torch loaded: set it, start again
+        started = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))}
+        env = {**os.environ, OMP_ENV_MARK: json.dumps(started)}
+        if not ({"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(started)):
+            env["GOMP_SPINCOUNT"] = SPIN_COUNT  # what shoal's own processes use (shoal.omp)
+        os.execve(
+            sys.executable, [sys.executable, "-m", "bench.generate", *(sys.argv[1:] if argv is None else argv)], env
+        )
+    started_omp_env = json.loads(os.environ[OMP_ENV_MARK])
+    args.local_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_")) and k != OMP_ENV_MARK}
+    args.local_env.update(started_omp_env)  # the reference runs as the benchmark was started
     args.server_threads = args.server_threads.split(",")
     if not all(t.rstrip("pf").isdigit() for t in args.server_threads):
         parser.error("--server-threads takes a comma list of N, Np, Nf or Npf (e.g. 1,2,2p,2f)")
@@ -526,8 +595,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         },
         "greedy": True,
         "thread_policy": {
-            "local": f"transformers in the benchmark process, torch.set_num_threads({args.client_threads})",
-            "client": f"shoal client in the same process, torch.set_num_threads({args.client_threads})",
+            "local": f"transformers in a child process, torch.set_num_threads({args.client_threads}), "
+            f"OpenMP environment as started: {started_omp_env}",
+            "client": f"shoal client in the benchmark process, torch.set_num_threads({args.client_threads})",
             "servers": "2 processes per setting, each `shoal serve --num-threads N` (and OMP_NUM_THREADS=N) "
             f"for N in {args.server_threads} (Np: also OMP_WAIT_POLICY=passive; Nf: shoal serve patched by "
             "bench.profile_step to load and compute on one thread, the suggested libgomp fix)",

@@ -350,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
     try:
         hooks = ClientHooks()
-        swarm = AutoDistributedModelForCausalLM.from_pretrained(
-            str(path), tickets, transport=TransportConfig(bind_addr="127.0.0.1:0")
+        swarm = AutoDistributedModelForCausalLM.from_pretrained(  # client-driven hops: one send/recv per hop
+            str(path), tickets, transport=TransportConfig(bind_addr="127.0.0.1:0"), push=False
         )
         ids = prompt_ids(args.model, path, config.vocab_size)
         run_once(swarm, ids, args.new_tokens, 0)  # warm-up

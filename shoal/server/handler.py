@@ -198,7 +198,7 @@ class BlockServer:
         await self._delay()
         return Message("result", request.id, {}, [out])
 
-    def _open(self, peer_id: str, meta: dict, stream: MessageStream) -> _Session:
+    async def _open(self, peer_id: str, meta: dict, stream: MessageStream) -> _Session:
         if self.draining:
             raise Unavailable("server is draining (leaving the swarm): open the session elsewhere")
         max_length, batch_size = meta.get("max_length"), meta.get("batch_size", 1)
@@ -217,15 +217,18 @@ class BlockServer:
         except BusyError:
             self.counters.sessions_rejected_busy += 1
             raise
+        self._per_peer[peer_id] += 1  # counted before the await: concurrent opens see it
         try:
-            cache = self.backend.allocate_cache(batch_size, max_length)
-        except Exception:
+            cache = await self.backend.allocate_cache(batch_size, max_length)
+        except BaseException:
             self.budget.release(tokens)
+            self._per_peer[peer_id] -= 1
+            if self._per_peer[peer_id] <= 0:
+                del self._per_peer[peer_id]
             raise
         session = _Session(secrets.token_hex(8), peer_id, batch_size, max_length, tokens, cache, stream)
         session.task = asyncio.current_task()
         self._sessions[session.id] = session
-        self._per_peer[peer_id] += 1
         self.counters.sessions_opened += 1
         self.counters.sessions_active += 1
         return session
@@ -241,7 +244,7 @@ class BlockServer:
         session.cache = None
 
     async def _run_session(self, stream: MessageStream, peer_id: str, request: Message) -> None:
-        session = self._open(peer_id, request.meta, stream)
+        session = await self._open(peer_id, request.meta, stream)
         ended = False  # closed or timed out; any other end (stream closed, broken, cancelled) is "abandoned"
         try:
             reply = {"session": session.id, "token": session.token, "max_length": session.max_length}
