@@ -222,9 +222,7 @@ class BlockServer:
             cache = await self.backend.allocate_cache(batch_size, max_length)
         except BaseException:
             self.budget.release(tokens)
-            self._per_peer[peer_id] -= 1
-            if self._per_peer[peer_id] <= 0:
-                del self._per_peer[peer_id]
+            self._release_peer_slot(peer_id)
             raise
         session = _Session(secrets.token_hex(8), peer_id, batch_size, max_length, tokens, cache, stream)
         session.task = asyncio.current_task()
@@ -233,12 +231,15 @@ class BlockServer:
         self.counters.sessions_active += 1
         return session
 
+    def _release_peer_slot(self, peer_id: str) -> None:
+        self._per_peer[peer_id] -= 1
+        if self._per_peer[peer_id] <= 0:
+            del self._per_peer[peer_id]
+
     def _free(self, session: _Session) -> None:
         if self._sessions.pop(session.id, None) is None:
             return  # already freed
-        self._per_peer[session.peer_id] -= 1
-        if self._per_peer[session.peer_id] <= 0:
-            del self._per_peer[session.peer_id]
+        self._release_peer_slot(session.peer_id)
         self.budget.release(session.tokens)
         self.counters.sessions_active -= 1
         session.cache = None
