@@ -153,9 +153,26 @@ class MessageStream:
             except iroh.IrohError as exc:
                 raise _translate(exc, "send") from None
 
+    def _ended(self) -> ShoalError:
+        """What a read that found the stream closed raises: mid-message, a truncated message."""
+        self.broken = True
+        if self._assembler.mid_message or self._buffer:
+            return WireError("truncated", "stream ended inside a message")
+        return ClosedError(f"stream closed by peer {self.peer_id[:10]}")
+
+    async def _read_more(self) -> None:
+        """Append whatever has arrived (at least one byte; one FFI call often covers several
+        frames) to the buffer."""
+        try:
+            chunk = await self._recv.read(_READ_CHUNK)
+        except iroh.IrohError:
+            raise self._ended() from None
+        if not chunk:
+            raise self._ended()
+        self._buffer += chunk
+
     async def _read_exact(self, n: int) -> bytes:
-        """``n`` bytes from the stream. Small reads take whatever has arrived (one FFI call often
-        covers several frames); large ones ask iroh for the exact remainder."""
+        """``n`` bytes from the stream; the large remainder of a frame is asked of iroh exactly."""
         try:
             if not self._buffer and n >= _READ_CHUNK:
                 return await self._recv.read_exact(n)
@@ -164,27 +181,42 @@ class MessageStream:
                 if missing >= _READ_CHUNK:
                     data, self._buffer = self._buffer + await self._recv.read_exact(missing), b""
                     return data
-                chunk = await self._recv.read(_READ_CHUNK)
-                if not chunk:
-                    raise ClosedError("end of stream")
-                self._buffer += chunk
-        except (iroh.IrohError, ClosedError):
-            self.broken = True
-            if self._assembler.mid_message or self._buffer:
-                raise WireError("truncated", "stream ended inside a message") from None
-            raise ClosedError(f"stream closed by peer {self.peer_id[:10]}") from None
+                await self._read_more()
+        except iroh.IrohError:
+            raise self._ended() from None
         data, self._buffer = self._buffer[:n], self._buffer[n:]
         return data
 
-    async def _recv_message(self) -> Message:
-        while True:
-            frame_type, size = parse_prefix(await self._read_exact(FRAME_PREFIX.size), self.limits)
-            if frame_type == FRAME_DATA and size >= _READ_CHUNK:
-                message = await self._recv_large_data(size)
-            else:
-                message = self._assembler.feed(frame_type, await self._read_exact(size) if size else b"")
+    def _take_buffered(self) -> Message | None:
+        """Feed every whole frame already read to the assembler, without awaiting; the message
+        they complete, if any. Most messages arrive in one read, so this is the common path."""
+        prefix = FRAME_PREFIX.size
+        while len(self._buffer) >= prefix:
+            frame_type, size = parse_prefix(self._buffer[:prefix], self.limits)
+            end = prefix + size
+            if len(self._buffer) < end:
+                return None
+            payload, self._buffer = self._buffer[prefix:end], self._buffer[end:]
+            message = self._assembler.feed(frame_type, payload)
             if message is not None:
                 return message
+        return None
+
+    async def _recv_message(self) -> Message:
+        prefix = FRAME_PREFIX.size
+        while True:
+            message = self._take_buffered()
+            if message is not None:
+                return message
+            if len(self._buffer) >= prefix:  # a frame has begun but is not whole yet
+                frame_type, size = parse_prefix(self._buffer[:prefix], self.limits)
+                if frame_type == FRAME_DATA and size >= _READ_CHUNK:  # large: the rest straight from iroh
+                    self._buffer = self._buffer[prefix:]
+                    message = await self._recv_large_data(size)
+                    if message is not None:
+                        return message
+                    continue
+            await self._read_more()
 
     async def _recv_large_data(self, size: int) -> Message | None:
         """A large DATA frame goes to the assembler in two pieces (what is buffered, then the

@@ -23,6 +23,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 MAX_RANK = 8
+_NO_NUMPY = frozenset({torch.bfloat16})  # dtypes numpy cannot view: sent as their bytes
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -33,11 +34,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of ``tensor`` (CPU, contiguous), without copying when already so."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    if flat.numel() == 0:
+    """The raw bytes of ``tensor`` (CPU, contiguous), without copying when already so. This runs
+    for every tensor sent, so the common case (a contiguous CPU tensor numpy can view) takes the
+    fewest torch calls."""
+    if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    if tensor.dtype not in _NO_NUMPY:
+        return memoryview(tensor.numpy()).cast("B")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def describe(tensor: torch.Tensor) -> list:
@@ -65,5 +71,4 @@ def tensor_from_buffer(buffer: bytearray, offset: int, name: str, shape: tuple[i
     count = math.prod(shape)
     if count == 0:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=count * ITEMSIZE[name], offset=offset)
-    return raw.view(dtype).reshape(shape)
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
