@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -193,6 +194,20 @@ class _Hop:
         return (self.span.peer_id, self.span.start, self.span.end)
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _cat_serial(chunks: list[Tensor], dim: int) -> Tensor:
+    """``torch.cat`` of CPU tensors without OpenMP. Histories are joined on the client's event loop
+    thread, and the first parallel region a thread opens gives it a libgomp pool of its own: with
+    the model thread's pool that is more threads than CPUs, and from then on every parallel region
+    of the process sleeps at its barriers (the LM head gets ~1.8x slower). numpy joins serially."""
+    dtype = chunks[0].dtype
+    as_int = _SAME_SIZE_INT[dtype.itemsize]  # any dtype, bf16 included, travels as same-size ints
+    joined = np.concatenate([chunk.view(as_int).numpy() for chunk in chunks], axis=dim)
+    return torch.from_numpy(joined).view(dtype)
+
+
 @dataclass
 class _History:
     """Inputs of every step so far at chain boundaries (by first block), for replays."""
@@ -206,12 +221,12 @@ class _History:
         if chunks is None:
             return None
         if len(chunks) > 1:
-            chunks[:] = [torch.cat(chunks, dim=1)]
+            chunks[:] = [_cat_serial(chunks, dim=1)]
         return chunks[0] if chunks else None
 
     def position_ids(self) -> Tensor:
         if len(self.positions) > 1:
-            self.positions[:] = [torch.cat(self.positions, dim=1)]
+            self.positions[:] = [_cat_serial(self.positions, dim=1)]
         return self.positions[0]
 
     def truncate(self, position: int) -> None:
