@@ -187,36 +187,25 @@ class MessageStream:
         data, self._buffer = self._buffer[:n], self._buffer[n:]
         return data
 
-    def _take_buffered(self) -> Message | None:
-        """Feed every whole frame already read to the assembler, without awaiting; the message
-        they complete, if any. Most messages arrive in one read, so this is the common path."""
-        prefix = FRAME_PREFIX.size
-        while len(self._buffer) >= prefix:
-            frame_type, size = parse_prefix(self._buffer[:prefix], self.limits)
-            end = prefix + size
-            if len(self._buffer) < end:
-                return None
-            payload, self._buffer = self._buffer[prefix:end], self._buffer[end:]
-            message = self._assembler.feed(frame_type, payload)
-            if message is not None:
-                return message
-        return None
-
     async def _recv_message(self) -> Message:
         prefix = FRAME_PREFIX.size
         while True:
-            message = self._take_buffered()
+            if len(self._buffer) < prefix:
+                await self._read_more()
+                continue
+            frame_type, size = parse_prefix(self._buffer[:prefix], self.limits)
+            end = prefix + size
+            if len(self._buffer) >= end:  # a whole frame is already read: no await (the common path)
+                payload, self._buffer = self._buffer[prefix:end], self._buffer[end:]
+                message = self._assembler.feed(frame_type, payload)
+            elif frame_type == FRAME_DATA and size >= _READ_CHUNK:  # large: the rest straight from iroh
+                self._buffer = self._buffer[prefix:]
+                message = await self._recv_large_data(size)
+            else:
+                await self._read_more()
+                continue
             if message is not None:
                 return message
-            if len(self._buffer) >= prefix:  # a frame has begun but is not whole yet
-                frame_type, size = parse_prefix(self._buffer[:prefix], self.limits)
-                if frame_type == FRAME_DATA and size >= _READ_CHUNK:  # large: the rest straight from iroh
-                    self._buffer = self._buffer[prefix:]
-                    message = await self._recv_large_data(size)
-                    if message is not None:
-                        return message
-                    continue
-            await self._read_more()
 
     async def _recv_large_data(self, size: int) -> Message | None:
         """A large DATA frame goes to the assembler in two pieces (what is buffered, then the
