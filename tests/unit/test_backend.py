@@ -13,27 +13,19 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from shoal.checkpoints import load_config, load_tensors, save_sharded, span_tensor_filter
-from shoal.models import get_family
+from shoal.checkpoints import load_span, save_sharded
 from shoal.server.backend import SpanBackend
+from tests.helpers.parity import tiny_llama
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def span(tmp_path_factory):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
-    path = save_sharded(model, model.config, tmp_path_factory.mktemp("llama"))
-    config = load_config(path)
-    return get_family(config).build_span(
-        config, 0, 2, load_tensors(path, span_tensor_filter(config, 0, 2)), torch.float32, "cpu"
-    )
+    model = tiny_llama()
+    span, _ = load_span(save_sharded(model, model.config, tmp_path_factory.mktemp("tiny-backend")), 0, 2)
+    return span
 
 
 def test_session_cache_is_filled_on_the_compute_thread(span, monkeypatch):
@@ -48,7 +40,7 @@ def test_session_cache_is_filled_on_the_compute_thread(span, monkeypatch):
     backend = SpanBackend(span, 64)
 
     async def open_and_step() -> torch.Tensor:
-        cache = await backend.allocate_cache(1, 600)  # 600 x 64 floats per block: above torch's grain size
+        cache = await backend.allocate_cache(1, 1200)  # 2 kv heads x 1200 x 16 per block: above torch's grain size
         return await backend.run(torch.randn(1, 3, 64), torch.arange(3)[None], None, cache, 0)
 
     try:
