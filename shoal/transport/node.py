@@ -1,6 +1,7 @@
 """A shoal peer on iroh: endpoint lifecycle, pooled connections, message streams.
 
-This module and :mod:`shoal.transport.sendfix` are the only importers of ``iroh``; every
+This module, :mod:`shoal.transport.sendfix` and :mod:`shoal.transport.fastcall` (the lean calls
+every message goes through) are the only importers of ``iroh``; every
 ``IrohError`` is translated into :mod:`shoal.errors` here (:func:`_translate`).
 
 Protocols are versioned ALPNs ``shoal/<name>/<version>``. Every node also speaks ``shoal/meta/1``,
@@ -34,11 +35,11 @@ from shoal.errors import (
     WireError,
     remote_error,
 )
-from shoal.transport import sendfix
+from shoal.transport import fastcall, sendfix
 from shoal.transport.config import NetworkProfile, TransportConfig
 from shoal.transport.identity import generate_key
 from shoal.transport.ticket import Ticket
-from shoal.wire import FRAME_DATA, FRAME_PREFIX, Assembler, Limits, Message, error_message, frames, parse_prefix
+from shoal.wire import FRAME_DATA, FRAME_PREFIX, Assembler, Limits, Message, error_message, parse_prefix, writes
 
 log = logging.getLogger(__name__)
 
@@ -125,20 +126,11 @@ class MessageStream:
         return self._next_id
 
     async def send(self, message: Message) -> None:
+        buffers = writes(message, self.limits, _READ_CHUNK)  # encoded before the lock: no I/O
         async with self._send_lock:
             try:
-                pending: list[bytes | memoryview] = []  # small pieces coalesce into one write
-                for pieces in frames(message, self.limits):
-                    for piece in pieces:
-                        if len(piece) < _READ_CHUNK:
-                            pending.append(piece)
-                            continue
-                        if pending:
-                            await self._send.write_all(b"".join(pending))
-                            pending = []
-                        await self._send.write_all(piece)  # a view of the tensor: no copy here
-                if pending:
-                    await self._send.write_all(b"".join(pending))
+                for buffer in buffers:
+                    await fastcall.write_all(self._send, buffer)
             except (iroh.IrohError, asyncio.CancelledError) as exc:
                 self.broken = True
                 if isinstance(exc, asyncio.CancelledError):
@@ -149,7 +141,7 @@ class MessageStream:
         """Write bytes as they are (fuzz tests and diagnostics only)."""
         async with self._send_lock:
             try:
-                await self._send.write_all(data)
+                await fastcall.write_all(self._send, data)
             except iroh.IrohError as exc:
                 raise _translate(exc, "send") from None
 
@@ -164,7 +156,7 @@ class MessageStream:
         """Append whatever has arrived (at least one byte; one FFI call often covers several
         frames) to the buffer."""
         try:
-            chunk = await self._recv.read(_READ_CHUNK)
+            chunk = await fastcall.read(self._recv, _READ_CHUNK)
         except iroh.IrohError:
             raise self._ended() from None
         if not chunk:
@@ -175,11 +167,11 @@ class MessageStream:
         """``n`` bytes from the stream; the large remainder of a frame is asked of iroh exactly."""
         try:
             if not self._buffer and n >= _READ_CHUNK:
-                return await self._recv.read_exact(n)
+                return await fastcall.read_exact(self._recv, n)
             while len(self._buffer) < n:
                 missing = n - len(self._buffer)
                 if missing >= _READ_CHUNK:
-                    data, self._buffer = self._buffer + await self._recv.read_exact(missing), b""
+                    data, self._buffer = self._buffer + await fastcall.read_exact(self._recv, missing), b""
                     return data
                 await self._read_more()
         except iroh.IrohError:

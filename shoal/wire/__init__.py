@@ -14,6 +14,7 @@ from shoal.wire.messages import (
     error_message,
     frames,
     parse_prefix,
+    writes,
 )
 from shoal.wire.tensors import DTYPES
 
@@ -32,4 +33,5 @@ __all__ = [
     "error_message",
     "frames",
     "parse_prefix",
+    "writes",
 ]

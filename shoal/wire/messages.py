@@ -13,8 +13,8 @@ batch size or sequence length; only the receiver's ``max_message_bytes`` does.
 
 from __future__ import annotations
 
+import functools
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,10 @@ WIRE_VERSION = 1
 FRAME_HEAD = 1
 FRAME_DATA = 2
 FRAME_PREFIX = struct.Struct(">IB")  # payload length (type byte included), frame type
+_PACK_PREFIX = FRAME_PREFIX.pack
 MAX_FRAME_PAYLOAD = 4 * 1024 * 1024  # data bytes per DATA frame; a protocol constant
 MAX_META_DEPTH = 4
+_HEADER_KEYS = frozenset({"v", "k", "id", "m", "t", "n"})
 
 #: Every message kind the wire knows. A frame naming another kind is rejected.
 KINDS = frozenset(
@@ -57,7 +59,7 @@ class Limits:
     max_header_bytes: int = 64 * 1024
     max_tensors: int = 64
 
-    @property
+    @functools.cached_property
     def max_frame_bytes(self) -> int:
         return max(MAX_FRAME_PAYLOAD, self.max_header_bytes) + 1
 
@@ -77,12 +79,13 @@ def error_message(request_id: int, code: str, message: str, **extra: Any) -> Mes
     return Message("error", request_id, {"code": code, "message": message[:2000], **extra})
 
 
-def frames(message: Message, limits: Limits = Limits()) -> Iterator[list[bytes | memoryview]]:
+def frames(message: Message, limits: Limits = Limits()) -> list[list[bytes | memoryview]]:
     """The frames of ``message``, each as the pieces that concatenate to it. Tensor data comes as
     memoryviews of the tensors themselves, so a sender can write it without copying."""
     if message.kind not in KINDS:
         raise WireError("unknown_kind", message.kind)
     buffers = [tw.tensor_bytes(t) for t in message.tensors]
+    total = sum(b.nbytes for b in buffers)
     header = msgpack.packb(
         {
             "v": WIRE_VERSION,
@@ -90,13 +93,18 @@ def frames(message: Message, limits: Limits = Limits()) -> Iterator[list[bytes |
             "id": message.id,
             "m": message.meta,
             "t": [tw.describe(t) for t in message.tensors],
-            "n": sum(b.nbytes for b in buffers),
+            "n": total,
         },
         use_bin_type=True,
     )
     if len(header) > limits.max_header_bytes:
         raise MessageTooLarge("header_too_large", f"{len(header)} > {limits.max_header_bytes} bytes")
-    yield [FRAME_PREFIX.pack(len(header) + 1, FRAME_HEAD), header]
+    out: list[list[bytes | memoryview]] = [[_PACK_PREFIX(len(header) + 1, FRAME_HEAD), header]]
+    if total == 0:
+        return out
+    if total <= MAX_FRAME_PAYLOAD:  # the common case: all tensors in one DATA frame
+        out.append([_PACK_PREFIX(total + 1, FRAME_DATA), *(b for b in buffers if b.nbytes)])
+        return out
     parts: list[bytes | memoryview] = []  # pieces of the next DATA frame
     size = 0
     for buf in buffers:
@@ -107,16 +115,36 @@ def frames(message: Message, limits: Limits = Limits()) -> Iterator[list[bytes |
             size += take
             offset += take
             if size == MAX_FRAME_PAYLOAD:
-                yield [FRAME_PREFIX.pack(size + 1, FRAME_DATA), *parts]
+                out.append([_PACK_PREFIX(size + 1, FRAME_DATA), *parts])
                 parts, size = [], 0
     if parts:
-        yield [FRAME_PREFIX.pack(size + 1, FRAME_DATA), *parts]
+        out.append([_PACK_PREFIX(size + 1, FRAME_DATA), *parts])
+    return out
 
 
-def encode(message: Message, limits: Limits = Limits()) -> Iterator[bytes]:
-    """Frames of ``message``, each one ``bytes`` (prefix included)."""
+def writes(message: Message, limits: Limits = Limits(), join_below: int = 64 * 1024) -> list[bytes | memoryview]:
+    """The buffers a sender writes for ``message``, in order: consecutive pieces smaller than
+    ``join_below`` are joined into one ``bytes`` (a small message is a single write); larger tensor
+    pieces stay views of the tensor, written without a copy."""
+    out: list[bytes | memoryview] = []
+    pending: list[bytes | memoryview] = []
     for pieces in frames(message, limits):
-        yield b"".join(pieces)
+        for piece in pieces:
+            if len(piece) < join_below:
+                pending.append(piece)
+                continue
+            if pending:
+                out.append(b"".join(pending))
+                pending = []
+            out.append(piece)
+    if pending:
+        out.append(b"".join(pending))
+    return out
+
+
+def encode(message: Message, limits: Limits = Limits()) -> list[bytes]:
+    """Frames of ``message``, each one ``bytes`` (prefix included)."""
+    return [b"".join(pieces) for pieces in frames(message, limits)]
 
 
 def _check_meta(value: Any, depth: int = 0) -> None:
@@ -189,7 +217,7 @@ class Assembler:
             header = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_str_len=1 << 16)
         except Exception as exc:  # msgpack raises several unrelated types
             raise WireError("bad_header", f"not msgpack: {type(exc).__name__}") from None
-        if not isinstance(header, dict) or set(header) != {"v", "k", "id", "m", "t", "n"}:
+        if not isinstance(header, dict) or header.keys() != _HEADER_KEYS:
             raise WireError("bad_header", "header must be a map with keys v, k, id, m, t, n")
         if header["v"] != WIRE_VERSION:
             raise WireError("bad_version", f"wire version {header['v']!r:.20}, expected {WIRE_VERSION}")
@@ -199,7 +227,8 @@ class Assembler:
             raise WireError("bad_header", "id must be a non-negative int")
         if not isinstance(header["m"], dict):
             raise WireError("bad_meta", "metadata must be a map")
-        _check_meta(header["m"])
+        if header["m"]:
+            _check_meta(header["m"])
         if not isinstance(header["t"], list) or len(header["t"]) > self.limits.max_tensors:
             raise WireError("bad_tensor", f"tensors must be a list of at most {self.limits.max_tensors}")
         described = [tw.validate_descriptor(entry) for entry in header["t"]]
