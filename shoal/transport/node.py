@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -120,6 +121,12 @@ class MessageStream:
         self._send_lock = asyncio.Lock()
         self._next_id = 1
         self.broken = False
+        # recv's deadline: one lazily re-armed timer per stream instead of a timeout context per
+        # message (see recv)
+        self._deadline = 0.0
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._receiver: asyncio.Task | None = None
+        self._timed_out = False
 
     def next_id(self) -> int:
         self._next_id += 1
@@ -210,16 +217,40 @@ class MessageStream:
 
     async def recv(self, timeout: float | None = None) -> Message:
         """Next message. Raises :class:`RequestTimeout` (the stream is then unusable),
-        :class:`ClosedError` at end of stream, :class:`WireError` on a malformed frame."""
+        :class:`ClosedError` at end of stream, :class:`WireError` on a malformed frame.
+
+        Every message of a stream goes through here, so the deadline costs a clock read, not a
+        timer per call: one timer per stream fires at the earliest deadline it was armed for and,
+        if a later recv moved the deadline on, re-arms itself for that one."""
+        task = None
+        if timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._deadline = deadline = loop.time() + timeout
+            timer = self._deadline_timer
+            if timer is None or timer.when() > deadline:
+                if timer is not None:
+                    timer.cancel()
+                self._deadline_timer = loop.call_at(deadline, _check_deadline, weakref.ref(self))
+            self._receiver = task = asyncio.current_task()
         try:
-            async with asyncio.timeout(timeout):
-                return await self._recv_message()
-        except TimeoutError:
-            self.broken = True
-            raise RequestTimeout(f"no message from {self.peer_id[:10]} within {timeout:.3g} s") from None
+            return await self._recv_message()
+        except asyncio.CancelledError:
+            if task is not None and self._timed_out:
+                self._timed_out = False
+                if task.uncancel() == 0:  # our cancel alone: a timeout, not the caller's cancellation
+                    self.broken = True
+                    raise RequestTimeout(f"no message from {self.peer_id[:10]} within {timeout:.3g} s") from None
+            raise
         except WireError:
             self.broken = True
             raise
+        finally:
+            self._receiver = None
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
 
     async def request(self, message: Message, timeout: float | None = None) -> Message:
         """Send ``message`` and wait for its reply; an ``error`` reply is raised as RemoteError."""
@@ -230,15 +261,35 @@ class MessageStream:
         return reply
 
     async def finish(self) -> None:
+        self._cancel_deadline()
         with contextlib.suppress(iroh.IrohError):
             await self._send.finish()
 
     async def abort(self, code: int = 1) -> None:
+        self._cancel_deadline()
         self.broken = True
         with contextlib.suppress(iroh.IrohError):
             await self._send.reset(code)
         with contextlib.suppress(iroh.IrohError):
             await self._recv.stop(code)
+
+
+def _check_deadline(ref: weakref.ref[MessageStream]) -> None:
+    """A stream's deadline timer fired (a weak reference: a pending timer must not keep a finished
+    stream, and with it its QUIC stream, alive)."""
+    stream = ref()
+    if stream is None:
+        return
+    stream._deadline_timer = None
+    task = stream._receiver
+    if task is None:
+        return  # no recv waiting; the next one arms the timer again
+    loop = task.get_loop()
+    if loop.time() < stream._deadline:
+        stream._deadline_timer = loop.call_at(stream._deadline, _check_deadline, ref)
+        return
+    stream._timed_out = True
+    task.cancel()
 
 
 class Node:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from shoal.errors import ClosedError, ConnectTimeout, ProtocolMismatch, RemoteError, TicketError
+from shoal.errors import ClosedError, ConnectTimeout, ProtocolMismatch, RemoteError, RequestTimeout, TicketError
 from shoal.transport import META, Node, Protocol, Ticket, TransportConfig, sendfix
 from shoal.wire import DTYPES, MAX_FRAME_PAYLOAD, Message
 from tests.helpers.aio import run
@@ -55,6 +55,37 @@ def test_one_connection_carries_many_concurrent_streams(peer):
             results = await asyncio.gather(*(one(i) for i in range(32)))
             assert all(results)
             assert len(node._conns) == 1  # one pooled connection for the peer
+
+    run(go())
+
+
+def test_recv_deadlines_fire_on_time_and_move_on_with_each_message(peer):
+    async def go():
+        async with await Node.start(CONFIG) as node:
+            stream = await node.open_stream(peer.ticket, META)
+            # replies keep coming for longer than one deadline: no timeout (the stream's timer fires
+            # mid-recv and re-arms for the deadline of the recv in progress)
+            until, i = time.monotonic() + 0.8, 0
+            while time.monotonic() < until:
+                await stream.send(Message("ping", i))
+                assert (await stream.recv(0.3)).id == i
+                i += 1
+            await asyncio.sleep(0.4)  # the timer fires with no recv waiting
+            await stream.send(Message("ping", i))
+            assert (await stream.recv(0.3)).id == i
+            # a long deadline, then a short one: the short one fires on time
+            await stream.send(Message("ping", 99))
+            await stream.recv(30)
+            started = time.monotonic()
+            with pytest.raises(RequestTimeout):
+                await stream.recv(0.3)
+            assert 0.25 <= time.monotonic() - started < 2.0
+            assert stream.broken
+            # the caller's own cancellation is not turned into a timeout
+            other = await node.open_stream(peer.ticket, META)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(other.recv(30), 0.2)
+            assert not other.broken
 
     run(go())
 
