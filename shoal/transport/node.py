@@ -36,6 +36,7 @@ from shoal.errors import (
     WireError,
     remote_error,
 )
+from shoal.heap import freeze_startup_heap
 from shoal.transport import fastcall, sendfix
 from shoal.transport.config import NetworkProfile, TransportConfig
 from shoal.transport.identity import generate_key
@@ -317,6 +318,7 @@ class Node:
         secret_key: bytes | None = None,
     ) -> Node:
         sendfix.apply()
+        freeze_startup_heap()  # the first node of a process starts after its heavy imports
         iroh_ffi.uniffi_set_event_loop(asyncio.get_running_loop())
         handlers = dict(handlers or {})
         alpns = [p.alpn for p in handlers] + [META.alpn]
