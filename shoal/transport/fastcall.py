@@ -100,7 +100,10 @@ def _continue(handle: int, code: int) -> None:
     if getattr(_polling, "loop", None) is future.get_loop():  # inline, on the loop's own thread
         _resolve(future, code)
     else:
-        future.get_loop().call_soon_threadsafe(_resolve, future, code)
+        try:
+            future.get_loop().call_soon_threadsafe(_resolve, future, code)
+        except RuntimeError:  # the loop closed (process shutting down): nobody awaits this any more
+            pass
 
 
 if _AVAILABLE:
