@@ -70,6 +70,21 @@ def test_every_dtype_and_shape_survives_bit_for_bit(dtype):
     assert all(same_bits(a, b) for a, b in zip(tensors, out.tensors, strict=True))
 
 
+def test_mixed_dtypes_at_unaligned_offsets_decode_to_usable_tensors():
+    """Tensors follow each other in one buffer, so a float after 3 bools starts at an odd offset."""
+    tensors = [
+        torch.tensor([True, False, True]),
+        torch.arange(5, dtype=torch.float32) + 0.5,
+        torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        torch.arange(3, dtype=torch.int64),
+        torch.tensor(7.0, dtype=torch.float16),
+    ]
+    received = roundtrip(Message("ping", 1, {}, tensors)).tensors
+    assert all(same_bits(a, b) for a, b in zip(tensors, received, strict=True))
+    assert received[1].data_ptr() % 4 != 0  # really unaligned, and still computes
+    assert torch.equal(received[1] * 2, tensors[1] * 2) and torch.equal(received[2] + 1, tensors[2] + 1)
+
+
 def test_tensor_larger_than_a_frame_is_chunked():
     big = sample(torch.float32, (MAX_FRAME_PAYLOAD // 4 * 2 + 123,))
     frames = list(encode(Message("step", 1, {}, [sample(torch.int64, (3,)), big])))
