@@ -174,8 +174,6 @@ class MessageStream:
     async def _read_exact(self, n: int) -> bytes:
         """``n`` bytes from the stream; the large remainder of a frame is asked of iroh exactly."""
         try:
-            if not self._buffer and n >= _READ_CHUNK:
-                return await fastcall.read_exact(self._recv, n)
             while len(self._buffer) < n:
                 missing = n - len(self._buffer)
                 if missing >= _READ_CHUNK:

@@ -100,11 +100,6 @@ def frames(message: Message, limits: Limits = Limits()) -> list[list[bytes | mem
     if len(header) > limits.max_header_bytes:
         raise MessageTooLarge("header_too_large", f"{len(header)} > {limits.max_header_bytes} bytes")
     out: list[list[bytes | memoryview]] = [[_PACK_PREFIX(len(header) + 1, FRAME_HEAD), header]]
-    if total == 0:
-        return out
-    if total <= MAX_FRAME_PAYLOAD:  # the common case: all tensors in one DATA frame
-        out.append([_PACK_PREFIX(total + 1, FRAME_DATA), *(b for b in buffers if b.nbytes)])
-        return out
     parts: list[bytes | memoryview] = []  # pieces of the next DATA frame
     size = 0
     for buf in buffers:
@@ -227,8 +222,7 @@ class Assembler:
             raise WireError("bad_header", "id must be a non-negative int")
         if not isinstance(header["m"], dict):
             raise WireError("bad_meta", "metadata must be a map")
-        if header["m"]:
-            _check_meta(header["m"])
+        _check_meta(header["m"])
         if not isinstance(header["t"], list) or len(header["t"]) > self.limits.max_tensors:
             raise WireError("bad_tensor", f"tensors must be a list of at most {self.limits.max_tensors}")
         described = [tw.validate_descriptor(entry) for entry in header["t"]]
