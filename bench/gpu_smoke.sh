@@ -73,7 +73,16 @@ if [ "${SHOAL_LO_ONLY:-}" != 1 ]; then
   userns=()
   [ "$(id -u)" = 0 ] || userns=(--user --map-root-user)
   exec unshare "${userns[@]}" --net --pid --fork --kill-child --mount --mount-proc \
-    bash -c 'ip link set lo up && SHOAL_LO_ONLY=1 exec "$0" "$@"' "$0" "$@"
+    bash -c 'SHOAL_LO_ONLY=1 exec "$0" "$@"' "$0" "$@"
+fi
+# lo up: with iproute2 where it is installed, else with the two ioctls it makes (GPU images may lack it)
+if command -v ip >/dev/null; then
+  ip link set lo up
+else
+  "$PY" -c 'import fcntl, socket, struct
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH22x", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]  # SIOCGIFFLAGS
+fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))  # SIOCSIFFLAGS, IFF_UP'
 fi
 "$PY" -c 'import socket, sys; names = [n for _, n in socket.if_nameindex()]; sys.exit(0 if names == ["lo"] else f"not isolated: interfaces {names}")'
 
