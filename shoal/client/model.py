@@ -4,7 +4,7 @@ The client keeps embeddings, final norm and LM head (a :class:`~shoal.models.bas
 hidden states go through a :class:`~shoal.client.blocks.BlockSequence`. ``generate`` is
 transformers' own loop. Two hooks connect it to remote sessions:
 
-* ``_prepare_cache_for_generation`` puts a :class:`SessionCache` in ``model_kwargs["cache"]``: the
+* ``_prepare_cache_for_generation`` puts a :class:`SessionCache` in ``model_kwargs[CACHE_KEY]``: the
   active ``inference_session`` if any, else a session opened for this call (``generate`` closes it,
   also on errors). Its ``get_seq_length()`` is the session position, so transformers feeds only the
   tokens the servers do not hold yet.
@@ -25,12 +25,15 @@ from torch import Tensor
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 
 from shoal.client.blocks import BlockSequence, BlockSession
 from shoal.models.base import ClientHead
 
 __all__ = ["DistributedModelForCausalLM", "SessionCache"]
+
+# The name transformers gives the cache in model outputs and in generate's model_kwargs:
+# ``past_key_values`` until 5.23, ``cache`` from 5.24 on.
+CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class SessionCache(Cache):
@@ -214,8 +217,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             out = cache.session.step(wire, position_ids, mask)
             cache.record(input_ids, n)
         out = out.to(device=hidden.device, dtype=self.dtype)
-        logits = self.head.logits(slice_logits_to_keep(out, logits_to_keep))
-        output = CausalLMOutputWithPast(logits=logits, cache=cache)
+        logits = self.head.logits(_positions_to_keep(out, logits_to_keep))
+        output = CausalLMOutputWithPast(logits=logits, **{CACHE_KEY: cache})
         return output if return_dict is not False else output.to_tuple()
 
     def generate(self, *args: Any, **kwargs: Any):
@@ -236,7 +239,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise NotImplementedError("beam search needs cache reordering, which remote sessions do not support")
         if generation_config.use_cache is False:
             return  # every step re-sends the whole sequence through the stateless forward
-        cache = model_kwargs.get("cache")
+        cache = model_kwargs.get(CACHE_KEY)
         cache = self._active if cache is None else cache  # (a Cache with no layers is falsy)
         rows = batch_size * generation_config.num_return_sequences
         if cache is None:
@@ -249,10 +252,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"generate needs {rows} sequences, the session holds {cache.batch_size}")
         if max_cache_length > cache.session.max_length:
             raise ValueError(f"generate needs {max_cache_length} positions, the session has {cache.session.max_length}")
-        model_kwargs["cache"] = cache
+        model_kwargs[CACHE_KEY] = cache
 
     def _prefill(self, input_ids: Tensor, generation_config, model_kwargs: dict, is_first_iteration: bool = True):
-        cache = model_kwargs.get("cache")
+        cache = model_kwargs.get(CACHE_KEY)
         if isinstance(cache, SessionCache):
             if model_kwargs.get("inputs_embeds") is not None and is_first_iteration:
                 cache.rollback(0)  # embeddings cannot be compared with what the session holds
@@ -262,3 +265,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 if mask_length == input_ids.shape[1]:  # the whole sequence (else: only the new tokens)
                     cache.sync(input_ids)
         return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=is_first_iteration)
+
+
+def _positions_to_keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions whose logits are wanted, as transformers' models pick them: an int keeps the last
+    ``logits_to_keep`` (0 keeps all), a 1-D tensor names positions (transformers' own helper for this
+    came in 5.21)."""
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden[:, keep, :]

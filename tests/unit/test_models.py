@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
 
 from shoal.checkpoints import load_config, load_tensors, save_sharded, span_tensor_filter
+from shoal.client.model import CACHE_KEY
 from shoal.models import UnsupportedModelError, get_family
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,7 +97,7 @@ def decode_and_compare(model, spans, ids, mask, steps):
                 tokens,
                 attention_mask=mask,
                 position_ids=position_ids,
-                cache=cache,
+                **{CACHE_KEY: cache},  # past_key_values before transformers 5.24
                 use_cache=True,
                 output_hidden_states=True,
             )
