@@ -5,10 +5,11 @@
 #   bench/gpu_smoke.sh                           # --device cuda --dtype bfloat16, 32 new tokens
 #   bench/gpu_smoke.sh --device cpu --tiny       # the same steps on a 4-block toy model, on the CPU
 #   bench/gpu_smoke.sh --download-wheels         # on a machine WITH a package registry: fetch the
-#                                                # iroh/msgpack wheels for an offline Python 3.12 box
+#                                                # wheels below for an offline Python 3.12 box
 #
 # Steps: (1) install shoal from this working tree (pip install -e . --no-deps, no build isolation,
-# no network needed; falls back to PYTHONPATH), and missing runtime deps from wheels in
+# no network needed; falls back to PYTHONPATH), and missing runtime deps (iroh, msgpack, cryptography
+# and its cffi, pycparser: what GPU images tend to lack) from wheels in
 # ${SHOAL_WHEELS:-bench/wheels} if that folder exists; (2) re-exec itself in fresh network and PID
 # namespaces with only loopback up (as scripts/test does: iroh's port mapper must not probe the
 # network); (3) run python -m bench.gpu_smoke with the given arguments. If $OUT is set, the JSON is
@@ -23,7 +24,7 @@ if [ "${1:-}" = "--download-wheels" ]; then
   mkdir -p "$WHEELS"
   "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    -d "$WHEELS" "iroh==1.2.0" "msgpack>=1.0"
+    --platform manylinux_2_34_x86_64 -d "$WHEELS" "iroh==1.2.0" "msgpack>=1.0" "cryptography>=42" cffi pycparser
   ls -l "$WHEELS"
   exit 0
 fi
@@ -31,28 +32,28 @@ fi
 if [ "${SHOAL_SMOKE_INSTALLED:-}" != 1 ]; then
   echo "gpu_smoke: $("$PY" --version) at $(command -v "$PY")" >&2
   # What shoal's serve/client path imports. torch, transformers, safetensors and numpy must be there
-  # already (the GPU image has them); iroh and msgpack are installed if missing.
+  # already (the GPU image has them); the others are installed if missing.
   find_missing() { "$PY" -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "$@"; }
   core=$(find_missing torch transformers safetensors numpy)
   if [ -n "$core" ]; then
-    echo "gpu_smoke: ERROR: $PY lacks $core (this script installs only iroh and msgpack)" >&2
+    echo "gpu_smoke: ERROR: $PY lacks $core (this script installs only iroh, msgpack, cryptography, cffi and pycparser)" >&2
     exit 3
   fi
-  missing=$(find_missing iroh msgpack)
+  missing=$(find_missing iroh msgpack cryptography cffi pycparser)
   if [ -n "$missing" ]; then
-    reqs=$(echo "$missing" | sed -e 's/iroh/iroh==1.2.0/' -e 's/msgpack/msgpack>=1.0/')
+    reqs=$(echo "$missing" | sed -e 's/iroh/iroh==1.2.0/' -e 's/msgpack/msgpack>=1.0/' -e 's/cryptography/cryptography>=42/')
     echo "gpu_smoke: missing: $missing; installing $reqs" >&2
     if [ -d "$WHEELS" ]; then
       "$PY" -m pip install --no-index --find-links "$WHEELS" $reqs >&2 || true
     else
       "$PY" -m pip install $reqs >&2 || true   # works only where a registry is reachable
     fi
-    still=$(find_missing iroh msgpack)
+    still=$(find_missing iroh msgpack cryptography cffi pycparser)
     if [ -n "$still" ]; then
       echo "gpu_smoke: ERROR: still missing Python packages: $still" >&2
       echo "gpu_smoke: this machine cannot reach a package registry. On one that can, run" >&2
       echo "gpu_smoke:   bench/gpu_smoke.sh --download-wheels" >&2
-      echo "gpu_smoke: (wheels for iroh==1.2.0 and msgpack, Python 3.12, into bench/wheels/) and bring that" >&2
+      echo "gpu_smoke: (wheels for iroh==1.2.0, msgpack, cryptography, cffi, pycparser, Python 3.12, into bench/wheels/) and bring that" >&2
       echo "gpu_smoke: folder along (or point SHOAL_WHEELS at it). iroh 1.2.0 is py3-none-manylinux_2_28_x86_64." >&2
       exit 3
     fi
