@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.generate import Server, halves, run_once
+from bench.generate import BlockTimer, Server, halves, run_once
 
 LLAMA3_8B = dict(
     hidden_size=4096,
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         timings["client_connect_s"] = time.perf_counter() - t
         result["route"] = swarm.blocks.describe_route()
+        remote = swarm.blocks
+        swarm.blocks = BlockTimer(remote)  # per-token split: inside the remote block calls vs the client
 
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(3, config.vocab_size, (1, args.prompt_tokens), generator=generator).to(device)
@@ -206,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             top2 = out.logits[mismatch][0].float().topk(2).values
             result["parity"]["local_top2_logit_gap_at_mismatch"] = round(float(top2[0] - top2[1]), 5)
 
+        before = [info["counters"] for info in remote.server_infos()]
         runs: dict[str, list[dict]] = {"local": [], "swarm": []}
         for rep in range(args.repeats):
             order = ["local", "swarm"] if rep % 2 == 0 else ["swarm", "local"]
@@ -220,10 +223,26 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_tok_s_runs": [round(r["decode_tok_s"], 2) for r in rs],
             }
         speed["ratio"] = round(speed["swarm"]["decode_tok_s_median"] / speed["local"]["decode_tok_s_median"], 3)
+        if all("blocks_ms" in r for r in runs["swarm"]):
+            # per swarm token: blocks (transport + both servers), of which the servers' own compute
+            # (their step_seconds counters: prefill steps included, so a slight overestimate), and
+            # the client's part (embedding, head, generate's loop)
+            after = [info["counters"] for info in remote.server_infos()]
+            compute = [
+                (a["step_seconds"] - b["step_seconds"]) / max(1, a["steps"] - b["steps"]) * 1e3
+                for a, b in zip(after, before, strict=True)
+            ]
+            speed["swarm_split_ms"] = {
+                "token": round(1e3 / speed["swarm"]["decode_tok_s_median"], 2),
+                "blocks": round(statistics.median(r["blocks_ms"] for r in runs["swarm"]), 2),
+                "server_compute": [round(c, 2) for c in compute],
+                "client": round(statistics.median(r["client_ms"] for r in runs["swarm"]), 2),
+                "local_token": round(1e3 / speed["local"]["decode_tok_s_median"], 2),
+            }
         result["decode"] = speed
         if is_cuda:
             result["gpu_memory_gb_this_process"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        swarm.blocks.close()
+        remote.close()
     finally:
         for server in servers:
             server.stop()
