@@ -74,10 +74,13 @@ if [ "${SHOAL_LO_ONLY:-}" != 1 ]; then
   userns=()
   [ "$(id -u)" = 0 ] || userns=(--user --map-root-user)
   exec unshare "${userns[@]}" --net --pid --fork --kill-child --mount --mount-proc \
-    bash -c 'SHOAL_LO_ONLY=1 exec "$0" "$@"' "$0" "$@"
+    bash -c 'SHOAL_LO_ONLY=1 SHOAL_SMOKE_NEW_NETNS=1 exec "$0" "$@"' "$0" "$@"
 fi
-# lo up: with iproute2 where it is installed, else with the two ioctls it makes (GPU images may lack it)
-if command -v ip >/dev/null; then
+# lo up in the namespace made above: with iproute2 where it is installed, else with the two ioctls it
+# makes (GPU images may lack it)
+if [ "${SHOAL_SMOKE_NEW_NETNS:-}" != 1 ]; then
+  :
+elif command -v ip >/dev/null; then
   ip link set lo up
 else
   "$PY" -c 'import fcntl, socket, struct
