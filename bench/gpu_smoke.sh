@@ -10,50 +10,55 @@
 # Steps: (1) install shoal from this working tree (pip install -e . --no-deps, no build isolation,
 # no network needed; falls back to PYTHONPATH), and missing runtime deps (iroh, msgpack, cryptography
 # and its cffi, pycparser: what GPU images tend to lack) from wheels in
-# ${SHOAL_WHEELS:-bench/wheels} if that folder exists; (2) re-exec itself in fresh network and PID
-# namespaces with only loopback up (as scripts/test does: iroh's port mapper must not probe the
-# network); (3) run python -m bench.gpu_smoke with the given arguments. If $OUT is set, the JSON is
+# ${SHOAL_WHEELS:-bench/wheels} if that folder exists; (2) re-exec itself through scripts/isolated
+# (fresh network and PID namespaces with only loopback up, as scripts/test does: iroh's port mapper
+# must not probe the network); (3) run python -m bench.gpu_smoke with the given arguments. If $OUT is set, the JSON is
 # also written to $OUT/gpu_smoke.json. Needs root (or unprivileged user namespaces).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 WHEELS=${SHOAL_WHEELS:-$ROOT/bench/wheels}
+# what shoal's serve/client path needs beyond torch, transformers, safetensors and numpy (which GPU
+# images have), as pip requirements; the module of each is its name
+EXTRA_REQS=("iroh==1.2.0" "msgpack>=1.0" "cryptography>=42" "cffi" "pycparser")
+EXTRA_MODULES=("${EXTRA_REQS[@]%%[=<>]*}")
 
 if [ "${1:-}" = "--download-wheels" ]; then
   mkdir -p "$WHEELS"
   "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux_2_34_x86_64 -d "$WHEELS" "iroh==1.2.0" "msgpack>=1.0" "cryptography>=42" cffi pycparser
+    --platform manylinux_2_34_x86_64 -d "$WHEELS" "${EXTRA_REQS[@]}"
   ls -l "$WHEELS"
   exit 0
 fi
 
 if [ "${SHOAL_SMOKE_INSTALLED:-}" != 1 ]; then
   echo "gpu_smoke: $("$PY" --version) at $(command -v "$PY")" >&2
-  # What shoal's serve/client path imports. torch, transformers, safetensors and numpy must be there
-  # already (the GPU image has them); the others are installed if missing.
   find_missing() { "$PY" -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" "$@"; }
   core=$(find_missing torch transformers safetensors numpy)
   if [ -n "$core" ]; then
-    echo "gpu_smoke: ERROR: $PY lacks $core (this script installs only iroh, msgpack, cryptography, cffi and pycparser)" >&2
+    echo "gpu_smoke: ERROR: $PY lacks $core (this script installs only ${EXTRA_MODULES[*]})" >&2
     exit 3
   fi
-  missing=$(find_missing iroh msgpack cryptography cffi pycparser)
+  missing=$(find_missing "${EXTRA_MODULES[@]}")
   if [ -n "$missing" ]; then
-    reqs=$(echo "$missing" | sed -e 's/iroh/iroh==1.2.0/' -e 's/msgpack/msgpack>=1.0/' -e 's/cryptography/cryptography>=42/')
-    echo "gpu_smoke: missing: $missing; installing $reqs" >&2
+    reqs=()
+    for i in "${!EXTRA_MODULES[@]}"; do
+      [[ " $missing " == *" ${EXTRA_MODULES[$i]} "* ]] && reqs+=("${EXTRA_REQS[$i]}")
+    done
+    echo "gpu_smoke: missing: $missing; installing ${reqs[*]}" >&2
     if [ -d "$WHEELS" ]; then
-      "$PY" -m pip install --no-index --find-links "$WHEELS" $reqs >&2 || true
+      "$PY" -m pip install --no-index --find-links "$WHEELS" "${reqs[@]}" >&2 || true
     else
-      "$PY" -m pip install $reqs >&2 || true   # works only where a registry is reachable
+      "$PY" -m pip install "${reqs[@]}" >&2 || true   # works only where a registry is reachable
     fi
-    still=$(find_missing iroh msgpack cryptography cffi pycparser)
+    still=$(find_missing "${EXTRA_MODULES[@]}")
     if [ -n "$still" ]; then
       echo "gpu_smoke: ERROR: still missing Python packages: $still" >&2
       echo "gpu_smoke: this machine cannot reach a package registry. On one that can, run" >&2
       echo "gpu_smoke:   bench/gpu_smoke.sh --download-wheels" >&2
-      echo "gpu_smoke: (wheels for iroh==1.2.0, msgpack, cryptography, cffi, pycparser, Python 3.12, into bench/wheels/) and bring that" >&2
+      echo "gpu_smoke: (wheels for ${EXTRA_REQS[*]}, Python 3.12, into bench/wheels/) and bring that" >&2
       echo "gpu_smoke: folder along (or point SHOAL_WHEELS at it). iroh 1.2.0 is py3-none-manylinux_2_28_x86_64." >&2
       exit 3
     fi
@@ -71,24 +76,8 @@ if [ "${SHOAL_SMOKE_INSTALLED:-}" != 1 ]; then
 fi
 
 if [ "${SHOAL_LO_ONLY:-}" != 1 ]; then
-  userns=()
-  [ "$(id -u)" = 0 ] || userns=(--user --map-root-user)
-  exec unshare "${userns[@]}" --net --pid --fork --kill-child --mount --mount-proc \
-    bash -c 'SHOAL_LO_ONLY=1 SHOAL_SMOKE_NEW_NETNS=1 exec "$0" "$@"' "$0" "$@"
+  exec "$ROOT/scripts/isolated" "$0" "$@"   # checks that only loopback is there (gpu_smoke.py does too)
 fi
-# lo up in the namespace made above: with iproute2 where it is installed, else with the two ioctls it
-# makes (GPU images may lack it)
-if [ "${SHOAL_SMOKE_NEW_NETNS:-}" != 1 ]; then
-  :
-elif command -v ip >/dev/null; then
-  ip link set lo up
-else
-  "$PY" -c 'import fcntl, socket, struct
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-flags = struct.unpack("16sH22x", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]  # SIOCGIFFLAGS
-fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))  # SIOCSIFFLAGS, IFF_UP'
-fi
-"$PY" -c 'import socket, sys; names = [n for _, n in socket.if_nameindex()]; sys.exit(0 if names == ["lo"] else f"not isolated: interfaces {names}")'
 
 json_args=()
 if [ -n "${OUT:-}" ]; then json_args=(--json "$OUT/gpu_smoke.json"); fi
