@@ -23,14 +23,13 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench.generate import BlockTimer, Server, halves, run_once
+from bench.generate import BlockTimer, Server, halves, run_once, summarize
 
 LLAMA3_8B = dict(
     hidden_size=4096,
@@ -215,30 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             for label in order:
                 model = local if label == "local" else swarm
                 runs[label].append(run_once(model, ids, args.new_tokens, pad, sync)[0])
-        speed = {}
-        for label, rs in runs.items():
-            speed[label] = {
-                "decode_tok_s_median": round(statistics.median(r["decode_tok_s"] for r in rs), 2),
-                "ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in rs), 2),
-                "decode_tok_s_runs": [round(r["decode_tok_s"], 2) for r in rs],
-            }
+        speed = {label: summarize(rs) for label, rs in runs.items()}  # swarm: blocks_ms, client_ms too
         speed["ratio"] = round(speed["swarm"]["decode_tok_s_median"] / speed["local"]["decode_tok_s_median"], 3)
-        if all("blocks_ms" in r for r in runs["swarm"]):
-            # per swarm token: blocks (transport + both servers), of which the servers' own compute
-            # (their step_seconds counters: prefill steps included, so a slight overestimate), and
-            # the client's part (embedding, head, generate's loop)
-            after = [info["counters"] for info in remote.server_infos()]
-            compute = [
-                (a["step_seconds"] - b["step_seconds"]) / max(1, a["steps"] - b["steps"]) * 1e3
-                for a, b in zip(after, before, strict=True)
-            ]
-            speed["swarm_split_ms"] = {
-                "token": round(1e3 / speed["swarm"]["decode_tok_s_median"], 2),
-                "blocks": round(statistics.median(r["blocks_ms"] for r in runs["swarm"]), 2),
-                "server_compute": [round(c, 2) for c in compute],
-                "client": round(statistics.median(r["client_ms"] for r in runs["swarm"]), 2),
-                "local_token": round(1e3 / speed["local"]["decode_tok_s_median"], 2),
-            }
+        # the servers' own compute per step, from their step_seconds counters (prefill steps
+        # included, so a slight overestimate): the part of blocks_ms that is not transport
+        after = [info["counters"] for info in remote.server_infos()]
+        speed["swarm"]["server_compute_ms"] = [
+            round((a["step_seconds"] - b["step_seconds"]) / max(1, a["steps"] - b["steps"]) * 1e3, 3)
+            for a, b in zip(after, before, strict=True)
+        ]
         result["decode"] = speed
         if is_cuda:
             result["gpu_memory_gb_this_process"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
