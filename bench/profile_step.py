@@ -1,7 +1,7 @@
 """Where one decode step's time goes: client -> server 1 -> server 2 -> client, from timestamps.
 
     ../shared/lo-only python -m bench.profile_step [--model smollm2] [--server-threads 1]
-                                                   [--new-tokens 64] [--runs 3]
+                                                   [--new-tokens 64] [--runs 3] [--push]
 
 Two servers (halves of the blocks) run as ``python -m bench.profile_step --serve ARGS`` (``shoal
 serve`` with timing hooks patched in: shoal's code is not changed); the client is this process.
@@ -9,7 +9,9 @@ Every process stamps ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for the
 segments across processes line up. The k-th session step of the client is the k-th step of each
 server (one session at a time), which is how records are matched.
 
-Per decode token (medians over the decode steps of all runs after a warm-up), in milliseconds:
+Per decode token (medians over the decode steps of all runs after a warm-up), in milliseconds,
+with client-driven hops (the default here; ``--push`` for the chain shoal runs by default, whose
+segments :func:`breakdown_push` describes):
   gen_loop      transformers' generate between two forwards (logits processors, argmax, stopping)
   client_pre    DistributedModelForCausalLM.forward before the blocks (embedding, mask, casts)
   handoff_in    generate's thread -> the client event loop thread
@@ -190,8 +192,10 @@ class ClientHooks:
         async def _recv_message(self):
             message = await recv_message(self)
             record = getattr(hooks, "current", None)
-            if record is not None and record["hops"] and "recv_end" not in record["hops"][-1]:
-                record["hops"][-1]["recv_end"] = now()
+            if record is not None and record["hops"]:
+                hop = record["hops"][-1]
+                hop.setdefault("recv_end", now())  # the first reply (client-driven: the only one)
+                hop["last_recv_end"] = now()  # with push: the last server's reply
             return message
 
         model.DistributedModelForCausalLM.forward = _forward
@@ -236,6 +240,48 @@ def breakdown(hooks: ClientHooks, servers: list[list[dict]], decode_steps: set[i
             add(p + "rtt_minus_compute", hop["recv_end"] - hop["send_start"] - compute)
         add("handoff_out", c["s_end"] - c["l_end"])
         add("client_post", f_end - c["s_end"])
+    return {name: median_ms(values) for name, values in segments.items()}
+
+
+def breakdown_push(hooks: ClientHooks, servers: list[list[dict]], decode_steps: set[int]) -> dict:
+    """Medians per decode token with push: the client sends to server 0, each server pushes its output
+    to the next, the last one answers the client. ``s{i}.wire_in``: the sender's write returned ->
+    server i has decoded the message (transport, receiver wake-ups, parse); ``s{i}.pre``/``post``:
+    event loop <-> compute thread and the step's own checks; ``s{i}.send_call``: the awaited write of
+    its push (or, for the last, its reply); ``wire_back``: the last server's write returned -> the
+    client has decoded the reply. ``between_stages`` sums everything on the critical path that is not
+    compute, the client's head or generate's loop."""
+    segments: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        segments.setdefault(name, []).append(value)
+
+    forwards = hooks.forwards
+    for k in sorted(decode_steps):
+        c = hooks.steps[k]
+        f_start, f_end = forwards[k]
+        hop = c["hops"][0]
+        if k + 1 < len(forwards) and k + 1 in decode_steps:
+            add("token_total", forwards[k + 1][0] - f_start)
+            add("gen_loop", forwards[k + 1][0] - f_end)
+        add("client_pre", c["s_start"] - f_start)
+        add("handoff_in", c["l_start"] - c["s_start"])
+        add("client_send_call", hop["send_end"] - hop["send_start"])
+        sent = hop["send_end"]
+        for i, srv in enumerate(s[k] for s in servers):
+            p = f"s{i}."
+            add(p + "wire_in", srv["recv_end"] - sent)
+            add(p + "pre", srv["compute_start"] - srv["recv_end"])
+            add(p + "compute", srv["compute_end"] - srv["compute_start"])
+            add(p + "post", srv["send_start"] - srv["compute_end"])
+            add(p + "send_call", srv["send_end"] - srv["send_start"])
+            sent = srv["send_end"]
+        add("wire_back", hop["last_recv_end"] - sent)
+        add("client_gap", c["l_end"] - hop["last_recv_end"])
+        add("handoff_out", c["s_end"] - c["l_end"])
+        add("client_post", f_end - c["s_end"])
+        computes = sum(s[k]["compute_end"] - s[k]["compute_start"] for s in servers)
+        add("between_stages", c["s_end"] - c["s_start"] - computes)
     return {name: median_ms(values) for name, values in segments.items()}
 
 
@@ -299,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:
         return serve_instrumented(argv[1:])
+    if not any(knob in os.environ for knob in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
+        # run the client (and, by inheritance, the servers) with shoal's spin count (shoal.omp), as
+        # shoal's processes do; libgomp read its environment when torch loaded, so start again
+        from shoal.omp import SPIN_COUNT
+
+        env = {**os.environ, "GOMP_SPINCOUNT": SPIN_COUNT}
+        os.execve(sys.executable, [sys.executable, "-m", "bench.profile_step", *argv], env)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--server-threads", type=int, default=1)
@@ -313,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         help="servers load and compute on one thread (see serve_instrumented): tests the libgomp pool effect",
     )
     parser.add_argument("--no-reference", action="store_true", help="skip the in-process reference timings")
+    parser.add_argument(
+        "--push",
+        action="store_true",
+        help="servers push to the next server (shoal's default); else the client drives every hop",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.client_threads)
 
@@ -350,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
     try:
         hooks = ClientHooks()
-        swarm = AutoDistributedModelForCausalLM.from_pretrained(  # client-driven hops: one send/recv per hop
-            str(path), tickets, transport=TransportConfig(bind_addr="127.0.0.1:0"), push=False
+        swarm = AutoDistributedModelForCausalLM.from_pretrained(
+            str(path), tickets, transport=TransportConfig(bind_addr="127.0.0.1:0"), push=args.push
         )
         ids = prompt_ids(args.model, path, config.vocab_size)
         run_once(swarm, ids, args.new_tokens, 0)  # warm-up
@@ -381,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         "client_omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
         "swarm_decode_tok_s": [round(r["decode_tok_s"], 2) for r in runs],
         "foreign_cpu": [round(r["foreign_cpu"], 3) for r in runs],
-        "per_token_ms": breakdown(hooks, records, decode),
+        "push": args.push,
+        "per_token_ms": (breakdown_push if args.push else breakdown)(hooks, records, decode),
         "loadavg": os.getloadavg(),
     }
     if not args.no_reference:
