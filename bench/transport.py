@@ -1,6 +1,6 @@
 """Transport benchmark: shoal on iroh vs plain asyncio TCP, two processes, one run.
 
-    ../shared/lo-only python -m bench.transport [--rounds 500] [--mb 64]
+    ../shared/lo-only python -m bench.transport [--rounds 500] [--mb 64] [--cold]
 
 Prints JSON: for each stack, 1 KB request/response round trips on an open connection
 (``rtt_us_median``, ``rtt_us_p99``), ``throughput_mb_s`` for ``--mb`` MB sent as 4 MiB messages
@@ -9,6 +9,11 @@ acknowledges each message and the clock stops at the last acknowledgement),
 ``throughput_acked_mb_s`` for the same messages sent one at a time (each waits for its
 acknowledgement: a round trip per message), and ``connect_ms`` (dial + handshake + first round
 trip on a warm endpoint).
+
+``--cold``: also the round trip a pipeline sees. In a swarm on one machine, a message arrives at a
+process that has waited while another process streamed its weights through the caches. Here a
+third process (``--stage-mb`` MB of fp32 weights, one pass of matrix-vector products over them on
+all cores) runs before each of ``--cold-rounds`` round trips; ``cold`` reports both stacks' median.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import struct
 import subprocess
@@ -140,6 +146,65 @@ async def bench_tcp(port: int, rounds: int, total_mb: int) -> dict:
     return _summary(rtts, streamed_s, acked_s, total_mb, connect_s)
 
 
+def run_stage(megabytes: int) -> None:
+    """A stand-in pipeline stage: one pass over ``megabytes`` of weights per byte read on stdin."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    rows = 2816
+    weights = [torch.randn(rows, 1024) for _ in range(max(1, megabytes * 2**20 // (rows * 1024 * 4)))]
+    x = torch.randn(1024)
+    while sys.stdin.buffer.read(1):
+        for w in weights:
+            w @ x
+        sys.stdout.buffer.write(b"k")
+        sys.stdout.buffer.flush()
+
+
+class Stage:
+    def __init__(self, megabytes: int):
+        args = [sys.executable, "-m", "bench.transport", "--stage", str(megabytes)]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.run()  # allocated and warm
+
+    def run(self) -> None:
+        self.proc.stdin.write(b"g")
+        self.proc.stdin.flush()
+        if self.proc.stdout.read(1) != b"k":
+            raise RuntimeError("the stage process died")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+async def cold_rtts(ticket: Ticket, port: int, stage: Stage, rounds: int) -> dict:
+    """Round trips each right after the stage ran: shoal's and TCP's, interleaved."""
+    node = await Node.start(TransportConfig(bind_addr="127.0.0.1:0"))
+    try:
+        stream = await node.open_stream(ticket, META)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        payload = torch.zeros(1024, dtype=torch.float32)  # 4 KB: a hidden state of a 1024-wide model
+        shoal_rtts, tcp_rtts = [], []
+        for i in range(rounds + 3):
+            stage.run()
+            t = time.perf_counter()
+            await stream.request(Message("ping", i, {}, [payload]))
+            shoal_rtts.append(time.perf_counter() - t)
+            stage.run()
+            t = time.perf_counter()
+            writer.write(TCP_HEADER.pack(4096) + bytes(4096))
+            await writer.drain()
+            await _tcp_read_message(reader)
+            tcp_rtts.append(time.perf_counter() - t)
+        writer.close()
+        await stream.finish()
+        return {
+            "shoal_iroh_rtt_us_median": round(statistics.median(shoal_rtts[3:]) * 1e6, 1),
+            "asyncio_tcp_rtt_us_median": round(statistics.median(tcp_rtts[3:]) * 1e6, 1),
+        }
+    finally:
+        await node.close()
+
+
 async def run_server() -> None:
     node = await Node.start(TransportConfig(bind_addr="127.0.0.1:0"))
     tcp = await serve_tcp()
@@ -154,10 +219,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=500)
     parser.add_argument("--mb", type=int, default=64)
+    parser.add_argument("--cold", action="store_true", help="also round trips right after a stand-in stage ran")
+    parser.add_argument("--cold-rounds", type=int, default=60)
+    parser.add_argument("--stage-mb", type=int, default=400)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         run_loop(run_server())
+        return
+    if args.stage:
+        run_stage(args.stage)
         return
     server = subprocess.Popen(
         [sys.executable, "-m", "bench.transport", "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -171,6 +243,13 @@ def main() -> None:
             "message_bytes": MESSAGE_BYTES,
             "total_mb": args.mb,
         }
+        if args.cold:
+            stage = Stage(args.stage_mb)
+            try:
+                cold = run_loop(cold_rtts(ticket, hello["tcp_port"], stage, args.cold_rounds))
+            finally:
+                stage.close()
+            result["cold"] = {"stage_mb": args.stage_mb, "rounds": args.cold_rounds, **cold}
         result["targets_met"] = {
             "throughput_mb_s>=100": result["shoal_iroh"]["throughput_mb_s"] >= 100,
             "rtt_us_median<=1000": result["shoal_iroh"]["rtt_us_median"] <= 1000,
