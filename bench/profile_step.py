@@ -249,8 +249,8 @@ def breakdown_push(hooks: ClientHooks, servers: list[list[dict]], decode_steps: 
     server i has decoded the message (transport, receiver wake-ups, parse); ``s{i}.pre``/``post``:
     event loop <-> compute thread and the step's own checks; ``s{i}.send_call``: the awaited write of
     its push (or, for the last, its reply); ``wire_back``: the last server's write returned -> the
-    client has decoded the reply. ``between_stages`` sums everything on the critical path that is not
-    compute, the client's head or generate's loop."""
+    client has decoded the reply. ``between_stages``: the client's session step, call to return, less
+    the servers' compute (transport and thread hand-offs on the critical path)."""
     segments: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
