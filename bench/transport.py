@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from shoal.omp import SPIN_COUNT
 from shoal.transport import META, Node, Ticket, TransportConfig
 from shoal.transport.loop import run as run_loop
 from shoal.wire import Message
@@ -160,9 +161,15 @@ def run_stage(megabytes: int) -> None:
 
 
 class Stage:
+    """The stand-in stage in a child process, with the OpenMP spin count shoal's servers use (a
+    stage whose workers spun on for milliseconds would take a core from the round trip)."""
+
     def __init__(self, megabytes: int):
         args = [sys.executable, "-m", "bench.transport", "--stage", str(megabytes)]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        env = dict(os.environ)
+        if not any(knob in env for knob in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
+            env["GOMP_SPINCOUNT"] = SPIN_COUNT
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.run()  # allocated and warm
 
     def run(self) -> None:
