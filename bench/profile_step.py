@@ -11,7 +11,7 @@ server (one session at a time), which is how records are matched.
 
 Per decode token (medians over the decode steps of all runs after a warm-up), in milliseconds,
 with client-driven hops (the default here; ``--push`` for the chain shoal runs by default, whose
-segments :func:`breakdown_push` describes):
+segments :func:`push_hops` describes):
   gen_loop      transformers' generate between two forwards (logits processors, argmax, stopping)
   client_pre    DistributedModelForCausalLM.forward before the blocks (embedding, mask, casts)
   handoff_in    generate's thread -> the client event loop thread
@@ -40,6 +40,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -209,13 +210,15 @@ def median_ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1e3, 3) if values else float("nan")
 
 
-def breakdown(hooks: ClientHooks, servers: list[list[dict]], decode_steps: set[int]) -> dict:
-    """Medians of each segment over the step indices in ``decode_steps``."""
+def breakdown(hooks: ClientHooks, servers: list[list[dict]], decode_steps: set[int], push: bool = False) -> dict:
+    """Medians of each segment over the step indices in ``decode_steps``: the client's own segments
+    (see the module docstring), with the hops' segments of :func:`driven_hops` or :func:`push_hops`."""
     segments: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
         segments.setdefault(name, []).append(value)
 
+    hops = push_hops if push else driven_hops
     forwards = hooks.forwards
     for k in sorted(decode_steps):
         c = hooks.steps[k]
@@ -225,64 +228,52 @@ def breakdown(hooks: ClientHooks, servers: list[list[dict]], decode_steps: set[i
             add("gen_loop", forwards[k + 1][0] - f_end)
         add("client_pre", c["s_start"] - f_start)
         add("handoff_in", c["l_start"] - c["s_start"])
-        for i, (hop, srv) in enumerate(zip(c["hops"], (s[k] for s in servers), strict=True)):
-            p = f"hop{i}."
-            add(p + "send", hop["send_end"] - hop["send_start"])
-            add(p + "wire_out", srv["recv_end"] - hop["send_end"])
-            add(p + "server_pre", srv["compute_start"] - srv["recv_end"])
-            add(p + "compute", srv["compute_end"] - srv["compute_start"])
-            add(p + "server_post", srv["send_start"] - srv["compute_end"])
-            add(p + "back", hop["recv_end"] - srv["send_start"])
-            add(p + "server_send_call", srv["send_end"] - srv["send_start"])
-            nxt = c["hops"][i + 1]["send_start"] if i + 1 < len(c["hops"]) else c["l_end"]
-            add(p + "client_gap", nxt - hop["recv_end"])
-            compute = srv["compute_end"] - srv["compute_start"]
-            add(p + "rtt_minus_compute", hop["recv_end"] - hop["send_start"] - compute)
+        hops(add, c, [s[k] for s in servers])
         add("handoff_out", c["s_end"] - c["l_end"])
         add("client_post", f_end - c["s_end"])
     return {name: median_ms(values) for name, values in segments.items()}
 
 
-def breakdown_push(hooks: ClientHooks, servers: list[list[dict]], decode_steps: set[int]) -> dict:
-    """Medians per decode token with push: the client sends to server 0, each server pushes its output
-    to the next, the last one answers the client. ``s{i}.wire_in``: the sender's write returned ->
-    server i has decoded the message (transport, receiver wake-ups, parse); ``s{i}.pre``/``post``:
-    event loop <-> compute thread and the step's own checks; ``s{i}.send_call``: the awaited write of
-    its push (or, for the last, its reply); ``wire_back``: the last server's write returned -> the
-    client has decoded the reply. ``between_stages``: the client's session step, call to return, less
-    the servers' compute (transport and thread hand-offs on the critical path)."""
-    segments: dict[str, list[float]] = {}
+def driven_hops(add: Callable[[str, float], None], c: dict, servers: list[dict]) -> None:
+    """Client-driven: the client sends each hop its step and waits for its reply."""
+    for i, (hop, srv) in enumerate(zip(c["hops"], servers, strict=True)):
+        p = f"hop{i}."
+        add(p + "send", hop["send_end"] - hop["send_start"])
+        add(p + "wire_out", srv["recv_end"] - hop["send_end"])
+        add(p + "server_pre", srv["compute_start"] - srv["recv_end"])
+        add(p + "compute", srv["compute_end"] - srv["compute_start"])
+        add(p + "server_post", srv["send_start"] - srv["compute_end"])
+        add(p + "back", hop["recv_end"] - srv["send_start"])
+        add(p + "server_send_call", srv["send_end"] - srv["send_start"])
+        nxt = c["hops"][i + 1]["send_start"] if i + 1 < len(c["hops"]) else c["l_end"]
+        add(p + "client_gap", nxt - hop["recv_end"])
+        compute = srv["compute_end"] - srv["compute_start"]
+        add(p + "rtt_minus_compute", hop["recv_end"] - hop["send_start"] - compute)
 
-    def add(name: str, value: float) -> None:
-        segments.setdefault(name, []).append(value)
 
-    forwards = hooks.forwards
-    for k in sorted(decode_steps):
-        c = hooks.steps[k]
-        f_start, f_end = forwards[k]
-        hop = c["hops"][0]
-        if k + 1 < len(forwards) and k + 1 in decode_steps:
-            add("token_total", forwards[k + 1][0] - f_start)
-            add("gen_loop", forwards[k + 1][0] - f_end)
-        add("client_pre", c["s_start"] - f_start)
-        add("handoff_in", c["l_start"] - c["s_start"])
-        add("client_send_call", hop["send_end"] - hop["send_start"])
-        sent = hop["send_end"]
-        for i, srv in enumerate(s[k] for s in servers):
-            p = f"s{i}."
-            add(p + "wire_in", srv["recv_end"] - sent)
-            add(p + "pre", srv["compute_start"] - srv["recv_end"])
-            add(p + "compute", srv["compute_end"] - srv["compute_start"])
-            add(p + "post", srv["send_start"] - srv["compute_end"])
-            add(p + "send_call", srv["send_end"] - srv["send_start"])
-            sent = srv["send_end"]
-        add("wire_back", hop["last_recv_end"] - sent)
-        add("client_gap", c["l_end"] - hop["last_recv_end"])
-        add("handoff_out", c["s_end"] - c["l_end"])
-        add("client_post", f_end - c["s_end"])
-        computes = sum(s[k]["compute_end"] - s[k]["compute_start"] for s in servers)
-        add("between_stages", c["s_end"] - c["s_start"] - computes)
-    return {name: median_ms(values) for name, values in segments.items()}
+def push_hops(add: Callable[[str, float], None], c: dict, servers: list[dict]) -> None:
+    """Push: the client sends to server 0, each server pushes its output to the next, the last one
+    answers the client. ``s{i}.wire_in``: the sender's write returned -> server i has decoded the
+    message (transport, receiver wake-ups, parse); ``s{i}.pre``/``post``: event loop <-> compute
+    thread and the step's own checks; ``s{i}.send_call``: the awaited write of its push (or, for the
+    last, its reply); ``wire_back``: the last server's write returned -> the client has decoded the
+    reply. ``between_stages``: the client's session step, call to return, less the servers' compute
+    (transport and thread hand-offs on the critical path)."""
+    hop = c["hops"][0]
+    add("client_send_call", hop["send_end"] - hop["send_start"])
+    sent = hop["send_end"]
+    for i, srv in enumerate(servers):
+        p = f"s{i}."
+        add(p + "wire_in", srv["recv_end"] - sent)
+        add(p + "pre", srv["compute_start"] - srv["recv_end"])
+        add(p + "compute", srv["compute_end"] - srv["compute_start"])
+        add(p + "post", srv["send_start"] - srv["compute_end"])
+        add(p + "send_call", srv["send_end"] - srv["send_start"])
+        sent = srv["send_end"]
+    add("wire_back", hop["last_recv_end"] - sent)
+    add("client_gap", c["l_end"] - hop["last_recv_end"])
+    computes = sum(srv["compute_end"] - srv["compute_start"] for srv in servers)
+    add("between_stages", c["s_end"] - c["s_start"] - computes)
 
 
 def reference_compute(path: Path, new_tokens: int, threads_list: list[int]) -> dict:
@@ -440,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         "swarm_decode_tok_s": [round(r["decode_tok_s"], 2) for r in runs],
         "foreign_cpu": [round(r["foreign_cpu"], 3) for r in runs],
         "push": args.push,
-        "per_token_ms": (breakdown_push if args.push else breakdown)(hooks, records, decode),
+        "per_token_ms": breakdown(hooks, records, decode, args.push),
         "loadavg": os.getloadavg(),
     }
     if not args.no_reference:
