@@ -66,7 +66,7 @@ from transformers import (
 )
 
 from shoal.checkpoints import load_config
-from shoal.omp import SPIN_COUNT
+from shoal.omp import child_environment
 
 TARGETS = {"llama270m": 0.9, "smollm2": 0.8}
 OMP_ENV_MARK = "SHOAL_BENCH_STARTED_OMP_ENV"  # the OpenMP variables the benchmark was started with
@@ -565,9 +565,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if OMP_ENV_MARK not in os.environ:  # libgomp read its environment when torch loaded: set it, start again
         started = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))}
-        env = {**os.environ, OMP_ENV_MARK: json.dumps(started)}
-        if not ({"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & set(started)):
-            env["GOMP_SPINCOUNT"] = SPIN_COUNT  # what shoal's own processes use (shoal.omp)
+        env = child_environment({**os.environ, OMP_ENV_MARK: json.dumps(started)})  # shoal's spin count
         os.execve(
             sys.executable, [sys.executable, "-m", "bench.generate", *(sys.argv[1:] if argv is None else argv)], env
         )

@@ -336,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:
         return serve_instrumented(argv[1:])
-    if not any(knob in os.environ for knob in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
+    from shoal.omp import child_environment
+
+    env = child_environment()
+    if env != os.environ:
         # run the client (and, by inheritance, the servers) with shoal's spin count (shoal.omp), as
         # shoal's processes do; libgomp read its environment when torch loaded, so start again
-        from shoal.omp import SPIN_COUNT
-
-        env = {**os.environ, "GOMP_SPINCOUNT": SPIN_COUNT}
         os.execve(sys.executable, [sys.executable, "-m", "bench.profile_step", *argv], env)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from shoal.omp import SPIN_COUNT
+from shoal.omp import child_environment
 from shoal.transport import META, Node, Ticket, TransportConfig
 from shoal.transport.loop import run as run_loop
 from shoal.wire import Message
@@ -166,10 +166,7 @@ class Stage:
 
     def __init__(self, megabytes: int):
         args = [sys.executable, "-m", "bench.transport", "--stage", str(megabytes)]
-        env = dict(os.environ)
-        if not any(knob in env for knob in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")):
-            env["GOMP_SPINCOUNT"] = SPIN_COUNT
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_environment())
         self.run()  # allocated and warm
 
     def run(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 SPIN_COUNT = "20000"
 _USER_KNOBS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
@@ -23,7 +23,20 @@ _USER_KNOBS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Set shoal's spin count unless the user chose a wait policy; returns whether it was set.
     Too late (and a no-op) once torch is imported."""
-    if "torch" in sys.modules or any(knob in environ for knob in _USER_KNOBS):
+    if "torch" in sys.modules or _user_chose(environ):
         return False
     environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return True
+
+
+def child_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A copy of ``environ`` for a process about to start (torch not yet loaded there), with shoal's
+    spin count unless the user chose a wait policy."""
+    env = dict(environ)
+    if not _user_chose(env):
+        env["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return env
+
+
+def _user_chose(environ: Mapping[str, str]) -> bool:
+    return any(knob in environ for knob in _USER_KNOBS)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shoal.omp import SPIN_COUNT, apply_defaults
+from shoal.omp import SPIN_COUNT, apply_defaults, child_environment
 
 pytestmark = pytest.mark.timeout(60)
 PROBE = "import shoal.cli.main, os, sys; print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
@@ -37,3 +37,12 @@ def test_too_late_once_torch_is_loaded():
 
     environ: dict[str, str] = {}
     assert apply_defaults(environ) is False and environ == {}
+
+
+@pytest.mark.parametrize("knob", ["GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])
+def test_child_environment_sets_the_spin_count_unless_chosen(knob):
+    base = {"PATH": "/bin"}
+    assert child_environment(base) == {"PATH": "/bin", "GOMP_SPINCOUNT": SPIN_COUNT}
+    assert base == {"PATH": "/bin"}  # a copy: the caller's mapping is left as it was
+    chosen = {**base, knob: "5"}
+    assert child_environment(chosen) == chosen
