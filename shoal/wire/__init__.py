@@ -4,10 +4,10 @@ from shoal.wire.messages import (
     FRAME_DATA,
     FRAME_HEAD,
     FRAME_PREFIX,
-    KINDS,
     MAX_FRAME_PAYLOAD,
     WIRE_VERSION,
     Assembler,
+    InvalidMessage,
     Limits,
     Message,
     encode,
@@ -16,9 +16,12 @@ from shoal.wire.messages import (
     parse_prefix,
     writes,
 )
-from shoal.wire.tensors import DTYPES
+from shoal.wire.schema import CAPABILITIES, KINDS
+from shoal.wire.tensors import CODECS, DTYPES
 
 __all__ = [
+    "CAPABILITIES",
+    "CODECS",
     "DTYPES",
     "FRAME_DATA",
     "FRAME_HEAD",
@@ -27,6 +30,7 @@ __all__ = [
     "MAX_FRAME_PAYLOAD",
     "WIRE_VERSION",
     "Assembler",
+    "InvalidMessage",
     "Limits",
     "Message",
     "encode",

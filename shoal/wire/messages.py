@@ -1,9 +1,10 @@
-"""Messages and frames of wire version 1. Pure functions and a sans-I/O assembler: no sockets here.
+"""Messages and frames of wire version 2. Pure functions and a sans-I/O assembler: no sockets here.
 
 A message travels as frames. Every frame is ``u32 length (big endian) | u8 type | payload``:
 
-    HEAD  (type 1)  msgpack map {"v": 1, "k": kind, "id": request id, "m": metadata, "t": tensors,
-                    "n": total tensor bytes}; tensors are ``[dtype, shape]`` entries
+    HEAD  (type 1)  msgpack map {"v": 2, "k": kind, "id": request id, "m": metadata, "t": tensors,
+                    "n": total tensor bytes}; metadata is the kind's struct (:mod:`shoal.wire.schema`),
+                    tensors are ``[dtype, shape, codec]`` entries (:mod:`shoal.wire.tensors`)
     DATA  (type 2)  the next bytes of the tensors, concatenated in order
 
 A HEAD is followed by DATA frames until ``n`` bytes arrived (none when ``n == 0``). Frames carry at
@@ -16,39 +17,24 @@ from __future__ import annotations
 import functools
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
-import msgpack
+import msgspec
 import torch
 
-from shoal.errors import MessageTooLarge, WireError
+from shoal.errors import BadRequest, MessageTooLarge, WireError
 from shoal.wire import tensors as tw
+from shoal.wire.schema import KINDS, Empty, ErrorReply, Meta, decode_meta, decode_reply
 
-WIRE_VERSION = 1
+M = TypeVar("M", bound=Meta)
+EMPTY = Empty()
+
+WIRE_VERSION = 2
 FRAME_HEAD = 1
 FRAME_DATA = 2
 FRAME_PREFIX = struct.Struct(">IB")  # payload length (type byte included), frame type
 _PACK_PREFIX = FRAME_PREFIX.pack
 MAX_FRAME_PAYLOAD = 4 * 1024 * 1024  # data bytes per DATA frame; a protocol constant
-MAX_META_DEPTH = 4
-_HEADER_KEYS = frozenset({"v", "k", "id", "m", "t", "n"})
-
-#: Every message kind the wire knows. A frame naming another kind is rejected.
-KINDS = frozenset(
-    {
-        "hello",  # which protocols a peer speaks (meta protocol)
-        "ping",  # echo for liveness and round-trip measurement; tensors are echoed back
-        "info",  # what a server hosts
-        "forward",  # stateless forward through a span
-        "open",  # open an inference session
-        "step",  # one inference step of a session
-        "push",  # a server hands its step output to the next server of the session's chain
-        "close",  # close a session
-        "gossip",  # swarm record exchange: meta {"op"}, payload as one u8 tensor
-        "result",  # a successful reply
-        "error",  # an error reply: meta {"code", "message"}
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -64,19 +50,74 @@ class Limits:
         return max(MAX_FRAME_PAYLOAD, self.max_header_bytes) + 1
 
 
-@dataclass
+class _Header(msgspec.Struct, forbid_unknown_fields=True):
+    """A HEAD frame's payload. ``m`` stays raw until its kind's struct decodes it; ``t`` until the
+    version is known to be ours (a v1 header's descriptors have another shape)."""
+
+    v: int
+    k: str
+    id: int
+    m: msgspec.Raw
+    t: msgspec.Raw
+    n: int
+
+
+_HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
+_VERSION_DECODER = msgspec.msgpack.Decoder(dict)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@dataclass(slots=True)
 class Message:
+    """One message: a kind, the request id it belongs to, typed metadata and tensors.
+
+    A received ``result`` keeps its metadata as msgpack until the requester, which knows what it
+    asked, decodes it with :meth:`reply`."""
+
     kind: str
     id: int = 0
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: Meta | msgspec.Raw = EMPTY
     tensors: list[torch.Tensor] = field(default_factory=list)
 
+    def reply(self, type_: type[M]) -> M:
+        """This result's metadata as ``type_``; a reply that does not fit is the peer's fault:
+        :class:`WireError` ``bad_reply`` naming the field."""
+        meta = self.meta
+        if isinstance(meta, type_):
+            return meta
+        if not isinstance(meta, msgspec.Raw):
+            raise WireError("bad_reply", f"expected {type_.__name__} metadata, got {type(meta).__name__}")
+        try:
+            decoded = decode_reply(meta, type_)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise WireError("bad_reply", f"{type_.__name__}: {exc}") from None
+        self.meta = decoded
+        return decoded
+
     def error_info(self) -> tuple[str, str]:
-        return str(self.meta.get("code", "internal")), str(self.meta.get("message", ""))
+        meta = self.meta
+        if isinstance(meta, msgspec.Raw):
+            try:
+                meta = self.meta = decode_meta("error", meta)
+            except BadRequest:
+                return "internal", "malformed error reply"
+        if isinstance(meta, ErrorReply):
+            return meta.code, meta.message
+        return "internal", ""
 
 
-def error_message(request_id: int, code: str, message: str, **extra: Any) -> Message:
-    return Message("error", request_id, {"code": code, "message": message[:2000], **extra})
+def error_message(request_id: int, code: str, message: str, reason: str | None = None) -> Message:
+    return Message("error", request_id, ErrorReply(code=code, message=message[:2000], reason=reason))
+
+
+class InvalidMessage(BadRequest):
+    """A whole, well-framed message whose metadata does not validate: the stream stays usable, and
+    the receiver answers request ``request_id`` with this error."""
+
+    def __init__(self, request_id: int, kind: str, cause: BadRequest):
+        super().__init__(cause.remote_message)
+        self.request_id = request_id
+        self.kind = kind
 
 
 def frames(message: Message, limits: Limits = Limits()) -> list[list[bytes | memoryview]]:
@@ -86,7 +127,7 @@ def frames(message: Message, limits: Limits = Limits()) -> list[list[bytes | mem
         raise WireError("unknown_kind", message.kind)
     buffers = [tw.tensor_bytes(t) for t in message.tensors]
     total = sum(b.nbytes for b in buffers)
-    header = msgpack.packb(
+    header = _ENCODER.encode(
         {
             "v": WIRE_VERSION,
             "k": message.kind,
@@ -94,8 +135,7 @@ def frames(message: Message, limits: Limits = Limits()) -> list[list[bytes | mem
             "m": message.meta,
             "t": [tw.describe(t) for t in message.tensors],
             "n": total,
-        },
-        use_bin_type=True,
+        }
     )
     if len(header) > limits.max_header_bytes:
         raise MessageTooLarge("header_too_large", f"{len(header)} > {limits.max_header_bytes} bytes")
@@ -142,21 +182,6 @@ def encode(message: Message, limits: Limits = Limits()) -> list[bytes]:
     return [b"".join(pieces) for pieces in frames(message, limits)]
 
 
-def _check_meta(value: Any, depth: int = 0) -> None:
-    if depth > MAX_META_DEPTH:
-        raise WireError("bad_meta", f"metadata nested deeper than {MAX_META_DEPTH}")
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise WireError("bad_meta", f"metadata keys must be strings, got {type(k).__name__}")
-            _check_meta(v, depth + 1)
-    elif isinstance(value, list):
-        for v in value:
-            _check_meta(v, depth + 1)
-    elif not isinstance(value, str | int | float | bool | bytes | None):
-        raise WireError("bad_meta", f"unsupported metadata value {type(value).__name__}")
-
-
 def parse_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
     """Return ``(frame type, payload bytes to read)`` for a 5-byte frame prefix, or raise."""
     length, frame_type = FRAME_PREFIX.unpack(prefix)
@@ -174,7 +199,7 @@ class Assembler:
 
     def __init__(self, limits: Limits = Limits()):
         self.limits = limits
-        self._pending: dict | None = None
+        self._pending: _Header | None = None
         self._body = bytearray()
         self._filled = 0
 
@@ -188,9 +213,9 @@ class Assembler:
             if self._pending is not None:
                 raise WireError("unexpected_frame", "HEAD frame before the previous message's data ended")
             header = self._parse_header(payload)
-            if header["n"] == 0:
+            if header.n == 0:
                 return self._finish(header, bytearray())
-            self._pending, self._body, self._filled = header, bytearray(header["n"]), 0
+            self._pending, self._body, self._filled = header, bytearray(header.n), 0
             return None
         if self._pending is None:
             raise WireError("unexpected_frame", "DATA frame without a HEAD")
@@ -205,39 +230,52 @@ class Assembler:
         self._pending, self._body = None, bytearray()
         return self._finish(header, body)
 
-    def _parse_header(self, payload: bytes) -> dict:
+    def _parse_header(self, payload: bytes) -> _Header:
         if len(payload) > self.limits.max_header_bytes:
             raise MessageTooLarge("header_too_large", f"{len(payload)} > {self.limits.max_header_bytes}")
         try:
-            header = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_str_len=1 << 16)
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise WireError("bad_header", f"not msgpack: {type(exc).__name__}") from None
-        if not isinstance(header, dict) or header.keys() != _HEADER_KEYS:
-            raise WireError("bad_header", "header must be a map with keys v, k, id, m, t, n")
-        if header["v"] != WIRE_VERSION:
-            raise WireError("bad_version", f"wire version {header['v']!r:.20}, expected {WIRE_VERSION}")
-        if header["k"] not in KINDS:
-            raise WireError("unknown_kind", f"{header['k']!r:.40}")
-        if not isinstance(header["id"], int) or isinstance(header["id"], bool) or not 0 <= header["id"] < 2**63:
+            header = _HEADER_DECODER.decode(payload)
+        except msgspec.ValidationError as exc:  # a subclass of DecodeError: first
+            raise _header_error(payload, exc) from None
+        except msgspec.DecodeError as exc:
+            raise WireError("bad_header", f"not a v{WIRE_VERSION} header: {exc}") from None
+        if header.v != WIRE_VERSION:
+            raise WireError("bad_version", f"peer speaks wire version {header.v}, this peer speaks {WIRE_VERSION}")
+        if header.k not in KINDS:
+            raise WireError("unknown_kind", f"{header.k!r:.40}")
+        if not 0 <= header.id < 2**63:
             raise WireError("bad_header", "id must be a non-negative int")
-        if not isinstance(header["m"], dict):
-            raise WireError("bad_meta", "metadata must be a map")
-        _check_meta(header["m"])
-        if not isinstance(header["t"], list) or len(header["t"]) > self.limits.max_tensors:
-            raise WireError("bad_tensor", f"tensors must be a list of at most {self.limits.max_tensors}")
-        described = [tw.validate_descriptor(entry) for entry in header["t"]]
-        total = sum(nbytes for _, _, nbytes in described)
-        if header["n"] != total:
-            raise WireError("size_mismatch", f"header says {header['n']!r:.20} bytes, tensors need {total}")
+        described = tw.validate_descriptors(header.t, self.limits.max_tensors)
+        total = sum(d.nbytes for d in described)
+        if header.n != total:
+            raise WireError("size_mismatch", f"header says {header.n!r:.20} bytes, tensors need {total}")
         if total > self.limits.max_message_bytes:
             raise MessageTooLarge("message_too_large", f"{total} > {self.limits.max_message_bytes} bytes")
-        header["t"] = described
+        header.t = described
         return header
 
     @staticmethod
-    def _finish(header: dict, body: bytearray) -> Message:
+    def _finish(header: _Header, body: bytearray) -> Message:
         tensors, offset = [], 0
-        for name, shape, nbytes in header["t"]:
-            tensors.append(tw.tensor_from_buffer(body, offset, name, shape))
-            offset += nbytes
-        return Message(header["k"], header["id"], header["m"], tensors)
+        for desc in header.t:
+            tensors.append(tw.decode_tensor(body, offset, desc))
+            offset += desc.nbytes
+        if header.k == "result":
+            return Message("result", header.id, header.m, tensors)
+        try:
+            meta = decode_meta(header.k, header.m)
+        except BadRequest as exc:
+            raise InvalidMessage(header.id, header.k, exc) from None
+        return Message(header.k, header.id, meta, tensors)
+
+
+def _header_error(payload: bytes, exc: msgspec.ValidationError) -> WireError:
+    """A header that does not fit v2: a version error if it says another version (a v1 peer's
+    header has another shape), else what is wrong with it."""
+    try:
+        version = _VERSION_DECODER.decode(payload).get("v")
+    except (msgspec.DecodeError, msgspec.ValidationError, AttributeError):
+        version = None
+    if version != WIRE_VERSION and isinstance(version, int):
+        return WireError("bad_version", f"peer speaks wire version {version}, this peer speaks {WIRE_VERSION}")
+    return WireError("bad_header", f"header: {exc}")

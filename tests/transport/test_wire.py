@@ -1,31 +1,95 @@
-"""Wire format: exact round trips and every rejection reason, in memory."""
+"""Wire format v2: exact round trips of tensors and of every kind's typed metadata, every rejection
+reason of a frame, and metadata that fails validation (a request error, not a broken stream); in
+memory, no I/O."""
 
 from __future__ import annotations
 
 import struct
 
 import msgpack
+import msgspec
 import pytest
 import torch
 
-from shoal.errors import MessageTooLarge, WireError
+from shoal.errors import BadRequest, MessageTooLarge, WireError
+from shoal.ids import BlockRange
 from shoal.wire import (
+    CAPABILITIES,
+    CODECS,
     DTYPES,
     FRAME_DATA,
     FRAME_HEAD,
     FRAME_PREFIX,
+    KINDS,
     MAX_FRAME_PAYLOAD,
+    WIRE_VERSION,
     Assembler,
+    InvalidMessage,
     Limits,
     Message,
     encode,
+    error_message,
     parse_prefix,
+)
+from shoal.wire.schema import (
+    KIND_META,
+    Empty,
+    ErrorReply,
+    Gossip,
+    Hello,
+    HelloReply,
+    InfoReply,
+    Meta,
+    OpenReply,
+    OpenRequest,
+    Ping,
+    PushHop,
+    PushRequest,
+    ServerCounters,
+    SpanInfo,
+    StepReply,
+    StepRequest,
 )
 from shoal.wire.tensors import tensor_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
 SHAPES = [(), (0,), (0, 3), (1,), (7,), (2, 3, 4), (1, 1, 1, 1, 5)]
+HOP = PushHop(ticket="shoal1ticket", session="next-session", token="t0ken")
+
+#: One metadata value of every kind a peer sends (``result`` carries a reply struct: see REPLIES).
+REQUESTS: dict[str, Meta] = {
+    "hello": Hello(),
+    "ping": Ping(echo=False),
+    "info": Empty(),
+    "forward": Empty(),
+    "open": OpenRequest(max_length=128, batch_size=3),
+    "step": StepRequest(session="s-1", position=17, push=(HOP, PushHop("t2", "s2", "k2"))),
+    "push": PushRequest(session="s-2", token="k", position=4, step=9, push=(HOP,)),
+    "close": Empty(),
+    "gossip": Gossip(op="table"),
+    "error": ErrorReply(code="wire", message="bad frame", reason="bad_frame"),
+}
+REPLIES: list[Meta] = [
+    HelloReply(protocols=["shoal/meta/1", "shoal/blocks/2"], capabilities=CAPABILITIES),
+    InfoReply(
+        span=SpanInfo(
+            model="tiny",
+            num_blocks=4,
+            blocks=BlockRange(1, 3),
+            fingerprints=["ab", "cd"],
+            dtype="float32",
+            hidden_size=64,
+            version="0.1",
+        ),
+        free_cache_tokens=256,
+        draining=True,
+        counters=ServerCounters(steps=5, step_seconds=0.25),
+    ),
+    OpenReply(session="s-1", token="k", max_length=128),
+    StepReply(position=18, pushed=True),
+    Empty(),
+]
 
 
 def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -64,10 +128,57 @@ def test_every_dtype_and_shape_survives_bit_for_bit(dtype):
     if dtype.is_floating_point:
         special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0]).to(dtype)
         tensors.append(special)
-    out = roundtrip(Message("forward", 42, {"session": "abc", "n": [1, 2.5, None, True]}, tensors))
-    assert out.kind == "forward" and out.id == 42
-    assert out.meta == {"session": "abc", "n": [1, 2.5, None, True]}
+    out = roundtrip(Message("step", 42, REQUESTS["step"], tensors))
+    assert out.kind == "step" and out.id == 42
+    assert out.meta == REQUESTS["step"] and isinstance(out.meta, StepRequest)
     assert all(same_bits(a, b) for a, b in zip(tensors, out.tensors, strict=True))
+
+
+def test_the_samples_cover_every_kind():
+    """A new kind needs a sample here (and so a round trip below)."""
+    assert set(REQUESTS) | {"result"} == KINDS == set(KIND_META)
+    assert all(type(meta) is KIND_META[kind] for kind, meta in REQUESTS.items())
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+def test_every_kinds_metadata_arrives_as_its_struct(kind):
+    out = roundtrip(Message(kind, 7, REQUESTS[kind], [torch.arange(3)]))
+    assert (out.kind, out.id, out.meta) == (kind, 7, REQUESTS[kind])
+    assert type(out.meta) is KIND_META[kind]
+    assert torch.equal(out.tensors[0], torch.arange(3))
+
+
+@pytest.mark.parametrize("reply", REPLIES, ids=lambda r: type(r).__name__)
+def test_a_result_stays_raw_until_the_requester_decodes_it(reply):
+    out = roundtrip(Message("result", 5, reply))
+    assert isinstance(out.meta, msgspec.Raw)
+    assert out.reply(type(reply)) == reply
+    assert out.reply(type(reply)) is out.meta  # decoded once, then kept
+
+
+def test_a_result_that_does_not_fit_the_request_is_the_peers_fault():
+    out = roundtrip(Message("result", 5, StepReply(position=3)))
+    with pytest.raises(WireError, match="OpenReply: Object contains unknown field `position`") as caught:
+        out.reply(OpenReply)
+    assert caught.value.reason == "bad_reply"
+    bad = roundtrip(Message("result", 6, msgspec.Raw(msgpack.packb({"position": -1}))))
+    with pytest.raises(WireError, match=r"StepReply: .*`\$\.position`") as caught:
+        bad.reply(StepReply)
+    assert caught.value.reason == "bad_reply"
+    typed = Message("result", 7, StepReply(position=1))  # never went over the wire: already typed
+    with pytest.raises(WireError, match="expected OpenReply metadata, got StepReply"):
+        typed.reply(OpenReply)
+
+
+def test_error_replies_carry_code_message_and_reason():
+    out = roundtrip(error_message(9, "wire", "x" * 5000, reason="bad_frame"))
+    assert out.meta == ErrorReply(code="wire", message="x" * 2000, reason="bad_frame")  # message capped
+    assert out.error_info() == ("wire", "x" * 2000)
+    assert roundtrip(error_message(1, "busy", "full")).error_info() == ("busy", "full")
+    assert Message("error", 1, msgspec.Raw(msgpack.packb({"code": 1}))).error_info() == (
+        "internal",
+        "malformed error reply",
+    )
 
 
 def test_mixed_dtypes_at_unaligned_offsets_decode_to_usable_tensors():
@@ -79,7 +190,7 @@ def test_mixed_dtypes_at_unaligned_offsets_decode_to_usable_tensors():
         torch.arange(3, dtype=torch.int64),
         torch.tensor(7.0, dtype=torch.float16),
     ]
-    received = roundtrip(Message("ping", 1, {}, tensors)).tensors
+    received = roundtrip(Message("ping", 1, Ping(), tensors)).tensors
     assert all(same_bits(a, b) for a, b in zip(tensors, received, strict=True))
     assert received[1].data_ptr() % 4 != 0  # really unaligned, and still computes
     assert torch.equal(received[1] * 2, tensors[1] * 2) and torch.equal(received[2] + 1, tensors[2] + 1)
@@ -87,15 +198,34 @@ def test_mixed_dtypes_at_unaligned_offsets_decode_to_usable_tensors():
 
 def test_tensor_larger_than_a_frame_is_chunked():
     big = sample(torch.float32, (MAX_FRAME_PAYLOAD // 4 * 2 + 123,))
-    frames = list(encode(Message("step", 1, {}, [sample(torch.int64, (3,)), big])))
-    assert len(frames) == 4  # head + 3 data frames
-    out = roundtrip(Message("step", 1, {}, [sample(torch.int64, (3,)), big]))
-    assert same_bits(out.tensors[1], big)
+    message = Message("step", 1, REQUESTS["step"], [sample(torch.int64, (3,)), big])
+    assert len(encode(message)) == 4  # head + 3 data frames
+    out = roundtrip(message)
+    assert same_bits(out.tensors[1], big) and out.meta == REQUESTS["step"]
 
 
 def test_non_contiguous_tensor_is_sent_as_its_values():
     t = torch.arange(12.0).reshape(3, 4).t()
-    assert torch.equal(roundtrip(Message("result", 0, {}, [t])).tensors[0], t)
+    assert torch.equal(roundtrip(Message("result", 0, Empty(), [t])).tensors[0], t)
+
+
+def test_header_is_the_v2_map_with_dtype_shape_codec_descriptors():
+    frame = encode(Message("ping", 3, Ping(echo=False), [torch.zeros(2, 3, dtype=torch.float16)]))[0]
+    length, frame_type = FRAME_PREFIX.unpack(frame[:5])
+    assert (length, frame_type) == (len(frame) - 4, FRAME_HEAD)
+    header = msgpack.unpackb(frame[5:])
+    assert header == {
+        "v": WIRE_VERSION,
+        "k": "ping",
+        "id": 3,
+        "m": {"echo": False},
+        "t": [["f16", [2, 3], "raw"]],
+        "n": 12,
+    }
+    assert WIRE_VERSION == 2 and set(CODECS) == {"raw"}
+
+
+# ---- what a receiver refuses ---------------------------------------------------------------------
 
 
 def head_frame(header: dict | bytes) -> bytes:
@@ -104,17 +234,27 @@ def head_frame(header: dict | bytes) -> bytes:
 
 
 def good_header(**changes) -> dict:
-    header = {"v": 1, "k": "ping", "id": 1, "m": {}, "t": [["f32", [2]]], "n": 8}
+    header = {"v": 2, "k": "ping", "id": 1, "m": {}, "t": [["f32", [2], "raw"]], "n": 8}
     header.update(changes)
     return header
 
 
-def feed_frames(frames: list[bytes], limits: Limits = Limits()) -> None:
-    assembler = Assembler(limits)
+def v1_header() -> dict:
+    """What a wire-version-1 peer sends: untyped metadata, ``[dtype, shape]`` descriptors."""
+    return {"v": 1, "k": "ping", "id": 1, "m": {"x": 1}, "t": [["f32", [2]]], "n": 8}
+
+
+def feed_frames(frames: list[bytes], limits: Limits = Limits()) -> list[Message]:
+    assembler, out = Assembler(limits), []
     for frame in frames:
         frame_type, size = parse_prefix(frame[:5], limits)
-        assembler.feed(frame_type, frame[5 : 5 + size])
+        message = assembler.feed(frame_type, frame[5 : 5 + size])
+        if message is not None:
+            out.append(message)
+    return out
 
+
+DATA8 = struct.pack(">IB", 9, FRAME_DATA) + bytes(8)
 
 BAD = {
     "frame_too_large": [struct.pack(">IB", 2**31, FRAME_DATA)],
@@ -122,14 +262,14 @@ BAD = {
     "bad_frame_type": [struct.pack(">IB", 1, 9)],
     "unexpected_frame": [struct.pack(">IB", 3, FRAME_DATA) + b"ab"],
     "bad_header": [head_frame(b"\xc1\xc1")],
-    "bad_version": [head_frame(good_header(v=2))],
+    "bad_version": [head_frame(v1_header())],
     "unknown_kind": [head_frame(good_header(k="teleport"))],
-    "bad_meta": [head_frame(good_header(m={"a": {"b": {"c": {"d": {"e": {"f": 1}}}}}}))],
     "bad_tensor": [head_frame(good_header(t=[["f32"]]))],
-    "unknown_dtype": [head_frame(good_header(t=[["complex64", [2]]]))],
-    "bad_shape": [head_frame(good_header(t=[["f32", [-1]]]))],
+    "unknown_dtype": [head_frame(good_header(t=[["complex64", [2], "raw"]]))],
+    "unknown_codec": [head_frame(good_header(t=[["f32", [2], "zstd"]]))],
+    "bad_shape": [head_frame(good_header(t=[["f32", [-1], "raw"]]))],
     "size_mismatch": [head_frame(good_header(n=9))],
-    "message_too_large": [head_frame(good_header(t=[["f32", [2**30]]], n=2**32))],
+    "message_too_large": [head_frame(good_header(t=[["f32", [2**30], "raw"]], n=2**32))],
     "header_too_large": [head_frame(good_header(m={"x": "y" * 70000}))],
 }
 
@@ -141,35 +281,103 @@ def test_each_rejection_reason(reason):
     assert info.value.reason == reason
 
 
+def test_a_v1_peer_is_told_both_versions():
+    for header in (v1_header(), {"v": 1, "k": "info", "id": 1, "m": {}, "t": [], "n": 0}):
+        with pytest.raises(WireError, match="peer speaks wire version 1, this peer speaks 2") as caught:
+            feed_frames([head_frame(header)])
+        assert caught.value.reason == "bad_version"
+    with pytest.raises(WireError, match="wire version 3, this peer speaks 2"):
+        feed_frames([head_frame(good_header(v=3))])
+
+
+def test_a_header_of_another_shape_is_still_told_its_version():
+    with pytest.raises(WireError, match="peer speaks wire version 1, this peer speaks 2") as caught:
+        feed_frames([head_frame({"v": 1, "k": "info", "id": "one"})])
+    assert caught.value.reason == "bad_version"
+
+
+def test_unknown_codec_names_what_this_peer_knows():
+    with pytest.raises(WireError, match=r"tensor codec 'zstd' \(this peer knows: raw\)"):
+        feed_frames([head_frame(good_header(t=[["f32", [2], "zstd"]]))])
+
+
 def test_extra_data_bytes_are_rejected():
     frames = [head_frame(good_header()), struct.pack(">IB", 13, FRAME_DATA) + bytes(12)]
     with pytest.raises(WireError, match="size_mismatch"):
         feed_frames(frames)
 
 
-def test_more_checks_of_header_fields():
-    for header in (
-        good_header(id=-1),
-        good_header(id=True),
-        [1, 2, 3],
-        {"v": 1},
-        good_header(m=[1]),
-        good_header(t=[["f32", [1.5]]]),
-        good_header(t=[["f32", [1] * 9]]),
-        good_header(t=[["f32", [0]]] * 65, n=0),
-    ):
-        with pytest.raises(WireError):
-            feed_frames([head_frame(header)])
+@pytest.mark.parametrize(
+    "header, reason",
+    [
+        (good_header(id=-1), "bad_header"),
+        (good_header(id=True), "bad_header"),
+        (good_header(id=2**63), "bad_header"),
+        ([1, 2, 3], "bad_header"),
+        ({"v": 2}, "bad_header"),
+        (good_header(extra=1), "bad_header"),
+        (good_header(t=[["f32", [2]]]), "bad_tensor"),  # a v1 descriptor in a v2 header
+        (good_header(t=[["f32", [1.5], "raw"]]), "bad_tensor"),
+        (good_header(t=[["f32", [1] * 9, "raw"]], n=4), "bad_shape"),
+        (good_header(t=[["f32", [0], "raw"]] * 65, n=0), "bad_tensor"),
+    ],
+)
+def test_more_checks_of_header_fields(header, reason):
+    with pytest.raises(WireError) as caught:
+        feed_frames([head_frame(header)])
+    assert caught.value.reason == reason
+
+
+# ---- metadata that does not validate: a bad request, the stream goes on --------------------------
+
+INVALID = [
+    ("ping", {"echo": "yes"}, "Expected `bool`, got `str` - at `$.echo`"),
+    ("ping", {"echo": True, "x": 1}, "unknown field `x`"),
+    ("ping", [1], "Expected `object`, got `array`"),
+    ("info", {"a": {"b": {"c": 1}}}, "unknown field `a`"),
+    ("open", {"batch_size": 2}, "missing required field `max_length`"),
+    ("open", {"max_length": 0}, "Expected `int` >= 1 - at `$.max_length`"),
+    ("step", {"session": "s", "position": -1}, "Expected `int` >= 0 - at `$.position`"),
+    ("step", {"session": "s", "position": 0, "push": [["t", 5, "k"]]}, "at `$.push[0][1]`"),
+    ("push", {"session": "s", "token": "k", "position": 0, "step": 2**32}, "at `$.step`"),
+    ("gossip", {"op": "x" * 33}, "Expected `str` of length <= 32 - at `$.op`"),
+    ("error", {"code": "busy"}, "missing required field `message`"),
+]
+
+
+@pytest.mark.parametrize("kind, meta, names", INVALID, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(INVALID)])
+def test_invalid_metadata_is_a_bad_request_naming_the_field(kind, meta, names):
+    with pytest.raises(InvalidMessage) as caught:
+        feed_frames([head_frame(good_header(k=kind, id=77, m=meta)), DATA8])
+    error = caught.value
+    assert isinstance(error, BadRequest) and not isinstance(error, WireError)
+    assert (error.request_id, error.kind, error.code) == (77, kind, "bad_request")
+    assert error.remote_message.startswith(f"invalid {kind} metadata: ") and names in error.remote_message
+
+
+@pytest.mark.parametrize("tensors", [[], [["f32", [2], "raw"]]], ids=["no-data", "with-data"])
+def test_after_invalid_metadata_the_assembler_takes_the_next_message(tensors):
+    assembler = Assembler()
+    bad = [head_frame(good_header(m={"echo": 1}, t=tensors, n=8 * len(tensors)))] + [DATA8] * len(tensors)
+    with pytest.raises(InvalidMessage):
+        for frame in bad:
+            assembler.feed(frame[4], frame[5:])
+    assert not assembler.mid_message
+    good = encode(Message("ping", 2, Ping(), [torch.arange(2.0)]))
+    out = [assembler.feed(f[4], f[5:]) for f in good][-1]
+    assert out is not None and (out.id, out.meta) == (2, Ping()) and torch.equal(out.tensors[0], torch.arange(2.0))
 
 
 def test_oversized_message_refused_before_its_bytes_arrive():
     limits = Limits(max_message_bytes=1000)
     with pytest.raises(MessageTooLarge):
-        roundtrip(Message("forward", 0, {}, [torch.zeros(1000)]), limits)
+        roundtrip(Message("forward", 0, Empty(), [torch.zeros(1000)]), limits)
 
 
-def test_sender_refuses_unknown_kind_and_dtype():
+def test_sender_refuses_unknown_kind_dtype_and_oversized_header():
     with pytest.raises(WireError, match="unknown_kind"):
-        list(encode(Message("nope")))
+        encode(Message("nope"))
     with pytest.raises(WireError, match="unknown_dtype"):
-        list(encode(Message("ping", 0, {}, [torch.zeros(2, dtype=torch.complex64)])))
+        encode(Message("ping", 0, Ping(), [torch.zeros(2, dtype=torch.complex64)]))
+    with pytest.raises(MessageTooLarge, match="header_too_large"):
+        encode(Message("error", 0, ErrorReply(code="internal", message="y" * 70_000)))

@@ -1,0 +1,72 @@
+"""The value types that travel between shoal's layers: peer and session ids, and block ranges.
+
+A :class:`BlockRange` is half-open, ``[start, end)``, and non-empty. It is the one type for "these
+blocks" everywhere: routing, the server, swarm records, placement and the client. It is a msgspec
+struct, so it travels on the wire as ``[start, end]`` and is validated where it enters.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+import msgspec
+
+#: An ed25519 public key in hex: the iroh endpoint id of a peer, and the signer of its records.
+PeerId = NewType("PeerId", str)
+#: A session's id on the server that holds it (chosen by that server).
+SessionId = NewType("SessionId", str)
+
+
+class BlockRange(msgspec.Struct, frozen=True, array_like=True, order=True):
+    """Blocks ``[start, end)`` of a model: ``0 <= start < end``."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(f"a block range is [start, end) with 0 <= start < end, got [{self.start}, {self.end})")
+
+    @classmethod
+    def parse(cls, text: str) -> BlockRange:
+        """``"START:END"`` (as ``--blocks`` takes it)."""
+        start, sep, end = text.partition(":")
+        if not sep:
+            raise ValueError(f"blocks are START:END (half-open), got {text!r}")
+        try:
+            return cls(int(start), int(end))
+        except ValueError as exc:
+            raise ValueError(f"blocks {text!r}: {exc}") from None
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __contains__(self, block: object) -> bool:
+        return isinstance(block, int) and self.start <= block < self.end
+
+    def blocks(self) -> range:
+        return range(self.start, self.end)
+
+    def within(self, num_blocks: int) -> bool:
+        return self.end <= num_blocks
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+
+class OnBlocks:
+    """For types that hold a ``blocks: BlockRange`` (a server's span, a placement, a record): its
+    ``start`` and ``end`` without spelling ``.blocks``."""
+
+    blocks: BlockRange
+
+    @property
+    def start(self) -> int:
+        return self.blocks.start
+
+    @property
+    def end(self) -> int:
+        return self.blocks.end
+
+
+__all__ = ["BlockRange", "OnBlocks", "PeerId", "SessionId"]

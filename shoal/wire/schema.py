@@ -1,0 +1,236 @@
+"""The typed metadata of every message kind (wire version 2), and the capabilities peers announce.
+
+Each kind's metadata is a frozen msgspec struct, validated once where a message enters
+(:func:`decode_meta`): a wrong type, a missing or unknown field, or a value out of range becomes a
+:class:`~shoal.errors.BadRequest` whose text names the field (``... at `$.position```). Handlers and
+clients only see these structs, never raw maps.
+
+Room to grow without a new wire version: every peer announces :data:`capabilities <CAPABILITIES>`
+(in ``hello``, ``info`` and its swarm record). A new optional field or a new message kind belongs to
+a capability, and a sender includes it only when the other side announced that capability; so a
+receiver never sees a field it does not know, and refuses one it does not know (strict structs)
+instead of silently ignoring what the sender meant. ``result`` metadata is decoded by the requester,
+which knows what it asked (:meth:`shoal.wire.Message.reply`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from shoal.errors import BadRequest
+from shoal.ids import BlockRange, PeerId, SessionId
+
+MAX_SESSION_LENGTH = 1 << 20
+MAX_BATCH = 1024
+MAX_PUSH_HOPS = 64
+MAX_STEP_ID = 1 << 32
+
+#: Every capability this version of shoal knows, announced by servers (``info``, records) and by
+#: every node (``hello``). Gate each new optional field or kind on one of these.
+PUSH = "push"  # step.push / the push kind: server-to-server hand-off of step outputs
+CODEC_RAW = "codec/raw"  # tensors as their raw bytes (every v2 peer)
+CAPABILITIES = frozenset({PUSH, CODEC_RAW})
+
+Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
+StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Session = Annotated[SessionId, msgspec.Meta(max_length=64)]
+Capabilities = Annotated[frozenset[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=64)]
+
+
+class Meta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Base of every kind's metadata."""
+
+
+class Empty(Meta):
+    """No metadata (``info`` and ``forward`` requests, ``close``, a bare ``result``)."""
+
+
+# ---- shoal/meta --------------------------------------------------------------------------------
+
+
+class Hello(Meta):
+    pass
+
+
+class HelloReply(Meta):
+    protocols: list[Text]
+    capabilities: Capabilities = frozenset()
+
+
+class Ping(Meta):
+    echo: bool = True  # echo the tensors back (False: only the round trip)
+
+
+# ---- shoal/blocks ------------------------------------------------------------------------------
+
+
+class ServerCounters(msgspec.Struct, kw_only=True):
+    """What a server has done, readable through ``info`` (tests and dashboards use them)."""
+
+    sessions_opened: int = 0
+    sessions_closed: int = 0  # closed by the client
+    sessions_abandoned: int = 0  # the client vanished mid-session (or broke its stream)
+    sessions_timed_out: int = 0  # idle for longer than the timeout
+    sessions_active: int = 0
+    sessions_rejected_busy: int = 0
+    steps: int = 0
+    positions_processed: int = 0
+    forward_requests: int = 0
+    forward_tokens: int = 0
+    errors: int = 0
+    pushes_sent: int = 0  # step outputs handed to the next server
+    pushes_received: int = 0  # steps that arrived from the previous server
+    pushes_failed: int = 0  # the next server could not be reached (the client falls back to its own hop)
+    pushes_rejected: int = 0  # unknown session, wrong token, or a stale step
+    sessions_drained: int = 0  # still open when a drain closed them
+    step_seconds: float = 0.0  # compute time of all steps (metrics: latency = step_seconds / steps)
+
+
+class SpanInfo(Meta):
+    """What a server hosts: fixed while its span is loaded."""
+
+    model: Text
+    num_blocks: Annotated[int, msgspec.Meta(ge=1)]
+    blocks: BlockRange
+    fingerprints: list[Text]
+    dtype: Text
+    hidden_size: Annotated[int, msgspec.Meta(ge=1)]
+    version: Text
+    capabilities: Capabilities = CAPABILITIES
+
+
+class InfoReply(Meta):
+    """``info``'s result: the span and the server's state now."""
+
+    span: SpanInfo
+    free_cache_tokens: Annotated[int, msgspec.Meta(ge=0)]
+    draining: bool = False
+    counters: ServerCounters = msgspec.field(default_factory=ServerCounters)
+
+
+class OpenRequest(Meta):
+    max_length: Annotated[int, msgspec.Meta(ge=1, le=MAX_SESSION_LENGTH)]
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)] = 1
+
+
+class OpenReply(Meta):
+    session: Session
+    token: Text  # lets the previous server of a chain push steps into this session
+    max_length: int
+
+
+class PushHop(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One server further down a chain: where to push, into which session, with its token."""
+
+    ticket: Text
+    session: Session
+    token: Text
+
+
+PushRoute = Annotated[tuple[PushHop, ...], msgspec.Meta(max_length=MAX_PUSH_HOPS)]
+
+
+class StepRequest(Meta):
+    session: Session
+    position: Position  # the session's length before this step
+    push: PushRoute = ()  # needs PUSH: the rest of the chain, to hand the output on to
+
+
+class StepReply(Meta):
+    position: Position  # the session's length after the step
+    pushed: bool | None = None  # whether the hand-off to push[0] went out (None: no push asked)
+    draining: bool = False  # the server is leaving: move this span before the next step
+
+
+class PushRequest(Meta):
+    """A step handed on by the previous server (needs PUSH); answered on the session's stream."""
+
+    session: Session
+    token: Text
+    position: Position
+    step: StepId  # the client's step id: the reply goes out under it; older ones are dropped
+    push: PushRoute = ()
+
+
+class ErrorReply(Meta):
+    code: Text
+    message: Text
+    reason: Text | None = None  # wire errors: the frame problem's tag
+
+
+# ---- shoal/swarm -------------------------------------------------------------------------------
+
+
+class Gossip(Meta):
+    op: Annotated[str, msgspec.Meta(max_length=32)]
+
+
+#: kind -> the struct its metadata decodes to. ``result``'s depends on the request (None here).
+KIND_META: dict[str, type[Meta] | None] = {
+    "hello": Hello,  # which protocols and capabilities a peer has (meta protocol)
+    "ping": Ping,  # echo for liveness and round-trip measurement
+    "info": Empty,  # what a server hosts
+    "forward": Empty,  # stateless forward through a span
+    "open": OpenRequest,  # open an inference session
+    "step": StepRequest,  # one inference step of a session
+    "push": PushRequest,  # a server hands its step output to the next server of the chain
+    "close": Empty,  # close a session
+    "gossip": Gossip,  # swarm record exchange; payload as one u8 tensor
+    "result": None,  # a successful reply
+    "error": ErrorReply,  # an error reply
+}
+KINDS = frozenset(KIND_META)
+
+_DECODERS = {kind: msgspec.msgpack.Decoder(t) for kind, t in KIND_META.items() if t is not None}
+_REPLY_DECODERS: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def decode_meta(kind: str, raw: bytes | msgspec.Raw) -> Meta:
+    """The metadata of a ``kind`` request, validated: the one place that turns malformed metadata
+    into :class:`BadRequest` (its text names the field)."""
+    try:
+        return _DECODERS[kind].decode(raw)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid {kind} metadata: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"{kind} metadata is not msgpack: {exc}") from None
+
+
+def decode_reply(raw: bytes | msgspec.Raw, type_: type[Meta]) -> Meta:
+    """A ``result``'s metadata as ``type_``; raises msgspec's errors (the caller decides whose fault)."""
+    decoder = _REPLY_DECODERS.get(type_)
+    if decoder is None:
+        decoder = _REPLY_DECODERS[type_] = msgspec.msgpack.Decoder(type_)
+    return decoder.decode(raw)
+
+
+__all__ = [
+    "CAPABILITIES",
+    "CODEC_RAW",
+    "KINDS",
+    "KIND_META",
+    "MAX_PUSH_HOPS",
+    "MAX_SESSION_LENGTH",
+    "PUSH",
+    "Empty",
+    "ErrorReply",
+    "Gossip",
+    "Hello",
+    "HelloReply",
+    "InfoReply",
+    "Meta",
+    "OpenReply",
+    "OpenRequest",
+    "PeerId",
+    "Ping",
+    "PushHop",
+    "PushRequest",
+    "ServerCounters",
+    "SessionId",
+    "SpanInfo",
+    "StepReply",
+    "StepRequest",
+]
