@@ -8,6 +8,11 @@ generation (``gc.freeze``), so later full collections walk only what was allocat
 
 Frozen objects are still freed by reference counting; only a reference cycle among them would
 never be collected, which for import-time objects (modules, classes, functions) is the point.
+
+Freezing is a decision about the whole process, so only process entry points make it, once their
+heavy imports are done: ``shoal serve``, ``shoal api``/``dashboard``, ``shoal chat``, ``shoal demo``
+and the benchmarks. Libraries (the transport, the client) never do; a program embedding the client
+may call :func:`freeze_startup_heap` itself after building its model.
 """
 
 from __future__ import annotations

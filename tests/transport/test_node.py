@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from shoal.errors import ClosedError, ConnectTimeout, ProtocolMismatch, RemoteError, RequestTimeout, TicketError
+from shoal.launch import ServerProcess
 from shoal.transport import META, Node, Protocol, Ticket, TransportConfig, sendfix
 from shoal.wire import DTYPES, MAX_FRAME_PAYLOAD, Message
+from shoal.wire.schema import HelloReply
 from tests.helpers.aio import run
-from tests.helpers.processes import PeerProcess
+from tests.helpers.servers import ONE_THREAD
 from tests.transport.test_wire import SHAPES, same_bits, sample
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,7 +23,7 @@ CONFIG = TransportConfig(bind_addr="127.0.0.1:0")
 
 @pytest.fixture(scope="module")
 def peer():
-    process = PeerProcess(["-m", "tests.helpers.peer"])
+    process = ServerProcess(["-m", "tests.helpers.peer"], env=ONE_THREAD)
     yield process
     process.stop()
 
@@ -34,10 +36,10 @@ def test_tensors_of_every_dtype_and_shape_cross_processes_bit_for_bit(peer):
             stream = await node.open_stream(peer.ticket, META)
             for i, dtype in enumerate(DTYPES.values()):
                 tensors = [sample(dtype, shape, i) for shape in SHAPES]
-                reply = await stream.request(Message("ping", i, {"dtype": str(dtype)}, tensors))
+                reply = await stream.request(Message("ping", i, tensors=tensors))
                 assert reply.kind == "result" and reply.id == i
                 assert all(same_bits(a, b) for a, b in zip(tensors, reply.tensors, strict=True)), dtype
-            reply = await stream.request(Message("ping", 99, {}, big))
+            reply = await stream.request(Message("ping", 99, tensors=big))
             assert all(same_bits(a, b) for a, b in zip(big, reply.tensors, strict=True))
 
     run(go())
@@ -49,7 +51,7 @@ def test_one_connection_carries_many_concurrent_streams(peer):
 
             async def one(i: int) -> bool:
                 x = torch.full((64,), float(i))
-                reply = await node.request(peer.ticket, META, Message("ping", i, {}, [x]))
+                reply = await node.request(peer.ticket, META, Message("ping", i, tensors=[x]))
                 return torch.equal(reply.tensors[0], x)
 
             results = await asyncio.gather(*(one(i) for i in range(32)))
@@ -117,7 +119,7 @@ def test_unknown_protocol_or_version_is_refused_naming_both_sides(peer):
                 assert info.value.remote_speaks == ["shoal/meta/1"]
                 assert "shoal/meta/1" in str(info.value) and str(wanted) in str(info.value)
             reply = await node.request(peer.ticket, META, Message("hello", 2))  # the same peer, a known one
-            assert reply.meta["protocols"] == ["shoal/meta/1"]
+            assert reply.reply(HelloReply).protocols == ["shoal/meta/1"]
 
     run(go())
 
@@ -137,16 +139,16 @@ def test_remote_error_reply_and_stream_end(peer):
 
 def test_identity_file_survives_a_restart(tmp_path):
     key_file = tmp_path / "peer.key"
-    first = PeerProcess(["-m", "tests.helpers.peer", "--key-file", str(key_file)])
+    first = ServerProcess(["-m", "tests.helpers.peer", "--key-file", str(key_file)], env=ONE_THREAD)
     first.stop()
-    second = PeerProcess(["-m", "tests.helpers.peer", "--key-file", str(key_file)])
+    second = ServerProcess(["-m", "tests.helpers.peer", "--key-file", str(key_file)], env=ONE_THREAD)
     try:
         assert second.ticket.peer_id == first.ticket.peer_id
     finally:
         second.stop()
     key_file.write_bytes(b"garbage")
     with pytest.raises(RuntimeError, match="corrupt"):
-        PeerProcess(["-m", "tests.helpers.peer", "--key-file", str(key_file)])
+        ServerProcess(["-m", "tests.helpers.peer", "--key-file", str(key_file)], env=ONE_THREAD)
 
 
 def test_send_path_fix_is_active_and_far_faster_than_stock():
