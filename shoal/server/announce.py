@@ -8,11 +8,13 @@ import time
 from dataclasses import dataclass
 
 from shoal import __version__
+from shoal.ids import BlockRange
 from shoal.swarm.gossip import GossipConfig
 from shoal.swarm.records import ModelRecord, ServerRecord, SignedRecord, State, sign
 from shoal.swarm.service import SwarmService
 from shoal.transport import META, Node
 from shoal.wire import Message
+from shoal.wire.schema import CAPABILITIES, Ping
 
 
 @dataclass
@@ -23,8 +25,7 @@ class Announcement:
     secret_key: bytes
     swarm: str
     model: str
-    start: int
-    end: int
+    blocks: BlockRange
     fingerprints: list[str]  # of the span, hex
     throughput: float  # tokens/s per block (see ServerRecord)
     gossip: GossipConfig
@@ -44,8 +45,7 @@ class Announcement:
             addrs=ticket.addrs,
             relay=ticket.relay_url,
             model=self.model,
-            start=self.start,
-            end=self.end,
+            blocks=self.blocks,
             fingerprints=tuple(bytes.fromhex(f) for f in self.fingerprints),
             state=self.state,
             throughput=self.throughput,
@@ -55,6 +55,7 @@ class Announcement:
             timestamp=now,
             expires=now + self.gossip.expiry,
             step_ms=self.step_ms,
+            capabilities=tuple(sorted(CAPABILITIES)),
         )
         self._signed = sign(record, self.secret_key)
         return self._signed
@@ -65,7 +66,7 @@ class Announcement:
         out = []
         # Before its blocks are loaded a server does not know their fingerprints; a record without
         # them is invalid (every peer would reject it), so the server is announced once loaded.
-        known = len(self.fingerprints) == self.end - self.start
+        known = len(self.fingerprints) == len(self.blocks)
         if known and (force or self._signed is None or now - self._signed.timestamp >= self.gossip.refresh):
             out.append(self.server_record(now))
         if self.model_fingerprints and self.service is not None:
@@ -89,12 +90,12 @@ class Announcement:
             return
         rtts = {}
         for record in self.service.table.servers(self.model):
-            if record.start != self.end or record.peer == self.node.id:
+            if record.start != self.blocks.end or record.peer == self.node.id:
                 continue
             ticket = self.service.ticket_for(record.peer)
             started = time.perf_counter()
             try:
-                await self.node.request(ticket, META, Message("ping", 1, {"echo": False}), timeout=1.0)
+                await self.node.request(ticket, META, Message("ping", 1, Ping(echo=False)), timeout=1.0)
             except Exception:  # unreachable: leave it out
                 continue
             rtts[record.peer] = round((time.perf_counter() - started) * 1e3, 3)

@@ -32,13 +32,14 @@ from shoal.checkpoints import (
     span_fingerprints,
     span_tensor_filter,
 )
+from shoal.ids import BlockRange
 from shoal.models import get_family
 from shoal.protocols import BLOCKS
 from shoal.server.announce import Announcement, keep_measuring
 from shoal.server.backend import SpanBackend, compute_thread
 from shoal.server.budget import CacheBudget
 from shoal.server.config import ServerConfig
-from shoal.server.handler import BlockServer, SpanInfo
+from shoal.server.handler import BlockServer
 from shoal.server.placement import Balance, Placed, choose_span, plan_move
 from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
 from shoal.swarm.records import State
@@ -47,21 +48,20 @@ from shoal.swarm.table import RecordTable
 from shoal.transport import Node, Ticket, load_or_create_identity
 from shoal.transport.identity import generate_key
 from shoal.wire import error_message
+from shoal.wire.schema import SpanInfo
 
 log = logging.getLogger(__name__)
-Span = tuple[int, int]
-NO_BLOCKS: Span = (0, 0)  # resolve_model(blocks=NO_BLOCKS): config and index only, no weight shards
 MAX_DEFERRALS = 3  # re-checks in a row a server leaves a move to another one
-Loader = Callable[[Span], Awaitable[BlockServer]]  # loads a span on the compute thread
+Loader = Callable[[BlockRange], Awaitable[BlockServer]]  # loads a span on the compute thread
 
 
 def load_block_server(
     config: ServerConfig,
-    span: Span,
+    span: BlockRange,
     on_fingerprints: Callable[[list[str]], None] | None = None,
     executor: ThreadPoolExecutor | None = None,
 ) -> BlockServer:
-    """Load blocks ``span = (start, end)`` (and nothing else) and wrap them for serving.
+    """Load blocks ``span`` (and nothing else) and wrap them for serving.
     ``on_fingerprints`` hears the span's fingerprints as soon as they are known (before the
     blocks are built and warmed up), so the server can announce itself as joining. Call it on
     ``executor``, the thread that will compute (see :func:`shoal.server.backend.compute_thread`)."""
@@ -70,7 +70,7 @@ def load_block_server(
     hf_config = load_config(model_dir)
     family = get_family(hf_config)
     total = family.num_blocks(hf_config)
-    start, end = span
+    start, end = span.start, span.end
     if end > total:
         raise ValueError(f"--blocks {start}:{end} is outside the model's {total} blocks")
     tensors = load_tensors(model_dir, span_tensor_filter(hf_config, start, end))
@@ -82,8 +82,7 @@ def load_block_server(
     info = SpanInfo(
         model=model_name(config.model),
         num_blocks=total,
-        start=start,
-        end=end,
+        blocks=span,
         fingerprints=[fingerprints[i] for i in range(start, end)],
         dtype=str(config.dtype).removeprefix("torch."),
         hidden_size=hf_config.hidden_size,
@@ -130,15 +129,15 @@ class _Presence:
 
     def __init__(self, config: ServerConfig, node: Node, key: bytes, swarm_id: str, gate: _LoadingGate, compute):
         self.config, self.node, self.gate, self.compute = config, node, gate, compute
-        self.model_dir = resolve_model(config.model, blocks=config.blocks or NO_BLOCKS)
+        self.model_dir = resolve_model(config.model, blocks=config.blocks, metadata_only=config.blocks is None)
         self.hf_config = load_config(self.model_dir)
         self.total = get_family(self.hf_config).num_blocks(self.hf_config)
         self.model = model_name(config.model)
         self.rng = random.Random()
         self.leaving = False
-        start, end = config.blocks or (0, 1)  # placeholder until placed: nothing is announced without fingerprints
+        blocks = config.blocks or BlockRange(0, 1)  # until placed: nothing is announced without fingerprints
         self.announcement = Announcement(
-            node, key, swarm_id, self.model, start, end, fingerprints=[], throughput=0.0, gossip=config.gossip
+            node, key, swarm_id, self.model, blocks, fingerprints=[], throughput=0.0, gossip=config.gossip
         )
         table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
         self.service = SwarmService(node, table, config.gossip, list(config.join), self.announcement.records)
@@ -147,25 +146,25 @@ class _Presence:
     @property
     def announced(self) -> bool:
         a = self.announcement
-        return bool(a.fingerprints) and len(a.fingerprints) == a.end - a.start
+        return bool(a.fingerprints) and len(a.fingerprints) == len(a.blocks)
 
     def publish(self) -> None:
         self.service.publish(self.announcement.server_record(time.time()))
 
-    def announce_span(self, span: Span, fingerprints: list[str], state: State) -> None:
+    def announce_span(self, span: BlockRange, fingerprints: list[str], state: State) -> None:
         if self.leaving:  # e.g. a load still running on the compute thread at shutdown
             return
         a = self.announcement
-        a.start, a.end = span
+        a.blocks = span
         a.fingerprints, a.state = fingerprints, state
         self.publish()
 
-    def known_fingerprints(self, span: Span) -> list[str] | None:
+    def known_fingerprints(self, span: BlockRange) -> list[str] | None:
         """The span's fingerprints from the swarm's model record (None without one)."""
         record = self.service.table.model(self.model)
         if record is None or record.num_blocks != self.total:
             return None
-        return [record.fingerprints[i].hex() for i in range(*span)]
+        return [record.fingerprints[i].hex() for i in span.blocks()]
 
     # ---- measuring -------------------------------------------------------------------------
     async def measure(self) -> None:
@@ -196,12 +195,12 @@ class _Presence:
         """Online and joining servers of this model in the table."""
         now = time.time()
         return [
-            Placed(r.peer, r.start, r.end, r.throughput)
+            Placed(r.peer, r.blocks, r.throughput)
             for r in self.service.table.servers(self.model)
             if r.expires > now and r.state is not State.OFFLINE
         ]
 
-    async def choose(self) -> Span:
+    async def choose(self) -> BlockRange:
         config = self.config
         n = config.num_blocks
         if n is None:
@@ -211,7 +210,7 @@ class _Presence:
             await asyncio.sleep(config.gossip.period * self.rng.uniform(1.0, 2.0))
         others = [p for p in self.placed() if p.peer != self.node.id]
         span = choose_span(others, self.total, n, self.announcement.throughput, self.rng)
-        log.info("placed at blocks %d:%d of %d (%d servers in the swarm)", *span, self.total, len(others))
+        log.info("placed at blocks %s of %d (%d servers in the swarm)", span, self.total, len(others))
         return span
 
     async def keep_balanced(self, load: Loader) -> None:
@@ -235,13 +234,13 @@ class _Presence:
                 continue
             a = self.announcement
             log.info(
-                "moving from blocks %d:%d to %d:%d: swarm %s -> %s%s", a.start, a.end, move.start, move.end,
+                "moving from blocks %s to %s: swarm %s -> %s%s", a.blocks, move.blocks,
                 _describe(move.before), _describe(move.after),
                 f" (expected {_describe(move.expected)} once others follow)" if move.neutral else "",
             )  # fmt: skip
-            await self.move((move.start, move.end), load)
+            await self.move(move.blocks, load)
 
-    async def move(self, span: Span, load: Loader) -> None:
+    async def move(self, span: BlockRange, load: Loader) -> None:
         fingerprints = self.known_fingerprints(span)
         if fingerprints is not None:
             self.announce_span(span, fingerprints, State.JOINING)
@@ -256,7 +255,7 @@ class _Presence:
     def announce_online(self) -> None:
         server = self.gate.server
         self.announcement.cache_tokens_free = server.budget.free_tokens
-        self.announce_span((server.info.start, server.info.end), server.info.fingerprints, State.ONLINE)
+        self.announce_span(server.info.blocks, server.info.fingerprints, State.ONLINE)
         for signed in self.announcement.records():
             self.service.publish(signed)
 
@@ -313,7 +312,7 @@ async def serve(
     tasks: list[asyncio.Task] = []
     metrics = None  # the Prometheus exporter (--metrics-port)
 
-    async def load(span: Span) -> BlockServer:
+    async def load(span: BlockRange) -> BlockServer:
         def fingerprints_known(fingerprints: list[str]) -> None:  # from the compute thread
             if presence is not None:
                 with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
@@ -321,7 +320,6 @@ async def serve(
 
         server = await loop.run_in_executor(compute, load_block_server, config, span, fingerprints_known, compute)
         server.attach(node)
-        server.reply_delay = config.test_reply_delay
         return server
 
     try:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.ids import BlockRange
 from shoal.swarm.gossip import GossipConfig
 from shoal.transport import Ticket, TransportConfig
 
@@ -27,7 +28,7 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
 
 
-def parse_blocks(text: str) -> tuple[int, int]:
+def parse_blocks(text: str) -> BlockRange:
     """``START:END``, half-open."""
     try:
         start, end = (int(part) for part in text.split(":"))
@@ -35,13 +36,13 @@ def parse_blocks(text: str) -> tuple[int, int]:
         raise ValueError(f"--blocks takes START:END (half-open), got {text!r}") from None
     if not 0 <= start < end:
         raise ValueError(f"--blocks {text}: need 0 <= START < END")
-    return start, end
+    return BlockRange(start, end)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     model: str  # local Hugging Face directory, known model name or Hub id
-    blocks: tuple[int, int] | None = None  # half-open [start, end); None: placed automatically (needs a swarm)
+    blocks: BlockRange | None = None  # half-open [start, end); None: placed automatically (needs a swarm)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     cache_tokens: int = 8192  # KV cache budget per hosted block, in tokens (all sessions together)
@@ -62,7 +63,6 @@ class ServerConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     metrics_port: int | None = None  # serve Prometheus metrics on this TCP port (0: any free one; None: off)
     metrics_host: str = "127.0.0.1"
-    test_reply_delay: float = 0.0  # seconds before every reply: makes a slow server for routing tests
 
     def __post_init__(self):
         if self.blocks is None and not (self.new_swarm or self.join):

@@ -1,4 +1,4 @@
-"""The ``shoal/blocks/1`` protocol handler: info, stateless forward, and inference sessions.
+"""The ``shoal/blocks/2`` protocol handler: info, stateless forward, and inference sessions.
 
 A session lives on the stream that opened it: its KV cache is allocated at ``open`` (all or
 nothing, against the server-wide budget) and freed when the client closes it, the stream ends
@@ -26,8 +26,10 @@ import logging
 import secrets
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from shoal.errors import (
     BadRequest,
@@ -39,57 +41,32 @@ from shoal.errors import (
     ShoalError,
     Unavailable,
 )
+from shoal.ids import PeerId, SessionId
 from shoal.protocols import BLOCKS
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
 from shoal.transport import MessageStream, Node, Ticket
-from shoal.wire import Message, error_message
+from shoal.wire import InvalidMessage, Message, error_message
+from shoal.wire.schema import (
+    InfoReply,
+    OpenReply,
+    OpenRequest,
+    PushHop,
+    PushRequest,
+    ServerCounters,
+    SpanInfo,
+    StepReply,
+    StepRequest,
+)
 
 log = logging.getLogger(__name__)
-MAX_SESSION_LENGTH = 1 << 20
-MAX_PUSH_HOPS = 64
 MAX_PUSH_TARGETS = 256
 
 
 @dataclass
-class Counters:
-    """What a server has done, readable through ``info`` (tests and dashboards use them)."""
-
-    sessions_opened: int = 0
-    sessions_closed: int = 0  # closed by the client
-    sessions_abandoned: int = 0  # the client vanished mid-session (or broke its stream)
-    sessions_timed_out: int = 0  # idle for longer than the timeout
-    sessions_active: int = 0
-    sessions_rejected_busy: int = 0
-    steps: int = 0
-    positions_processed: int = 0
-    forward_requests: int = 0
-    forward_tokens: int = 0
-    errors: int = 0
-    pushes_sent: int = 0  # step outputs handed to the next server
-    pushes_received: int = 0  # steps that arrived from the previous server
-    pushes_failed: int = 0  # the next server could not be reached (the client falls back to its own hop)
-    pushes_rejected: int = 0  # unknown session or wrong token
-    sessions_drained: int = 0  # still open when a drain closed them
-    step_seconds: float = 0.0  # compute time of all steps (metrics: latency = step_seconds / steps)
-
-
-@dataclass(frozen=True)
-class SpanInfo:
-    model: str
-    num_blocks: int
-    start: int
-    end: int
-    fingerprints: list[str]
-    dtype: str
-    hidden_size: int
-    version: str
-
-
-@dataclass
 class _Session:
-    id: str
-    peer_id: str
+    id: SessionId
+    peer_id: PeerId
     batch_size: int
     max_length: int
     tokens: int
@@ -117,12 +94,11 @@ class BlockServer:
         self.budget = budget
         self.max_sessions_per_peer = max_sessions_per_peer
         self.idle_timeout = idle_timeout
-        self.counters = Counters()
+        self.counters = ServerCounters()
         self.node: Node | None = None  # set by attach(): needed to push to the next server
         self.draining = False
-        self.reply_delay = 0.0  # seconds added before every reply (a test-only flag: a slow server)
-        self._sessions: dict[str, _Session] = {}
-        self._per_peer: Counter[str] = Counter()
+        self._sessions: dict[SessionId, _Session] = {}
+        self._per_peer: Counter[PeerId] = Counter()
         self._push_tasks: set[asyncio.Task] = set()
         self._push_streams: dict[str, MessageStream] = {}
         self._push_locks: dict[str, asyncio.Lock] = {}
@@ -132,21 +108,25 @@ class BlockServer:
         """The endpoint this server answers on (pushes to the next server leave through it)."""
         self.node = node
 
-    def describe(self) -> dict:
-        return {
-            **asdict(self.info),
-            "free_cache_tokens": self.budget.free_tokens,
-            "draining": self.draining,
-            "counters": asdict(self.counters),
-        }
+    def describe(self) -> InfoReply:
+        return InfoReply(
+            span=self.info,
+            free_cache_tokens=self.budget.free_tokens,
+            draining=self.draining,
+            counters=msgspec.structs.replace(self.counters),  # a copy: the reply is encoded later
+        )
 
-    async def handle(self, stream: MessageStream, peer_id: str) -> None:
+    async def handle(self, stream: MessageStream, peer_id: PeerId) -> None:
         """Serve requests on one stream until it ends; ``open`` turns it into a session."""
         while True:
-            request = await stream.recv(self.idle_timeout)
+            try:
+                request = await stream.recv(self.idle_timeout)
+            except InvalidMessage as exc:  # well framed, bad metadata: answer, keep the stream
+                self.counters.errors += 1
+                await stream.send(error_message(exc.request_id, exc.code, exc.remote_message))
+                continue
             try:
                 if request.kind == "info":
-                    await self._delay()
                     await stream.send(Message("result", request.id, self.describe()))
                 elif request.kind == "forward":
                     await stream.send(await self._forward(request))
@@ -154,20 +134,16 @@ class BlockServer:
                     await self._run_session(stream, peer_id, request)
                     return
                 elif request.kind == "push":  # each in its own task: sessions must not queue behind each other
-                    task = asyncio.get_running_loop().create_task(self._receive_push(request, peer_id))
+                    task = asyncio.get_running_loop().create_task(self._receive_push(request.meta, request, peer_id))
                     self._push_tasks.add(task)
                     task.add_done_callback(self._push_tasks.discard)
                 elif request.kind == "step":
-                    raise NotFound(f"unknown session {request.meta.get('session')!r} (open one on this stream first)")
+                    raise NotFound(f"unknown session {request.meta.session!r} (open one on this stream first)")
                 else:
                     raise BadRequest(f"{request.kind!r} is not a request of this protocol")
             except RemoteError as exc:
                 self.counters.errors += 1
                 await stream.send(error_message(request.id, exc.code, exc.remote_message))
-
-    async def _delay(self) -> None:
-        if self.reply_delay:
-            await asyncio.sleep(self.reply_delay)
 
     async def drain(self, timeout: float) -> None:
         """Leave gracefully: refuse new work, keep serving open sessions (their replies say
@@ -195,17 +171,12 @@ class BlockServer:
         out = await self.backend.run(hidden, position_ids, mask)
         self.counters.forward_requests += 1
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
-        await self._delay()
-        return Message("result", request.id, {}, [out])
+        return Message("result", request.id, tensors=[out])
 
-    async def _open(self, peer_id: str, meta: dict, stream: MessageStream) -> _Session:
+    async def _open(self, peer_id: PeerId, meta: OpenRequest, stream: MessageStream) -> _Session:
         if self.draining:
             raise Unavailable("server is draining (leaving the swarm): open the session elsewhere")
-        max_length, batch_size = meta.get("max_length"), meta.get("batch_size", 1)
-        if not isinstance(max_length, int) or not 0 < max_length <= MAX_SESSION_LENGTH:
-            raise BadRequest(f"max_length must be an int in [1, {MAX_SESSION_LENGTH}], got {max_length!r}")
-        if not isinstance(batch_size, int) or not 0 < batch_size <= 1024:
-            raise BadRequest(f"batch_size must be an int in [1, 1024], got {batch_size!r}")
+        max_length, batch_size = meta.max_length, meta.batch_size
         if self._per_peer[peer_id] >= self.max_sessions_per_peer:
             self.counters.sessions_rejected_busy += 1
             raise BusyError(
@@ -224,14 +195,14 @@ class BlockServer:
             self.budget.release(tokens)
             self._release_peer_slot(peer_id)
             raise
-        session = _Session(secrets.token_hex(8), peer_id, batch_size, max_length, tokens, cache, stream)
+        session = _Session(SessionId(secrets.token_hex(8)), peer_id, batch_size, max_length, tokens, cache, stream)
         session.task = asyncio.current_task()
         self._sessions[session.id] = session
         self.counters.sessions_opened += 1
         self.counters.sessions_active += 1
         return session
 
-    def _release_peer_slot(self, peer_id: str) -> None:
+    def _release_peer_slot(self, peer_id: PeerId) -> None:
         self._per_peer[peer_id] -= 1
         if self._per_peer[peer_id] <= 0:
             del self._per_peer[peer_id]
@@ -244,15 +215,19 @@ class BlockServer:
         self.counters.sessions_active -= 1
         session.cache = None
 
-    async def _run_session(self, stream: MessageStream, peer_id: str, request: Message) -> None:
+    async def _run_session(self, stream: MessageStream, peer_id: PeerId, request: Message) -> None:
         session = await self._open(peer_id, request.meta, stream)
         ended = False  # closed or timed out; any other end (stream closed, broken, cancelled) is "abandoned"
         try:
-            reply = {"session": session.id, "token": session.token, "max_length": session.max_length}
+            reply = OpenReply(session=session.id, token=session.token, max_length=session.max_length)
             await stream.send(Message("result", request.id, reply))
             while True:
                 try:
                     message = await self._next_message(session)
+                except InvalidMessage as exc:  # bad metadata: answered, the session goes on
+                    self.counters.errors += 1
+                    await stream.send(error_message(exc.request_id, exc.code, exc.remote_message))
+                    continue
                 except RequestTimeout:
                     self.counters.sessions_timed_out += 1
                     ended = True
@@ -311,37 +286,33 @@ class BlockServer:
                     raise NotFound(f"session {session.id} is closed")
                 reply = await self._step(session, message)
                 session.last_step = max(session.last_step, message.id)
-            route = message.meta.get("push")
+            route = message.meta.push
             if route:
-                reply.meta["pushed"] = await self._push(reply, message, route)
+                pushed = await self._push(reply, message, route)
+                reply.meta = msgspec.structs.replace(reply.meta, pushed=pushed)
         except RemoteError as exc:
             self.counters.errors += 1
             reply = error_message(message.id, exc.code, exc.remote_message)
-        if self.draining:
-            reply.meta["draining"] = True
-        await self._delay()
+        if self.draining and isinstance(reply.meta, StepReply):
+            reply.meta = msgspec.structs.replace(reply.meta, draining=True)
         try:
             await session.stream.send(reply)
         except ShoalError as exc:  # the client vanished: its session ends with its stream
             log.info("could not answer session %s: %s", session.id, exc)
 
-    async def _push(self, reply: Message, message: Message, route: Any) -> bool:
-        """Hand ``reply``'s output to the next server of ``route`` ([[ticket, session, token], ...]);
-        False if it could not be sent (the client then drives that hop itself)."""
-        if not isinstance(route, list) or not 0 < len(route) <= MAX_PUSH_HOPS:
-            raise BadRequest(f"push takes a list of 1..{MAX_PUSH_HOPS} [ticket, session, token] entries")
-        if not all(isinstance(hop, list) and len(hop) == 3 and all(isinstance(x, str) for x in hop) for hop in route):
-            raise BadRequest("every push hop is [ticket, session id, session token] (strings)")
+    async def _push(self, reply: Message, message: Message, route: tuple[PushHop, ...]) -> bool:
+        """Hand ``reply``'s output to the next server of ``route``; False if it could not be sent
+        (the client then drives that hop itself)."""
         if self.node is None:
             return False
-        ticket_text, session_id, token = route[0]
-        meta = {
-            "session": session_id,
-            "token": token,
-            "position": message.meta.get("position"),
-            "step": message.id,
-            "push": route[1:],
-        }
+        ticket_text = route[0].ticket
+        meta = PushRequest(
+            session=route[0].session,
+            token=route[0].token,
+            position=message.meta.position,
+            step=message.id,
+            push=route[1:],
+        )
         tensors = [reply.tensors[0], *message.tensors[1:]]  # our output, the same positions and mask
         try:
             ticket = self._ticket(ticket_text)
@@ -379,38 +350,33 @@ class BlockServer:
             ticket = self._tickets[text] = Ticket.parse(text)
         return ticket
 
-    async def _receive_push(self, message: Message, peer_id: str) -> None:
+    async def _receive_push(self, meta: PushRequest, message: Message, peer_id: PeerId) -> None:
         """A step pushed by the previous server: checked against the session's token, then served
         like the client's own step (the reply goes to the session's client). Nothing is sent back
         to the pushing server."""
-        session_id, token = message.meta.get("session"), message.meta.get("token")
-        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
-        valid = isinstance(token, str) and session is not None
-        if not valid or not secrets.compare_digest(token.encode(), session.token.encode()):
+        session = self._sessions.get(meta.session)
+        if session is None or not secrets.compare_digest(meta.token.encode(), session.token.encode()):
             self.counters.pushes_rejected += 1
             log.info("rejected a push from %s: unknown session or wrong token", peer_id[:10])
             return
-        step_id = message.meta.get("step")
-        if not isinstance(step_id, int) or not 0 <= step_id < 1 << 32:
-            self.counters.pushes_rejected += 1
-            return
-        if step_id <= session.last_step:  # overtaken: the client resent this step or moved on
+        if meta.step <= session.last_step:  # overtaken: the client resent this step or moved on
             self.counters.pushes_rejected += 1
             return
         self.counters.pushes_received += 1
         session.last_active = asyncio.get_running_loop().time()
-        meta = {"session": session.id, "position": message.meta.get("position"), "push": message.meta.get("push")}
+        step = StepRequest(session=session.id, position=meta.position, push=meta.push)
         try:
-            await self._serve_step(session, Message("step", step_id, meta, message.tensors))
+            await self._serve_step(session, Message("step", meta.step, step, message.tensors))
         except Exception:
             log.exception("pushed step for session %s failed", session.id)
 
     async def _step(self, session: _Session, message: Message) -> Message:
-        if message.meta.get("session") != session.id:
-            raise NotFound(f"unknown session {message.meta.get('session')!r} on this stream")
-        position = message.meta.get("position")
-        if not isinstance(position, int) or not 0 <= position <= session.cache.length:
-            raise BadRequest(f"position must be an int in [0, {session.cache.length}] (what the session holds)")
+        meta: StepRequest = message.meta
+        if meta.session != session.id:
+            raise NotFound(f"unknown session {meta.session!r} on this stream")
+        position = meta.position
+        if position > session.cache.length:
+            raise BadRequest(f"position must be in [0, {session.cache.length}] (what the session holds)")
         hidden, position_ids, mask = self.backend.check_inputs(
             message.tensors, past_length=position, batch_size=session.batch_size, max_length=session.max_length
         )
@@ -419,4 +385,4 @@ class BlockServer:
         self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1
         self.counters.positions_processed += hidden.shape[1]
-        return Message("result", message.id, {"position": position + hidden.shape[1]}, [out])
+        return Message("result", message.id, StepReply(position=position + hidden.shape[1]), [out])

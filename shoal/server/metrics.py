@@ -67,7 +67,7 @@ class ServerCollector(Collector):
         c, info, budget = server.counters, server.info, server.budget
         labels = ["model", "start", "end", "dtype", "version"]
         up = GaugeMetricFamily("shoal_server_info", "The span this server hosts (1 while loaded)", labels=labels)
-        up.add_metric([info.model, str(info.start), str(info.end), info.dtype, info.version], 1)
+        up.add_metric([info.model, str(info.blocks.start), str(info.blocks.end), info.dtype, info.version], 1)
         yield up
         tokens = CounterMetricFamily(
             "shoal_tokens_served", "Token positions run through this server's blocks", labels=["kind"]

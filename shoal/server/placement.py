@@ -30,6 +30,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from shoal.ids import BlockRange, OnBlocks, PeerId
+
 MIN_THROUGHPUT = 1e-6  # a server announcing 0 still covers its blocks
 DEFAULT_MARGIN = 1.2
 MAX_NEUTRAL_CANDIDATES = 16  # neutral windows simulated per check
@@ -37,17 +39,16 @@ MAX_SIMULATED_ROUNDS = 4
 
 
 @dataclass(frozen=True)
-class Placed:
+class Placed(OnBlocks):
     """A server's span in the swarm (an online or joining record)."""
 
-    peer: str
-    start: int
-    end: int
+    peer: PeerId
+    blocks: BlockRange
     throughput: float
 
     @property
     def length(self) -> int:
-        return self.end - self.start
+        return len(self.blocks)
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,8 @@ class Balance:
 
 
 @dataclass(frozen=True)
-class Move:
-    start: int
-    end: int
+class Move(OnBlocks):
+    blocks: BlockRange
     before: Balance  # the swarm now
     after: Balance  # right after the move (neutral moves: no worse than ``before``)
     expected: Balance  # once the others have reacted too (direct moves: same as ``after``)
@@ -129,12 +129,12 @@ def _best_start(
 
 def choose_span(
     servers: Sequence[Placed], num_blocks: int, n: int, throughput: float, rng: random.Random | None = None
-) -> tuple[int, int]:
+) -> BlockRange:
     """The ``n``-block window a new server with ``throughput`` should take among ``servers``."""
     if not 0 < n <= num_blocks:
         raise ValueError(f"cannot place {n} blocks in a model of {num_blocks}")
     start, _ = _best_start(block_throughputs(servers, num_blocks), n, throughput, rng or random.Random())
-    return start, start + n
+    return BlockRange(start, start + n)
 
 
 def _settle(
@@ -150,7 +150,7 @@ def _settle(
         for i in order:
             move = _direct_move(servers, num_blocks, i, rng, margin)
             if move is not None:
-                servers[i] = replace(servers[i], start=move.start, end=move.end)
+                servers[i] = replace(servers[i], blocks=move.blocks)
                 moved = True
         if not moved:
             break
@@ -164,7 +164,7 @@ def _direct_move(servers: list[Placed], num_blocks: int, i: int, rng: random.Ran
     start, result = _best_start(base, me.length, me.throughput, rng, current=me.start)
     after = balance(result)
     if start != me.start and clearly_better(after, now, margin):
-        return Move(start, start + me.length, now, after, after)
+        return Move(BlockRange(start, start + me.length), now, after, after)
     return None
 
 
@@ -179,10 +179,10 @@ def _neutral_move(servers: list[Placed], num_blocks: int, i: int, rng: random.Ra
     rng.shuffle(candidates)
     best: Move | None = None
     for start in candidates[:MAX_NEUTRAL_CANDIDATES]:
-        moved = [*others, replace(mine, start=start, end=start + mine.length)]
+        moved = [*others, replace(mine, blocks=BlockRange(start, start + mine.length))]
         _, expected = _settle(moved, num_blocks, mine.peer, rng, margin)
         if clearly_better(expected, now, margin) and (best is None or expected.key() > best.expected.key()):
-            best = Move(start, start + mine.length, now, balance(results[start]), expected)
+            best = Move(BlockRange(start, start + mine.length), now, balance(results[start]), expected)
     return best
 
 

@@ -36,6 +36,7 @@ from shoal.checkpoints.fetch import shoal_home
 from shoal.models import get_family
 from shoal.transport import META, Node, Ticket
 from shoal.wire import Message
+from shoal.wire.schema import Ping
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +239,9 @@ async def measure_network(node: Node, ticket: Ticket, nbytes: int = ECHO_BYTES, 
     does not answer in time."""
     payload = torch.zeros(nbytes, dtype=torch.uint8)
     try:
-        await node.request(ticket, META, Message("ping", 1, {}, []), timeout=timeout)  # connect first
+        await node.request(ticket, META, Message("ping", 1, Ping(), []), timeout=timeout)  # connect first
         started = time.perf_counter()
-        reply = await node.request(ticket, META, Message("ping", 2, {}, [payload]), timeout=timeout)
+        reply = await node.request(ticket, META, Message("ping", 2, Ping(), [payload]), timeout=timeout)
     except Exception as exc:  # any failure: no figure (placement then uses compute alone)
         log.info("network measurement to %s failed: %s", ticket.peer_id[:10], exc)
         return None

@@ -1,11 +1,11 @@
 """Push-pull gossip of swarm records, as a sans-I/O state machine (the network runner and the
 1,000-peer simulation in ``bench/registry.py`` drive the same code).
 
-Three exchanges, all request/response:
+Three exchanges, all request/response (the payloads: :mod:`shoal.swarm.messages`):
 
-    offer  digest                 -> wanted                 rumour: "I learned these"
-    push   [record bytes, ...]    -> {}                     the records the peer wanted
-    sync   digest                 -> {records, wanted}      anti-entropy: full digests
+    offer  OfferRequest(digest)   -> OfferReply(wanted)          rumour: "I learned these"
+    push   PushRequest(records)   -> PushReply()                 the records the peer wanted
+    sync   SyncRequest(digest)    -> SyncReply(records, wanted)  anti-entropy: full digests
 
 A digest is one bytes string of 16-byte entries: a key id (the first 8 bytes of blake2b of the
 record's key) and the record's timestamp (big-endian float64); ``wanted`` is the concatenated key
@@ -25,19 +25,26 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgpack
-
+from shoal.swarm.messages import (
+    ENTRY,
+    ID_BYTES,
+    MAX_OFFER,
+    MAX_PUSH,
+    Entries,
+    OfferReply,
+    OfferRequest,
+    PushReply,
+    PushRequest,
+    SyncReply,
+    SyncRequest,
+    decode_payload,
+    encode_payload,
+)
 from shoal.swarm.records import RecordError, ServerRecord, SignedRecord, State, decode
 from shoal.swarm.table import RecordTable
-
-MAX_OFFER = 4096  # entries of an offer, records of a push
-MAX_PUSH = 4096
-MAX_SYNC = 1 << 16  # entries of a sync digest
-ENTRY = struct.Struct(">8sd")  # key id, timestamp
-ID_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -61,41 +68,15 @@ class Outgoing:
     payload: bytes
 
 
-def pack(value) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
-
-
-def unpack(payload: bytes, limit: int, max_bin: int = 1 << 16):
-    try:
-        value = msgpack.unpackb(payload, raw=False, max_array_len=limit, max_bin_len=max_bin, max_str_len=1 << 12)
-    except Exception:  # msgpack raises many types; any of them means garbage
-        raise RecordError("malformed", "gossip payload is not msgpack") from None
-    if not isinstance(value, list | dict | bytes):
-        raise RecordError("malformed", "gossip payload")
-    return value
-
-
 def key_id(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=ID_BYTES).digest()
 
 
-def _entries(value) -> tuple[list[tuple[bytes, float]], list[str] | None]:
-    """A digest's entries as (key id, timestamp), and its keys when it came as a list."""
-    if isinstance(value, bytes):
-        if len(value) % ENTRY.size:
-            raise RecordError("malformed", "digest length")
-        return list(ENTRY.iter_unpack(value)), None
-    if not isinstance(value, list):
-        raise RecordError("malformed", "digest must be bytes or a list")
-    entries, keys = [], []
-    for entry in value:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
-            raise RecordError("malformed", "digest entry")
-        if not isinstance(entry[1], int | float) or isinstance(entry[1], bool):
-            raise RecordError("malformed", "digest timestamp")
-        entries.append((key_id(entry[0]), float(entry[1])))
-        keys.append(entry[0])
-    return entries, keys
+def _entries(digest: bytes | Entries) -> tuple[list[tuple[bytes, float]], list[str] | None]:
+    """A (validated) digest's entries as (key id, timestamp), and its keys when it came as a list."""
+    if isinstance(digest, bytes):
+        return list(ENTRY.iter_unpack(digest)), None
+    return [(key_id(key), timestamp) for key, timestamp in digest], [key for key, _ in digest]
 
 
 class Gossiper:
@@ -166,7 +147,7 @@ class Gossiper:
 
     def _digest(self) -> bytes:
         self._current()
-        return pack(b"".join(itertools.starmap(ENTRY.pack, self._mine.items())))
+        return encode_payload(SyncRequest(digest=b"".join(itertools.starmap(ENTRY.pack, self._mine.items()))))
 
     # ---- whom to talk to ------------------------------------------------------------------
     def peers(self) -> list[str]:
@@ -207,7 +188,7 @@ class Gossiper:
         batch = list(itertools.islice(self._news.items(), MAX_OFFER))
         for key, _ in batch:
             del self._news[key]
-        payload = pack(b"".join(ENTRY.pack(self._id(key), ts) for key, ts in batch))
+        payload = encode_payload(OfferRequest(digest=b"".join(ENTRY.pack(self._id(key), ts) for key, ts in batch)))
         return [Outgoing(peer, "offer", payload) for peer in self._sample(self.config.fanout)]
 
     def tick(self) -> list[Outgoing]:
@@ -228,32 +209,29 @@ class Gossiper:
         """Answer a peer's request; raise :class:`RecordError` on malformed input."""
         self._current()
         if op == "offer":
-            entries, keys = _entries(unpack(payload, MAX_OFFER))
+            entries, keys = _entries(decode_payload(payload, OfferRequest).digest)
             wanted = [i for i, (kid, ts) in enumerate(entries) if self._older(kid, ts)]
-            return pack(b"".join(entries[i][0] for i in wanted) if keys is None else [keys[i] for i in wanted])
+            ids_or_keys = b"".join(entries[i][0] for i in wanted) if keys is None else tuple(keys[i] for i in wanted)
+            return encode_payload(OfferReply(wanted=ids_or_keys))
         if op == "push":
-            self._merge(unpack(payload, MAX_PUSH))
-            return pack({})
+            self._merge(decode_payload(payload, PushRequest).records)
+            return encode_payload(PushReply())
         if op == "sync":
-            entries, keys = _entries(unpack(payload, MAX_SYNC, MAX_SYNC * ENTRY.size))
+            entries, keys = _entries(decode_payload(payload, SyncRequest).digest)
             # Compare only the entries that differ (set operations: digests mostly agree).
             theirs = dict(set(entries) - self._mine.items())  # they hold it, and we don't hold that version
             newer = [self._keys[kid] for kid, ts in self._mine.items() - set(entries) if theirs.get(kid, -1.0) < ts]
             wanted = [kid for kid, ts in theirs.items() if self._older(kid, ts)]
             if keys is not None:
                 by_id = dict(zip((kid for kid, _ in entries), keys, strict=True))
-                return pack({"records": self._records(newer), "wanted": [by_id[kid] for kid in wanted]})
-            return pack({"records": self._records(newer), "wanted": b"".join(wanted)})
+                return encode_payload(SyncReply(records=self._records(newer), wanted=tuple(by_id[k] for k in wanted)))
+            return encode_payload(SyncReply(records=self._records(newer), wanted=b"".join(wanted)))
         raise RecordError("malformed", f"unknown gossip op {op!r}")
 
-    def _merge(self, items) -> list[str]:
-        if not isinstance(items, list):
-            raise RecordError("malformed", "records must be a list")
+    def _merge(self, items: Iterable[bytes]) -> list[str]:
+        """Merge each record on its own: a bad one is counted by its reason, the rest still count."""
         accepted = []
         for data in items:
-            if not isinstance(data, bytes):
-                self.table.rejected["malformed"] += 1
-                continue
             try:
                 signed = decode(data)
             except RecordError as exc:
@@ -267,29 +245,27 @@ class Gossiper:
     # ---- replies to our requests ------------------------------------------------------------
     def on_reply(self, request: Outgoing, reply: bytes) -> list[Outgoing]:
         if request.op == "offer":
-            return self._push_to(request.peer, unpack(reply, MAX_OFFER))
+            return self._push_to(request.peer, decode_payload(reply, OfferReply).wanted)
         if request.op == "sync":
-            answer = unpack(reply, MAX_SYNC, MAX_SYNC * ENTRY.size)
-            if not isinstance(answer, dict):
-                raise RecordError("malformed", "sync reply")
-            self._merge(answer.get("records", []))
-            return self._push_to(request.peer, answer.get("wanted", b""))
+            answer = decode_payload(reply, SyncReply)
+            self._merge(answer.records)
+            return self._push_to(request.peer, answer.wanted)
+        if request.op == "push":
+            decode_payload(reply, PushReply)
         return []
 
-    def _push_to(self, peer: str, wanted) -> list[Outgoing]:
-        """Push the records of ``wanted`` (key ids, or a list of keys) that we hold."""
+    def _push_to(self, peer: str, wanted: bytes | tuple[str, ...]) -> list[Outgoing]:
+        """Push the records of ``wanted`` (key ids, or keys; validated) that we hold, at most ``MAX_PUSH``."""
         self._current()
         if isinstance(wanted, bytes):
-            ids = (wanted[i : i + ID_BYTES] for i in range(0, len(wanted) - len(wanted) % ID_BYTES, ID_BYTES))
+            ids = (wanted[i : i + ID_BYTES] for i in range(0, len(wanted), ID_BYTES))
             keys = [self._keys.get(kid) for kid in itertools.islice(ids, MAX_PUSH)]
-        elif isinstance(wanted, list):
-            keys = [key for key in wanted[:MAX_PUSH] if isinstance(key, str)]
         else:
-            raise RecordError("malformed", "wanted keys")
+            keys = list(wanted[:MAX_PUSH])
         records = self._records(keys)
-        return [Outgoing(peer, "push", pack(records))] if records else []
+        return [Outgoing(peer, "push", encode_payload(PushRequest(records=records)))] if records else []
 
-    def _records(self, keys) -> list[bytes]:
+    def _records(self, keys: Iterable[str | None]) -> list[bytes]:
         return [s.data for key in keys if key is not None and (s := self.table.get(key)) is not None]
 
 

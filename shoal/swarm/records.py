@@ -19,6 +19,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from shoal.errors import ShoalError
+from shoal.ids import BlockRange, OnBlocks
 
 SIGNING_CONTEXT = b"shoal/record/1\0"
 MAX_RECORD_BYTES = 8192
@@ -41,14 +42,13 @@ class State(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class ServerRecord:
+class ServerRecord(OnBlocks):
     swarm: str
     peer: str
     addrs: tuple[str, ...]
     relay: str | None
     model: str
-    start: int
-    end: int  # half-open span [start, end)
+    blocks: BlockRange
     fingerprints: tuple[bytes, ...]  # one per block of the span
     state: State
     throughput: float  # tokens/s the server can sustain per block (given or measured; placement weighs by it)
@@ -58,6 +58,7 @@ class ServerRecord:
     timestamp: float  # clock time of signing: a newer record supersedes an older one
     expires: float
     step_ms: float = 0.0  # measured latency of a one-token step through one block (0: unknown); routing uses it
+    capabilities: tuple[str, ...] = ()  # what the server's protocol supports (shoal.wire.schema), sorted
 
     TAG = "srv"
 
@@ -71,17 +72,21 @@ class ServerRecord:
 
     def fields(self) -> list:
         return [
-            self.swarm, self.peer, list(self.addrs), self.relay, self.model, self.start, self.end,
+            self.swarm, self.peer, list(self.addrs), self.relay, self.model, self.blocks.start, self.blocks.end,
             list(self.fingerprints), str(self.state), self.throughput, self.cache_tokens_free,
             [list(r) for r in self.rtts], self.version, self.timestamp, self.expires, self.step_ms,
+            list(self.capabilities),
         ]  # fmt: skip
 
     @classmethod
     def from_fields(cls, f: list) -> ServerRecord:
-        _expect(len(f) in (15, 16), "field count")  # 15: before step_ms existed
+        _expect(len(f) in (15, 16, 17), "field count")  # 15: before step_ms existed, 16: before capabilities
         swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f[:15]
-        step_ms = f[15] if len(f) == 16 else 0.0
+        step_ms = f[15] if len(f) >= 16 else 0.0
+        capabilities = f[16] if len(f) == 17 else []
         _expect(_is_num(step_ms) and 0 <= step_ms < 1e7, "step_ms")
+        _expect(isinstance(capabilities, list) and len(capabilities) <= 64, "capabilities")
+        _expect(all(_is_str(c) and len(c) <= 64 for c in capabilities), "capabilities")
         _expect(isinstance(addrs, list) and len(addrs) <= 16 and all(_is_str(a) for a in addrs), "addrs")
         _expect(relay is None or _is_str(relay), "relay")
         _expect(_is_int(start) and _is_int(end) and 0 <= start < end <= 1 << 20, "span")
@@ -93,8 +98,9 @@ class ServerRecord:
         _expect(all(isinstance(r, list) and len(r) == 2 and _is_peer(r[0]) and _is_num(r[1]) for r in rtts), "rtts")
         _expect(_is_str(version), "version")
         return cls(
-            _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), start, end, tuple(fps), State(state),
-            float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp), float(step_ms),
+            _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), BlockRange(start, end), tuple(fps),
+            State(state), float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp),
+            float(step_ms), tuple(sorted(set(capabilities))),
         )  # fmt: skip
 
 

@@ -1,8 +1,9 @@
-"""Runs a :class:`~shoal.swarm.gossip.Gossiper` over the network (protocol ``shoal/swarm/1``).
+"""Runs a :class:`~shoal.swarm.gossip.Gossiper` over the network (protocol ``shoal/swarm/2``).
 
 Every gossip exchange is one request on a fresh stream of the pooled connection: a ``gossip``
-message with ``meta {"op": ...}`` and the msgpack payload as one u8 tensor (payloads can exceed
-the header size limit). ``table`` answers a peer's whole table, for clients and status tools.
+message with metadata ``Gossip(op=...)`` and the payload (a :mod:`shoal.swarm.messages` struct as
+msgpack) as one u8 tensor (payloads can exceed the header size limit). ``table`` answers a peer's
+whole table (:class:`~shoal.swarm.messages.TableReply`), for clients and status tools.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ import logging
 import random
 from collections.abc import Callable
 
-import msgpack
 import torch
 
 from shoal.errors import RemoteError, ShoalError
-from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing, pack
+from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing
+from shoal.swarm.messages import PushRequest, TableReply, decode_payload, encode_payload
 from shoal.swarm.records import RecordError, SignedRecord, decode
 from shoal.swarm.table import RecordTable
 from shoal.transport import MessageStream, Node, Protocol, Ticket
-from shoal.wire import Message, error_message
+from shoal.wire import InvalidMessage, Message, error_message
+from shoal.wire.schema import Gossip
 
 log = logging.getLogger(__name__)
-SWARM = Protocol("swarm", 1)
+SWARM = Protocol("swarm", 2)
 MAX_FOLLOW_UPS = 4
 
 
@@ -38,10 +40,11 @@ def blob_bytes(message: Message) -> bytes:
     return message.tensors[0].numpy().tobytes()
 
 
-async def fetch_table(node: Node, ticket: Ticket, timeout: float) -> dict:
-    """A peer's whole table: ``{"records": [bytes...], "rejected": {reason: n}}``."""
-    reply = await node.request(ticket, SWARM, Message("gossip", 1, {"op": "table"}, [blob(b"")]), timeout)
-    return msgpack.unpackb(blob_bytes(reply), raw=False)
+async def fetch_table(node: Node, ticket: Ticket, timeout: float) -> TableReply:
+    """A peer's whole table: its records (as signed, not yet checked here) and its rejection counts;
+    :class:`RecordError` if the answer does not validate."""
+    reply = await node.request(ticket, SWARM, Message("gossip", 1, Gossip(op="table"), [blob(b"")]), timeout)
+    return decode_payload(blob_bytes(reply), TableReply)
 
 
 class SwarmService:
@@ -74,24 +77,28 @@ class SwarmService:
     # ---- serving ------------------------------------------------------------------------------
     async def handle(self, stream: MessageStream, peer_id: str) -> None:
         while True:
-            request = await stream.recv(self.node.config.deadlines.idle)
+            try:
+                request = await stream.recv(self.node.config.deadlines.idle)
+            except InvalidMessage as exc:  # well framed, bad metadata: answer, keep the stream
+                self.table.rejected["malformed"] += 1
+                await stream.send(error_message(exc.request_id, exc.code, exc.remote_message))
+                continue
             try:
                 if request.kind != "gossip":
                     raise RecordError("malformed", f"{request.kind!r} is not a swarm request")
-                op = request.meta.get("op")
+                op = request.meta.op
                 self.table.expire()  # never hand out records that have lapsed
                 if op == "table":
-                    reply = pack(
-                        {"records": [s.data for s in self.table.records()], "rejected": dict(self.table.rejected)}
-                    )
+                    records = [s.data for s in self.table.records()]
+                    reply = encode_payload(TableReply(records=records, rejected=dict(self.table.rejected)))
                 else:
-                    reply = self.gossiper.handle(str(op), blob_bytes(request))
+                    reply = self.gossiper.handle(op, blob_bytes(request))
                     self._wake()
             except RecordError as exc:
                 self.table.rejected[exc.reason] += 1
                 await stream.send(error_message(request.id, "bad_request", str(exc)))
                 continue
-            await stream.send(Message("result", request.id, {}, [blob(reply)]))
+            await stream.send(Message("result", request.id, tensors=[blob(reply)]))
 
     # ---- calling --------------------------------------------------------------------------------
     def ticket_for(self, peer: str) -> Ticket | None:
@@ -106,7 +113,7 @@ class SwarmService:
         if ticket is None:
             return
         try:
-            message = Message("gossip", 1, {"op": out.op}, [blob(out.payload)])
+            message = Message("gossip", 1, Gossip(op=out.op), [blob(out.payload)])
             reply = await self.node.request(ticket, SWARM, message, self.call_timeout)
             follow_ups = self.gossiper.on_reply(out, blob_bytes(reply))
         except (ShoalError, RemoteError) as exc:
@@ -159,7 +166,8 @@ class SwarmService:
     async def announce_to_all(self, signed: SignedRecord, timeout: float = 2.0) -> None:
         """Push ``signed`` straight to every known peer (used for the offline record at shutdown)."""
         self.gossiper.publish(signed)
-        outs = [Outgoing(peer, "push", pack([signed.data])) for peer in self.gossiper.peers()]
+        push = encode_payload(PushRequest(records=[signed.data]))
+        outs = [Outgoing(peer, "push", push) for peer in self.gossiper.peers()]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(self.call(o) for o in outs)), timeout)
 
@@ -169,9 +177,10 @@ class SwarmService:
         self._tasks = []
 
 
-def decode_table(payload: dict) -> list[SignedRecord]:
+def decode_table(table: TableReply) -> list[SignedRecord]:
+    """The records of ``table`` that decode and verify (a table's merge checks the rest)."""
     out = []
-    for data in payload.get("records", []):
+    for data in table.records:
         with contextlib.suppress(RecordError):
             out.append(decode(data))
     return out

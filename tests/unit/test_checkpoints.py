@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from shoal.checkpoints import (
     CheckpointError,
@@ -22,26 +22,17 @@ from shoal.checkpoints import (
     weight_map,
 )
 from shoal.checkpoints import loading as loading_module
+from shoal.ids import BlockRange
+from testkit.tiny import tiny_model
+from tests.helpers.servers import shard_files
 
 pytestmark = pytest.mark.timeout(60)
 torch.set_num_threads(1)
 
-CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
-
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
+    return tiny_model("llama")  # 4 blocks, hidden 64, untied head
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +40,8 @@ def saved(model, tmp_path_factory) -> Path:
     return save_sharded(model, model.config, tmp_path_factory.mktemp("tiny"))
 
 
-def shards_of(model_dir: Path) -> dict[str, set[str]]:
-    shards: dict[str, set[str]] = {}
-    for name, shard in weight_map(model_dir).items():
-        shards.setdefault(shard, set()).add(name)
-    return shards
-
-
 def test_one_shard_per_block_and_transformers_loads_it(model, saved):
-    shards = shards_of(saved)
+    shards = shard_files(saved)
     assert len(shards) == 4 + 1
     for i in range(4):
         (block,) = [names for names in shards.values() if any(n.startswith(f"model.layers.{i}.") for n in names)]
@@ -70,8 +54,7 @@ def test_one_shard_per_block_and_transformers_loads_it(model, saved):
 
 
 def test_tied_head_is_not_stored(tmp_path):
-    torch.manual_seed(0)
-    tied = AutoModelForCausalLM.from_config(LlamaConfig(**{**CONFIG, "tie_word_embeddings": True}))
+    tied = tiny_model("llama", tie_word_embeddings=True)
     save_sharded(tied, tied.config, tmp_path)
     assert "lm_head.weight" not in weight_map(tmp_path)
     head = load_client_head(tmp_path)
@@ -171,7 +154,7 @@ def test_resolve_model_hub_fetches_only_needed_shards(saved, tmp_path, monkeypat
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
-    root = resolve_model("org/tiny", blocks=(1, 3))
+    root = resolve_model("org/tiny", blocks=BlockRange(1, 3))
     assert root == snapshot and calls[1][1] == "0123abcd"  # second call pinned to the resolved commit
     present = {p.name for p in root.glob("*.safetensors")}
     where = weight_map(root)

@@ -22,11 +22,25 @@ import math
 import random
 from collections import Counter
 
+import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bench.registry import EPOCH, MODEL, SWARM, Sim, SimConfig, SimPeer, holds
-from shoal.swarm.gossip import ENTRY, GossipConfig, Gossiper, key_id, pack, unpack
+from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing, key_id
+from shoal.swarm.messages import (
+    ENTRY,
+    MAX_OFFER,
+    OfferReply,
+    OfferRequest,
+    PushReply,
+    PushRequest,
+    SyncReply,
+    SyncRequest,
+    TableReply,
+    decode_payload,
+    encode_payload,
+)
 from shoal.swarm.records import (
     MAX_RECORD_BYTES,
     ModelRecord,
@@ -155,18 +169,54 @@ def test_expire_drops_lapsed_records(table):
 
 
 # ---- gossip payloads --------------------------------------------------------------------------------
-def test_gossip_rejects_malformed_payloads(table):
+def raw(value) -> bytes:
+    """``value`` as msgpack, unchecked: what a stranger may send."""
+    return msgspec.msgpack.encode(value)
+
+
+MALFORMED = {  # (op, payload) -> what RecordError's text must say (the field, where there is one)
+    "not msgpack": ("offer", b"\xc1", "OfferRequest is not msgpack"),
+    "partial entry": ("offer", raw({"digest": b"x" * 15}), "`$.digest` holds 15 bytes, not whole 16-byte entries"),
+    "bad timestamp": ("offer", raw({"digest": [["s:x", "soon"]]}), "Expected `float`, got `str` - at `$.digest[0][1]`"),
+    "bool timestamp": ("offer", raw({"digest": [["s:x", True]]}), "got `bool` - at `$.digest[0][1]`"),
+    "long entry": ("offer", raw({"digest": [["s:x", 1.0, 2]]}), "length 2, got 3 - at `$.digest[0]`"),
+    "long key": ("offer", raw({"digest": [["s:" + "k" * 600, 1.0]]}), "length <= 514 - at `$.digest[0][0]`"),
+    "too many": ("offer", raw({"digest": bytes(ENTRY.size * (MAX_OFFER + 1))}), "length <= 65536 - at `$.digest`"),
+    "missing field": ("offer", raw({}), "missing required field `digest`"),
+    "unknown field": ("sync", raw({"digest": b"", "since": 1}), "unknown field `since`"),
+    "not a map": ("sync", raw(7), "Expected `object`, got `int`"),
+    "push as a list": ("push", raw([b"record"]), "Expected `object`, got `array`"),
+    "record not bytes": ("push", raw({"records": [b"record", 7]}), "Expected `bytes`, got `int` - at `$.records[1]`"),
+    "unknown op": ("gimme", encode_payload(PushRequest()), "unknown gossip op 'gimme'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_gossip_rejects_malformed_payloads(table, case):
+    op, payload, says = MALFORMED[case]
     gossiper = Gossiper(table, ALICE[1], CONFIG, random.Random(0))
-    for op, payload in [
-        ("offer", b"\xc1"),  # not msgpack
-        ("offer", pack(b"x" * 15)),  # not whole 16-byte entries
-        ("offer", pack([["s:x", "soon"]])),  # list form, bad timestamp
-        ("sync", pack(7)),
-        ("push", pack({"records": []})),
-        ("gimme", pack([])),
+    before = table.records()
+    with pytest.raises(RecordError, match="malformed") as caught:
+        gossiper.handle(op, payload)
+    assert caught.value.reason == "malformed" and says in str(caught.value), str(caught.value)
+    assert table.records() == before
+
+
+def test_gossip_rejects_malformed_replies(table):
+    """A reply is a stranger's payload too: it must validate before anything is pushed or merged."""
+    gossiper = Gossiper(table, ALICE[1], CONFIG, random.Random(0))
+    offer, sync = Outgoing("p", "offer", b""), Outgoing("p", "sync", b"")
+    for request, reply, says in [
+        (offer, raw({"wanted": 5}), "at `$.wanted`"),
+        (offer, raw({"wanted": b"1234567"}), "`$.wanted` holds 7 bytes, not whole 8-byte entries"),
+        (sync, raw({"records": [], "wanted": b"", "more": 1}), "unknown field `more`"),
+        (sync, raw([]), "Expected `object`, got `array`"),
+        (Outgoing("p", "push", b""), raw({"ok": True}), "unknown field `ok`"),
     ]:
-        with pytest.raises(RecordError, match="malformed"):
-            gossiper.handle(op, payload)
+        with pytest.raises(RecordError, match=r"malformed: invalid \w+Reply") as caught:
+            gossiper.on_reply(request, reply)
+        assert says in str(caught.value), str(caught.value)
+    assert table.accepted == 1 and table.rejected == {}
 
 
 def test_gossip_answers_list_digests_in_kind(table):
@@ -174,11 +224,33 @@ def test_gossip_answers_list_digests_in_kind(table):
     gossiper = Gossiper(table, ALICE[1], CONFIG, random.Random(0))
     held, fresh = f"m:{MODEL}", f"s:{MALLORY[1]}"
     stamp = table.get(held).timestamp
-    assert unpack(gossiper.handle("offer", pack([[held, stamp], [fresh, NOW]])), 16) == [fresh]
-    compact = ENTRY.pack(key_id(held), stamp) + ENTRY.pack(key_id(fresh), NOW)
-    assert unpack(gossiper.handle("offer", pack(compact)), 16) == key_id(fresh)
-    answer = unpack(gossiper.handle("sync", pack([[fresh, NOW]])), 16)
-    assert answer == {"records": [table.get(held).data], "wanted": [fresh]}
+    offer = encode_payload(OfferRequest(digest=[[held, stamp], [fresh, NOW]]))
+    assert decode_payload(gossiper.handle("offer", offer), OfferReply) == OfferReply(wanted=(fresh,))
+    compact = encode_payload(OfferRequest(digest=ENTRY.pack(key_id(held), stamp) + ENTRY.pack(key_id(fresh), NOW)))
+    assert decode_payload(gossiper.handle("offer", compact), OfferReply) == OfferReply(wanted=key_id(fresh))
+    answer = decode_payload(gossiper.handle("sync", encode_payload(SyncRequest(digest=[[fresh, NOW]]))), SyncReply)
+    assert answer == SyncReply(records=(table.get(held).data,), wanted=(fresh,))
+
+
+def test_push_counts_each_bad_record_and_merges_the_rest(table):
+    gossiper = Gossiper(table, PUBLISHER[1], CONFIG, random.Random(0))
+    push = PushRequest(records=[b"\x93not a record", alice(), b"\x00" * (MAX_RECORD_BYTES + 1)])
+    assert gossiper.handle("push", encode_payload(push)) == encode_payload(PushReply()) == b"\x80"
+    assert table.get(f"s:{ALICE[1]}").data == alice()
+    assert table.rejected == {"malformed": 1, "too_large": 1}
+
+
+def test_payload_encodings():
+    """Empty fields are left out (an offer nobody wanted answers in 1 byte); a table reply always
+    has both fields, as a map that status tools read by name."""
+    assert encode_payload(OfferReply()) == b"\x80"
+    assert encode_payload(OfferRequest(digest=b"")) == b"\x81\xa6digest\xc4\x00"
+    table = TableReply(records=[], rejected={})
+    assert msgspec.msgpack.decode(encode_payload(table)) == {"records": [], "rejected": {}}
+    full = TableReply(records=(alice(),), rejected={"stale": 2})
+    assert decode_payload(encode_payload(full), TableReply) == full
+    with pytest.raises(RecordError, match=r"malformed: invalid TableReply: .* - at `\$.rejected\[...\]`"):
+        decode_payload(raw({"records": [], "rejected": {"stale": -1}}), TableReply)
 
 
 def test_gossiper_follows_table_changes_made_elsewhere():
@@ -191,14 +263,18 @@ def test_gossiper_follows_table_changes_made_elsewhere():
     assert table.merge(alice(NOW - 25.0))  # directly, not through the gossiper; expires at NOW + 5
     assert gossiper.peers() == [ALICE[1]]
     alice_id = key_id(f"s:{ALICE[1]}")
-    offer = ENTRY.pack(alice_id, NOW - 25.0)
-    assert unpack(gossiper.handle("offer", pack(offer)), 16) == b""  # held: not wanted
+
+    def wanted(timestamp: float) -> bytes:
+        offer = encode_payload(OfferRequest(digest=ENTRY.pack(alice_id, timestamp)))
+        return decode_payload(gossiper.handle("offer", offer), OfferReply).wanted
+
+    assert wanted(NOW - 25.0) == b""  # held: not wanted
     assert table.merge(alice(NOW - 24.0))  # a newer one, directly
-    assert unpack(gossiper.handle("offer", pack(ENTRY.pack(alice_id, NOW - 24.5))), 16) == b""
+    assert wanted(NOW - 24.5) == b""
     now[0] = NOW + 6.0
     gossiper.tick()  # expires alice's record
     assert gossiper.peers() == []
-    assert unpack(gossiper.handle("offer", pack(ENTRY.pack(alice_id, NOW + 1.0))), 16) == alice_id  # lacked now
+    assert wanted(NOW + 1.0) == alice_id  # lacked now
     assert gossiper.publish(SignedRecord(decode(alice(NOW + 1.0)).record, alice(NOW + 1.0)))
     assert gossiper.peers() == [ALICE[1]]
     assert table.merge(model_data(tuple(reversed(FPS)), NOW + 2.0))  # purges alice (other weights)
@@ -277,7 +353,7 @@ def test_forged_records_never_enter_a_table():
 
     # A forger pushes everything (and the control record) to one honest peer; a compromised peer
     # holds everything (and another control record) in its table and gossips it.
-    sim.inject(honest_to, "push", [data for _, data, _ in forged.values()] + [control.data])
+    sim.inject(honest_to, "push", PushRequest(records=[data for _, data, _ in forged.values()] + [control.data]))
     for record, data, _ in forged.values():
         plant(compromised, record, data)
     plant(compromised, planted_control.record, planted_control.data)

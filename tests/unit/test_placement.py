@@ -16,6 +16,7 @@ import random
 
 import pytest
 
+from shoal.ids import BlockRange
 from shoal.server.config import ServerConfig
 from shoal.server.placement import (
     Balance,
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def servers(*spans: tuple[int, int], throughput: float = 10.0) -> list[Placed]:
-    return [Placed(f"p{i}", start, end, throughput) for i, (start, end) in enumerate(spans)]
+    return [Placed(f"p{i}", BlockRange(start, end), throughput) for i, (start, end) in enumerate(spans)]
 
 
 def spans_of(placed: list[Placed]) -> list[tuple[int, int]]:
@@ -40,7 +41,12 @@ def spans_of(placed: list[Placed]) -> list[tuple[int, int]]:
 
 
 def test_block_throughputs_sum_covering_servers_and_clip_to_the_model():
-    placed = [Placed("a", 0, 4, 10.0), Placed("b", 2, 6, 5.0), Placed("c", 5, 9, 1.0), Placed("d", 1, 2, 0.0)]
+    placed = [
+        Placed("a", BlockRange(0, 4), 10.0),
+        Placed("b", BlockRange(2, 6), 5.0),
+        Placed("c", BlockRange(5, 9), 1.0),
+        Placed("d", BlockRange(1, 2), 0.0),
+    ]
     t = block_throughputs(placed, 8)
     assert t[:6].tolist() == [10.0, 10.0 + 1e-6, 15.0, 15.0, 5.0, 6.0]
     assert t[6:].tolist() == [1.0, 1.0]
@@ -59,12 +65,17 @@ def test_clearly_better_means_fewer_holes_or_a_much_higher_bottleneck():
 
 def test_a_new_server_fills_the_weakest_part():
     # blocks 0:6 run at 10, 6:12 at 30: a 6-block server of 10 tokens/s belongs on 0:6
-    assert choose_span([*servers((0, 6)), Placed("x", 6, 12, 30.0)], 12, 6, 10.0, random.Random(0)) == (0, 6)
+    assert choose_span(
+        [*servers((0, 6)), Placed("x", BlockRange(6, 12), 30.0)], 12, 6, 10.0, random.Random(0)
+    ) == BlockRange(0, 6)
     # a hole at 5:7 between two spans: a 2-block server closes it
-    assert choose_span(servers((0, 5), (7, 12)), 12, 2, 1.0, random.Random(0)) == (5, 7)
+    assert choose_span(servers((0, 5), (7, 12)), 12, 2, 1.0, random.Random(0)) == BlockRange(5, 7)
     # a hole wider than the server: it covers as much of it as it can, from one end
     for seed in range(10):
-        assert choose_span(servers((0, 3), (9, 12)), 12, 4, 1.0, random.Random(seed)) in [(3, 7), (5, 9)]
+        assert choose_span(servers((0, 3), (9, 12)), 12, 4, 1.0, random.Random(seed)) in [
+            BlockRange(3, 7),
+            BlockRange(5, 9),
+        ]
 
 
 def test_ties_go_to_fewer_weak_blocks_then_to_an_unbroken_weak_part():
@@ -72,14 +83,14 @@ def test_ties_go_to_fewer_weak_blocks_then_to_an_unbroken_weak_part():
     # 6 blocks at it (0:4 leaves 8), and of those, 2:6 and 8:12 leave them in one piece (4:8 in two)
     placed = servers((0, 12), (0, 2))
     picks = {choose_span(placed, 12, 4, 10.0, random.Random(seed)) for seed in range(40)}
-    assert picks == {(2, 6), (8, 12)}
+    assert picks == {BlockRange(2, 6), BlockRange(8, 12)}
     # an empty swarm: the first server takes an end, never the middle
     firsts = {choose_span([], 12, 4, 10.0, random.Random(seed)) for seed in range(40)}
-    assert firsts == {(0, 4), (8, 12)}
+    assert firsts == {BlockRange(0, 4), BlockRange(8, 12)}
     # then the next one sits next to it or at the other end, leaving one 4-block gap
     for seed in range(20):
         second = choose_span(servers((0, 4)), 12, 4, 10.0, random.Random(seed))
-        assert second in [(4, 8), (8, 12)]
+        assert second in [BlockRange(4, 8), BlockRange(8, 12)]
 
 
 def test_choice_is_reproducible_with_a_seeded_rng():
@@ -94,14 +105,18 @@ def test_moves_need_a_clear_gain():
     # 0:6 at 10, 6:12 at 30 (p0 covers 0:12, p1 and p2 add 6:12): p1 (or p2) on 0:6 makes it 20 and 20
     placed = servers((0, 12), (6, 12), (6, 12))
     plan = plan_move(placed, 12, "p1", random.Random(0))
-    assert plan.move is not None and (plan.move.start, plan.move.end) == (0, 6)
+    assert plan.move is not None and plan.move.blocks == BlockRange(0, 6)
     assert plan.move.before == Balance(0, 10.0) and plan.move.after == Balance(0, 20.0)
     assert plan_move(placed, 12, "p2", random.Random(0)) == Plan(defer_to="p1")  # p1 could make the same move
     # 0:6 at 10, 6:12 at 12: x moving to 0:6 would make the bottleneck 11 (+10%, under the 20% margin)
-    close = [Placed("z", 0, 12, 10.0), Placed("x", 6, 12, 1.0), Placed("y", 6, 12, 1.0)]
+    close = [
+        Placed("z", BlockRange(0, 12), 10.0),
+        Placed("x", BlockRange(6, 12), 1.0),
+        Placed("y", BlockRange(6, 12), 1.0),
+    ]
     assert plan_move(close, 12, "x", random.Random(0)) == Plan()
     move = plan_move(close, 12, "x", random.Random(0), margin=1.05).move
-    assert (move.start, move.end, move.after) == (0, 6, Balance(0, 11.0))
+    assert (move.blocks, move.after) == (BlockRange(0, 6), Balance(0, 11.0))
     # on its best place already: stay; a server not in the table: no plan
     assert plan_move(servers((0, 6), (6, 12)), 12, "p0", random.Random(0)).move is None
     assert plan_move(servers((0, 6)), 12, "nobody", random.Random(0)).move is None
@@ -143,7 +158,7 @@ def _converge(placed: list[Placed], num_blocks: int, rng: random.Random, max_che
         i = rng.randrange(len(placed))
         move = plan_move(placed, num_blocks, placed[i].peer, rng).move
         if move is not None:
-            placed[i] = Placed(placed[i].peer, move.start, move.end, placed[i].throughput)
+            placed[i] = Placed(placed[i].peer, move.blocks, placed[i].throughput)
     raise AssertionError(f"not covered after {max_checks} checks: {spans_of(placed)}")
 
 
@@ -164,8 +179,7 @@ def test_four_servers_placed_in_turn_cover_everything_and_survivors_recover():
         rng = random.Random(seed)
         placed: list[Placed] = []
         for i in range(4):
-            start, end = choose_span(placed, 12, 4, 10.0, rng)
-            placed.append(Placed(f"p{i}", start, end, 10.0))
+            placed.append(Placed(f"p{i}", choose_span(placed, 12, 4, 10.0, rng), 10.0))
         assert balance(block_throughputs(placed, 12)).uncovered == 0
         assert plan_move(placed, 12, rng.choice(placed).peer, rng).move is None  # covered: nobody moves
         for victim in placed:
@@ -182,7 +196,7 @@ def test_heterogeneous_swarms_end_covered_and_quiet():
         rng = random.Random(seed)
         sizes = [rng.randint(4, 10) for _ in range(12)]
         placed = [
-            Placed(f"p{i:02d}", start := rng.randrange(41 - n), start + n, rng.uniform(5, 50))
+            Placed(f"p{i:02d}", BlockRange(start := rng.randrange(41 - n), start + n), rng.uniform(5, 50))
             for i, n in enumerate(sizes)
         ]
         placed, _ = _converge(placed, 40, rng, max_checks=200)
@@ -192,7 +206,7 @@ def test_heterogeneous_swarms_end_covered_and_quiet():
             for i in rng.sample(range(len(placed)), len(placed)):
                 move = plan_move(placed, 40, placed[i].peer, rng).move
                 if move is not None:
-                    placed[i] = Placed(placed[i].peer, move.start, move.end, placed[i].throughput)
+                    placed[i] = Placed(placed[i].peer, move.blocks, placed[i].throughput)
                     moves, moved = moves + 1, True
                     now = balance(block_throughputs(placed, 40))
                     assert now.uncovered == 0 and now.bottleneck > bottleneck * 1.2

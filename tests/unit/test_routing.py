@@ -7,12 +7,22 @@ from collections import Counter
 
 import pytest
 
-from shoal.routing import BanList, LatencyModel, NoRouteError, ServerSpan, forward_cost, plan_route, route_with_bans
+from shoal.ids import BlockRange, PeerId
+from shoal.routing import (
+    BanList,
+    LatencyModel,
+    NoRouteError,
+    RouteInfo,
+    ServerSpan,
+    forward_cost,
+    plan_route,
+    route_with_bans,
+)
 from shoal.routing.costs import CACHE_PENALTY_MS
 
 
 def span(peer: str, start: int, end: int, **info) -> ServerSpan:
-    return ServerSpan(peer, start, end, None, info)
+    return ServerSpan(PeerId(peer), BlockRange(start, end), None, RouteInfo(**info))
 
 
 def test_plan_route_takes_the_cheapest_chain_not_the_fewest_hops():
@@ -93,3 +103,27 @@ def test_forward_routes_spread_by_throughput():
     rng = random.Random(0)
     picks = Counter(plan_route(spans, 0, 4, forward_cost(rng))[0].peer_id for _ in range(4000))
     assert picks["big"] / 4000 == pytest.approx(0.75, abs=0.03)
+
+
+def test_with_push_a_hop_costs_the_previous_servers_published_rtt():
+    """The previous server's record says how far the next one is; without push (or with no
+    published figure) the client's own measured round trip counts."""
+    model = LatencyModel()
+    first = span("first", 0, 4, step_ms=1.0, rtts={PeerId("second"): 7.0})
+    second = span("second", 4, 8, step_ms=0.5)
+    model.observe_rtt("second", 40.0)
+    assert model.network_ms(second, first) == 7.0
+    assert model.inference_cost(second, first, push=True) == pytest.approx(7.0 + 4 * 0.5 + 1.0)
+    assert model.inference_cost(second, first, push=False) == pytest.approx(40.0 + 4 * 0.5 + 1.0)
+    assert model.network_ms(first, second) == 5.0  # second publishes nothing about first: UNKNOWN_RTT_MS
+
+
+def test_server_span_reads_its_blocks_and_capabilities_and_compares_by_peer_and_blocks():
+    plain = span("a", 2, 6)
+    rich = ServerSpan(PeerId("a"), BlockRange(2, 6), "ticket", RouteInfo(capabilities=frozenset({"push"})))
+    assert (plain.start, plain.end, len(plain.blocks)) == (2, 6, 4)
+    assert rich.supports("push") and not plain.supports("push")
+    assert plain == rich  # ticket and what is known of the server do not make it another span
+    assert plain != span("a", 2, 5)
+    with pytest.raises(ValueError, match="0 <= start < end"):
+        span("empty", 4, 4)
