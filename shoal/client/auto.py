@@ -15,7 +15,7 @@ from shoal.checkpoints import load_config, load_tensors, model_name, resolve_mod
 from shoal.client.model import DistributedModelForCausalLM
 from shoal.client.remote import RemoteSequence
 from shoal.models import get_family
-from shoal.transport import Ticket, TransportConfig
+from shoal.transport import Node, StartNode, Ticket, TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class AutoDistributedModelForCausalLM:
         push: bool = True,
         refresh_period: float = 30.0,
         routing_seed: int | None = None,
+        start_node: StartNode = Node.start,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
@@ -40,7 +41,9 @@ class AutoDistributedModelForCausalLM:
         ticket of a swarm member). ``push``: servers hand a step's output straight to the next
         server (else the client drives every hop). ``refresh_period``: seconds between background
         refreshes of the server list and measured latencies. ``routing_seed``: seeds the random
-        choices of routes (stateless forward spreads load by drawing servers)."""
+        choices of routes (stateless forward spreads load by drawing servers). ``start_node``: how
+        the client's node starts (iroh by default; ``MemoryNetwork.start`` reaches a swarm of
+        servers inside this process, see :mod:`shoal.launch`)."""
         model_dir = resolve_model(model, client=True, revision=revision)
         config = load_config(model_dir)
         family = get_family(config)
@@ -56,6 +59,7 @@ class AutoDistributedModelForCausalLM:
             push=push,
             refresh_period=refresh_period,
             seed=routing_seed,
+            start_node=start_node,
         )
         distributed = DistributedModelForCausalLM(config, head, blocks)
         if (Path(model_dir) / "generation_config.json").is_file():

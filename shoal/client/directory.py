@@ -14,15 +14,26 @@ import logging
 import random
 import time
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 from shoal.errors import ShoalError
+from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
-from shoal.routing import BanList, LatencyModel, ServerSpan, forward_cost, route_with_bans
+from shoal.routing import (
+    BanList,
+    LatencyModel,
+    RouteInfo,
+    ServerSpan,
+    forward_cost,
+    route_with_bans,
+    uncovered_blocks,
+)
 from shoal.swarm.records import State
 from shoal.swarm.service import decode_table, fetch_table
 from shoal.swarm.table import RecordTable
-from shoal.transport import Node, Ticket
+from shoal.transport import BaseNode, Ticket
 from shoal.wire import Message
+from shoal.wire.schema import InfoReply
 
 log = logging.getLogger(__name__)
 
@@ -30,26 +41,30 @@ PROBE_TIMEOUT = 0.75  # a live server answers a ping within this, however busy i
 MEASURE_TIMEOUT = 2.0
 
 
-async def fetch_infos(node: Node, tickets: Sequence[Ticket], timeout: float) -> list[ServerSpan]:
+async def fetch_infos(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -> list[ServerSpan]:
     """Ask every given peer what it hosts; peers that fail to answer are skipped (and logged)."""
 
     async def one(ticket: Ticket) -> ServerSpan | None:
         try:
-            reply = await node.request(ticket, BLOCKS, Message("info", 1), timeout=timeout)
+            reply = (await node.request(ticket, BLOCKS, Message("info", 1), timeout=timeout)).reply(InfoReply)
         except ShoalError as exc:
             log.warning("peer %s did not answer info: %s", ticket.peer_id[:10], exc)
             return None
-        meta = reply.meta
-        try:
-            return ServerSpan(ticket.peer_id, int(meta["start"]), int(meta["end"]), ticket, meta)
-        except (KeyError, TypeError, ValueError):
-            log.warning("peer %s answered a malformed info: %r", ticket.peer_id[:10], meta)
-            return None
+        span = reply.span
+        info = RouteInfo(
+            num_blocks=span.num_blocks,
+            hidden_size=span.hidden_size,
+            fingerprints=tuple(span.fingerprints),
+            free_cache_tokens=reply.free_cache_tokens,
+            draining=reply.draining,
+            capabilities=span.capabilities,
+        )
+        return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
 
     return [span for span in await asyncio.gather(*(one(t) for t in tickets)) if span is not None]
 
 
-async def swarm_spans(node: Node, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
+async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
     """Pull the swarm's table through the first ticket that answers; the online servers of ``model``."""
     swarm = next(t.swarm_id for t in tickets if t.swarm_id)
     table = RecordTable(swarm)
@@ -69,15 +84,15 @@ async def swarm_spans(node: Node, tickets: Sequence[Ticket], model: str | None, 
     for record in table.servers(model):
         if record.state is State.ONLINE:
             ticket = Ticket(record.peer, record.addrs, record.relay, swarm)
-            info = {
-                "num_blocks": num_blocks,
-                "hidden_size": None,
-                "throughput": record.throughput,
-                "step_ms": record.step_ms,
-                "rtts": dict(record.rtts),
-                "free_cache_tokens": record.cache_tokens_free,
-            }
-            spans.append(ServerSpan(record.peer, record.start, record.end, ticket, info))
+            info = RouteInfo(
+                num_blocks=num_blocks,
+                throughput=record.throughput or 1.0,
+                step_ms=record.step_ms,
+                rtts=dict(record.rtts),
+                free_cache_tokens=record.cache_tokens_free,
+                capabilities=frozenset(record.capabilities),
+            )
+            spans.append(ServerSpan(PeerId(record.peer), record.blocks, ticket, info))
     return spans
 
 
@@ -86,12 +101,12 @@ def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: 
     seen: dict[int, tuple[str, str]] = {}
     for span in spans:
         info = span.info
-        if info.get("num_blocks") != num_blocks or info.get("hidden_size") not in (hidden_size, None):
+        if info.num_blocks != num_blocks or info.hidden_size not in (hidden_size, None):
             raise ShoalError(
-                f"server {span.peer_id[:10]} serves a model with {info.get('num_blocks')} blocks of size "
-                f"{info.get('hidden_size')}, the client's config has {num_blocks} of size {hidden_size}"
+                f"server {span.peer_id[:10]} serves a model with {info.num_blocks} blocks of size "
+                f"{info.hidden_size}, the client's config has {num_blocks} of size {hidden_size}"
             )
-        for block, fingerprint in zip(range(span.start, span.end), info.get("fingerprints", []), strict=False):
+        for block, fingerprint in zip(span.blocks.blocks(), info.fingerprints, strict=False):
             other = seen.setdefault(block, (fingerprint, span.peer_id))
             if other[0] != fingerprint:
                 raise ShoalError(
@@ -100,11 +115,13 @@ def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: 
 
 
 class ServerDirectory:
-    """Known servers, their measured latencies and bans; answers "which route now?"."""
+    """Known servers, their measured latencies and bans; answers "which route now?" and takes the
+    sessions' reports (a :class:`~shoal.client.feedback.RoutePlanner` and
+    :class:`~shoal.client.feedback.RouteFeedback`)."""
 
     def __init__(
         self,
-        node: Node,
+        node: BaseNode,
         tickets: Sequence[Ticket],
         model: str | None,
         num_blocks: int,
@@ -148,13 +165,17 @@ class ServerDirectory:
             started = time.perf_counter()
             try:
                 reply = await self.node.request(span.ticket, BLOCKS, Message("info", 1), timeout=MEASURE_TIMEOUT)
+                fresh = reply.reply(InfoReply)
             except ShoalError:
                 return span
             self.latency.observe_rtt(span.peer_id, (time.perf_counter() - started) * 1e3)
-            info = dict(span.info)
-            info["free_cache_tokens"] = reply.meta.get("free_cache_tokens", info.get("free_cache_tokens"))
-            info["draining"] = bool(reply.meta.get("draining"))
-            return ServerSpan(span.peer_id, span.start, span.end, span.ticket, info)
+            info = replace(
+                span.info,
+                free_cache_tokens=fresh.free_cache_tokens,
+                draining=fresh.draining,
+                capabilities=fresh.span.capabilities,
+            )
+            return replace(span, info=info)
 
         return list(await asyncio.gather(*(one(s) for s in spans)))
 
@@ -178,7 +199,7 @@ class ServerDirectory:
             self._task = None
 
     def usable(self) -> list[ServerSpan]:
-        return [s for s in self.spans if not s.info.get("draining")]
+        return [s for s in self.spans if not s.info.draining]
 
     def route_inference(
         self,
@@ -204,6 +225,24 @@ class ServerDirectory:
     def route_forward(self, start: int, exclude: Collection[str] = ()) -> list[ServerSpan]:
         """A route for one stateless forward, drawn so load spreads by capacity."""
         return route_with_bans(self.usable(), start, self.num_blocks, forward_cost(self.rng), self.bans, exclude)
+
+    def missing_blocks(self, start: int, exclude: Collection[str] = ()) -> list[int]:
+        live = [s for s in self.spans if s.peer_id not in exclude]
+        return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
+
+    # ---- RouteFeedback (shoal.client.feedback): what sessions report and expect ----------------
+
+    def expected_step_ms(self, span: ServerSpan) -> float:
+        return self.latency.step_estimate_ms(span)
+
+    def observed_step(self, peer: PeerId, ms: float) -> None:
+        self.latency.observe_step(peer, ms)
+
+    def succeeded(self, peer: PeerId) -> None:
+        self.bans.succeeded(peer)
+
+    def failed(self, peer: PeerId, ban_seconds: float | None = None) -> None:
+        self.bans.ban(peer, ban_seconds)
 
     async def alive(self, span: ServerSpan) -> bool:
         """Does the server answer right now? An ``info`` on the pooled blocks connection (no

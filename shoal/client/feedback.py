@@ -1,0 +1,68 @@
+"""The two narrow faces of the server directory that remote sessions use.
+
+:class:`RoutePlanner` answers "which servers now?"; :class:`RouteFeedback` is the one way a session
+tells routing what it saw of a server (a step's latency, a success, a failure) and asks what it
+should expect of one (a step's duration, whether it still answers). Sessions never touch the
+latency model or the ban list themselves, so routing can change how it learns without the
+session code changing, and tests can stand a plain object in for the directory.
+:class:`~shoal.client.directory.ServerDirectory` implements both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Protocol
+
+from shoal.ids import PeerId
+from shoal.routing import ServerSpan
+
+#: ``(peer id, first block, end block)``: a span that already holds a session's state.
+SpanKey = tuple[str, int, int]
+
+
+class RouteFeedback(Protocol):
+    """What a session reports about the servers it uses, and the expectations it asks for."""
+
+    def expected_step_ms(self, span: ServerSpan) -> float:
+        """How long a one-token step on ``span`` should take, reply included (deadlines scale it)."""
+        ...
+
+    def observed_step(self, peer: PeerId, ms: float) -> None:
+        """A one-token step on ``peer`` took ``ms``, request to reply."""
+        ...
+
+    def succeeded(self, peer: PeerId) -> None:
+        """``peer`` answered: forget its earlier failures."""
+        ...
+
+    def failed(self, peer: PeerId, ban_seconds: float | None = None) -> None:
+        """``peer`` failed (or is leaving): keep it out of routes for a while (``None``: backoff)."""
+        ...
+
+    async def alive(self, span: ServerSpan) -> bool:
+        """Does ``span``'s server answer right now (a late reply: slow, or dead)?"""
+        ...
+
+
+class RoutePlanner(Protocol):
+    """Routes over the servers known now."""
+
+    def route_inference(
+        self,
+        start: int,
+        *,
+        cache_tokens: int,
+        push: bool,
+        exclude: Collection[str] = (),
+        reuse: Collection[SpanKey] = (),
+        replay_ms: float = 0.0,
+    ) -> list[ServerSpan]: ...
+
+    def route_forward(self, start: int, exclude: Collection[str] = ()) -> list[ServerSpan]: ...
+
+    def missing_blocks(self, start: int, exclude: Collection[str] = ()) -> list[int]:
+        """Blocks from ``start`` on that no known server outside ``exclude`` hosts."""
+        ...
+
+
+__all__ = ["RouteFeedback", "RoutePlanner", "SpanKey"]

@@ -1,0 +1,119 @@
+"""A session's inputs at its chain's boundaries, kept so that a replacement server can be replayed.
+
+A server that takes over blocks ``[a, b)`` mid-session has no cache: it gets one step over every
+position so far, with the hidden states that entered block ``a`` (and the positions and mask),
+which is exactly what this history holds for every block where a server of the chain begins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from shoal.errors import ShoalError
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def cat_serial(chunks: list[Tensor], dim: int) -> Tensor:
+    """``torch.cat`` of CPU tensors without OpenMP. Histories are joined on the client's event loop
+    thread, and the first parallel region a thread opens gives it a libgomp pool of its own: with
+    the model thread's pool that is more threads than CPUs, and from then on every parallel region
+    of the process sleeps at its barriers (the LM head gets ~1.8x slower). numpy joins serially."""
+    dtype = chunks[0].dtype
+    as_int = _SAME_SIZE_INT[dtype.itemsize]  # any dtype, bf16 included, travels as same-size ints
+    joined = np.concatenate([chunk.view(as_int).numpy() for chunk in chunks], axis=dim)
+    return torch.from_numpy(joined).view(dtype)
+
+
+def step_inputs(hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> list[Tensor]:
+    """A step's tensors as the blocks protocol sends them (the mask only when something is padded)."""
+    return [hidden, position_ids] if mask is None else [hidden, position_ids, mask]
+
+
+class SpanHistory:
+    """Every step's inputs so far, by chain boundary (first block of a hop). Steps append chunks;
+    they are joined (serially, see :func:`cat_serial`) only when a replay or a rollback needs them."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self._hidden: dict[int, list[Tensor]] = {}  # block -> [B, n_k, H] per step
+        self._positions: list[Tensor] = []  # [B, n_k] per step
+        self._mask: Tensor | None = None  # [B, position] bool, all positions so far
+
+    def blocks(self) -> list[int]:
+        """The boundaries with a history (tests and diagnostics)."""
+        return sorted(block for block, chunks in self._hidden.items() if chunks)
+
+    def at(self, block: int) -> Tensor | None:
+        """The inputs of block ``block`` at every position so far, or None if it has no history."""
+        chunks = self._hidden.get(block)
+        if not chunks:
+            return None
+        if len(chunks) > 1:
+            chunks[:] = [cat_serial(chunks, dim=1)]
+        return chunks[0]
+
+    def position_ids(self) -> Tensor:
+        if len(self._positions) > 1:
+            self._positions[:] = [cat_serial(self._positions, dim=1)]
+        return self._positions[0]
+
+    def record(
+        self, inputs: Mapping[int, Tensor], starts: Collection[int], position_ids: Tensor, mask: Tensor | None, end: int
+    ) -> None:
+        """Append one step that ended at position ``end``: its inputs at every block in ``starts``
+        (the chain's boundaries now). A block that is no longer a boundary loses its history (it
+        would stay incomplete)."""
+        hidden = self._hidden
+        for block in [b for b in hidden if b not in starts]:
+            del hidden[block]
+        for block in starts:
+            chunks = hidden.get(block)
+            if chunks is None:
+                hidden[block] = [inputs[block]]
+            else:
+                chunks.append(inputs[block])
+        self._positions.append(position_ids)
+        # a step's mask covers every position so far; None: nothing is padded
+        self._mask = mask if mask is not None else torch.ones(self.batch_size, end, dtype=torch.bool)
+
+    def adopt(self, block: int, hidden: Tensor) -> None:
+        """``hidden`` (a replay's output: every position so far) becomes the history of ``block``,
+        unless it has one already (the inputs the chain actually used win)."""
+        if not self._hidden.get(block):
+            self._hidden[block] = [hidden]
+
+    def replay_inputs(self, block: int, position: int, fresh: Mapping[int, Tensor] | None = None) -> list[Tensor]:
+        """The tensors of one step over positions ``[0, position)`` into block ``block``: its
+        history, else ``fresh[block]`` (the output of a replay just made), else an error."""
+        hidden = self.at(block)
+        if hidden is None and fresh is not None:
+            hidden = fresh.get(block)
+        if hidden is None or hidden.shape[1] != position:
+            raise ShoalError(f"no history at block {block} to replay (internal error)")
+        mask = self._mask
+        if mask is not None and bool(mask.all()):
+            mask = None
+        return step_inputs(hidden, self.position_ids(), mask)
+
+    def truncate(self, position: int) -> None:
+        """Forget positions ``[position, ...)`` (a rollback)."""
+        for block in list(self._hidden):
+            whole = self.at(block)
+            self._hidden[block] = [whole[:, :position]] if whole is not None and position else []
+        if self._positions:
+            self._positions[:] = [self.position_ids()[:, :position]] if position else []
+        if self._mask is not None:
+            self._mask = self._mask[:, :position]
+
+    def clear(self) -> None:
+        self._hidden.clear()
+        self._positions.clear()
+        self._mask = None
+
+
+__all__ = ["SpanHistory", "cat_serial", "step_inputs"]

@@ -1,0 +1,92 @@
+"""One server's part of a remote session: its stream, the session it opened, and its replies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from shoal.errors import ShoalError
+from shoal.protocols import BLOCKS
+from shoal.routing import ServerSpan
+from shoal.transport import BaseNode, MessageStream
+from shoal.wire import Message
+from shoal.wire.schema import OpenReply, OpenRequest, PushHop
+
+CLOSE_TIMEOUT = 5.0
+
+
+class Hop:
+    """The session on one server of the chain (compared by identity: two hops are never equal).
+
+    ``draining``: the server's last step reply said it is leaving; only the step driver, which
+    reads those replies, sets it."""
+
+    __slots__ = ("_pending", "draining", "push_hop", "session", "span", "stream")
+
+    def __init__(self, span: ServerSpan, stream: MessageStream, reply: OpenReply):
+        self.span = span
+        self.stream = stream
+        self.session = reply.session
+        self.push_hop = PushHop(ticket=str(span.ticket), session=reply.session, token=reply.token)  # where to push
+        self.draining = False
+        self._pending: asyncio.Task[Message] | None = None  # a recv still waiting (a late reply given more time)
+
+    @classmethod
+    async def open(cls, node: BaseNode, span: ServerSpan, request: OpenRequest, timeout: float | None = None) -> Hop:
+        """Open a session on ``span``'s server; ``timeout`` bounds the dial and the reply each
+        (recovery must not wait a whole request deadline on a dead replacement)."""
+        stream = await node.open_stream(span.ticket, BLOCKS, timeout)
+        try:
+            reply = (await stream.request(Message("open", 1, request), timeout)).reply(OpenReply)
+        except BaseException:
+            await stream.abort()
+            raise
+        return cls(span, stream, reply)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """``(peer, start, end)``: what routing calls a span that holds this session."""
+        span = self.span
+        return (span.peer_id, span.start, span.end)
+
+    async def receive(self, timeout: float) -> Message | None:
+        """The next message on the stream, or None if none came within ``timeout``: the read stays
+        pending, so a later call still gets a reply that was only late."""
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = asyncio.get_running_loop().create_task(self.stream.recv())
+        done, _ = await asyncio.wait((pending,), timeout=timeout)
+        if not done:
+            return None
+        self._pending = None
+        return pending.result()  # raises ClosedError, WireError ...
+
+    def _cancel_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
+    async def abort(self) -> None:
+        """Give up on this server: the stream is reset (the server frees the session)."""
+        self._cancel_pending()
+        await self.stream.abort()
+
+    async def close(self) -> None:
+        """Close the session politely (best effort), then the stream."""
+        self._cancel_pending()
+        try:
+            if not self.stream.broken:
+                with contextlib.suppress(ShoalError):
+                    await self.stream.request(Message("close", self.stream.next_id()), timeout=CLOSE_TIMEOUT)
+        finally:
+            await self.stream.finish()
+
+    def __repr__(self) -> str:
+        return f"Hop({self.span.peer_id[:10]} [{self.span.start}:{self.span.end}) session {self.session})"
+
+
+async def close_all(hops: list[Hop]) -> None:
+    await asyncio.gather(*(hop.close() for hop in hops))
+
+
+__all__ = ["Hop", "close_all"]

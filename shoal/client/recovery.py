@@ -1,0 +1,236 @@
+"""How a session gets its chain: opened at the start, and rebuilt around a server that failed or is
+leaving. The policy lives here; it changes nothing it is given, and returns the new chain for the
+session to install.
+
+* a failed server is banned (exponential backoff; a draining one for a minute) and the chain is
+  re-planned from its first block (or, when no route starts there, from an earlier hop's first
+  block), preferring servers that already hold the session (``REPLAY_MS``);
+* every new server of the plan gets the history of its first block replayed (one step over all
+  positions so far), so that it rebuilds its cache; a replacement that fails is banned and the
+  plan drawn again;
+* a bounded number of attempts (``MAX_RECOVERIES``), then :class:`~shoal.routing.NoRouteError`
+  naming the blocks no live server covers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from shoal.client.feedback import RouteFeedback, RoutePlanner
+from shoal.client.history import SpanHistory
+from shoal.client.hops import Hop, close_all
+from shoal.errors import BadRequest, ShoalError
+from shoal.ids import BlockRange, PeerId
+from shoal.routing import NoRouteError, ServerSpan, format_blocks
+from shoal.transport import BaseNode
+from shoal.wire.schema import OpenRequest
+
+log = logging.getLogger(__name__)
+
+MAX_RECOVERIES = 8  # per step (and per session open)
+REPLAY_MS = 50.0  # routing price of a server that would need a replay (prefer those holding state)
+RECOVERY_TIMEOUT = 1.5  # opening a session on a replacement: a dead candidate must not stall recovery long
+DRAIN_BAN_SECONDS = 60.0
+
+#: Replays ``tensors`` (a step over positions ``[0, n)``) on a hop; returns its output.
+Replay = Callable[[Hop, list[Tensor], int], Awaitable[Tensor]]
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """What one recovery did (``session.recoveries``: tests, benchmarks and logs read it)."""
+
+    failed: PeerId  # the server replaced
+    blocks: BlockRange  # its span
+    position: int  # the session's length when it happened
+    replayed: Mapping[PeerId, int] = field(default_factory=dict)  # new server -> positions replayed to it
+    seconds: float = 0.0  # planning, opening and replaying
+    drain: bool = False  # the server was leaving (else: it failed)
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """A new chain for the session: ``hops[:first]`` of the old one, then ``suffix``."""
+
+    first: int  # index of the first hop replaced; the step goes on from there
+    suffix: tuple[Hop, ...]
+    retired: tuple[Hop, ...]  # old hops to close (neither reused nor the failed one, unless draining)
+    boundaries: Mapping[int, Tensor]  # replay outputs: the history of blocks that are new boundaries
+    failed: frozenset[str]  # every server found failing on the way (the step must not use them again)
+    record: RecoveryRecord
+
+
+def gave_up(planner: RoutePlanner, failed: Collection[str], block: int, cause: BaseException) -> NoRouteError:
+    """The error that ends the tries: which blocks have no live server left, if any."""
+    missing = planner.missing_blocks(block, exclude=failed)
+    where = f"no live server left for blocks {format_blocks(missing)}" if missing else "every route failed"
+    return NoRouteError(f"gave up after {MAX_RECOVERIES} recoveries: {where} (last error: {cause})", missing)
+
+
+class _RebuildFailed(Exception):
+    def __init__(self, span: ServerSpan, cause: BaseException):
+        super().__init__(str(cause))
+        self.span = span
+        self.cause = cause
+
+
+class ChainRecovery:
+    """Plans, opens and replays a session's chains over ``planner``'s servers."""
+
+    def __init__(
+        self, node: BaseNode, planner: RoutePlanner, feedback: RouteFeedback, request: OpenRequest, *, push: bool
+    ):
+        self.node = node
+        self.planner = planner
+        self.feedback = feedback
+        self.request = request
+        self.push = push
+        self.cache_tokens = request.batch_size * request.max_length
+
+    async def open_chain(self) -> list[Hop]:
+        """Hops over a whole route, opened in parallel; a server that fails to open is banned and
+        the route drawn again without it."""
+        failed: set[str] = set()
+        for attempt in range(MAX_RECOVERIES + 1):
+            route = self.planner.route_inference(0, cache_tokens=self.cache_tokens, push=self.push, exclude=failed)
+            results = await asyncio.gather(
+                *(Hop.open(self.node, span, self.request) for span in route), return_exceptions=True
+            )
+            errors = [(span, r) for span, r in zip(route, results, strict=True) if isinstance(r, BaseException)]
+            if not errors:
+                return list(results)
+            await close_all([hop for hop in results if isinstance(hop, Hop)])
+            for span, error in errors:
+                if isinstance(error, BadRequest) or not isinstance(error, ShoalError):
+                    raise error
+                failed.add(span.peer_id)
+                self.feedback.failed(span.peer_id)
+                log.warning("could not open a session on %s: %s", span.peer_id[:10], error)
+            if attempt == MAX_RECOVERIES:
+                raise gave_up(self.planner, failed, 0, errors[0][1])
+        raise AssertionError("unreachable")
+
+    async def rebuild(
+        self,
+        hops: Sequence[Hop],
+        index: int,
+        cause: BaseException,
+        *,
+        failed: Collection[str],
+        history: SpanHistory,
+        position: int,
+        replay: Replay,
+        drain: bool = False,
+    ) -> Rebuilt | None:
+        """A chain without hop ``index`` (which the caller has aborted, unless ``drain``: a
+        draining hop keeps serving until its replacement is ready). None: ``drain`` and nobody can
+        take over yet. Raises ``cause`` if it is a :class:`BadRequest` (another server would
+        refuse it too), :class:`NoRouteError` when the tries are used up."""
+        if isinstance(cause, BadRequest):
+            raise cause
+        broken = hops[index]
+        peer = broken.span.peer_id
+        failed = {*failed, peer}
+        self.feedback.failed(peer, DRAIN_BAN_SECONDS if drain else None)
+        log.warning("server %s failed (%s); re-routing blocks %d+", peer[:10], cause, broken.span.start)
+        started = time.perf_counter()
+        for _attempt in range(MAX_RECOVERIES):
+            try:
+                first, route = self._replan(hops, index, failed)
+            except NoRouteError as exc:
+                if drain:
+                    log.warning("no replacement for draining server %s yet: %s", peer[:10], exc)
+                    return None
+                raise gave_up(self.planner, failed, broken.span.start, exc) from exc
+            reusable = {hop.key: hop for i, hop in enumerate(hops) if i >= first and i != index}
+            try:
+                suffix, boundaries, replayed = await self._open_route(route, reusable, history, position, replay)
+            except _RebuildFailed as rebuild:
+                failed.add(rebuild.span.peer_id)
+                self.feedback.failed(rebuild.span.peer_id)
+                log.warning("replacement %s failed: %s", rebuild.span.peer_id[:10], rebuild.cause)
+                if isinstance(rebuild.cause, BadRequest):
+                    raise rebuild.cause from None
+                continue
+            kept = set(suffix)
+            retired = tuple(hop for hop in hops[first:] if hop not in kept and (drain or hop is not broken))
+            record = RecoveryRecord(
+                failed=peer,
+                blocks=broken.span.blocks,
+                position=position,
+                replayed=replayed,
+                seconds=round(time.perf_counter() - started, 4),
+                drain=drain,
+            )
+            return Rebuilt(first, tuple(suffix), retired, boundaries, frozenset(failed), record)
+        raise gave_up(self.planner, failed, broken.span.start, cause)
+
+    def _replan(self, hops: Sequence[Hop], index: int, failed: Collection[str]) -> tuple[int, list[ServerSpan]]:
+        """(first hop replaced, new route from that hop's first block): from the failed hop if a
+        route starts there, else from the nearest earlier hop where one does."""
+        reuse = {hop.key for i, hop in enumerate(hops) if i != index}
+        error: NoRouteError | None = None
+        for first in range(index, -1, -1):
+            try:
+                route = self.planner.route_inference(
+                    hops[first].span.start,
+                    cache_tokens=self.cache_tokens,
+                    push=self.push,
+                    exclude=failed,
+                    reuse=reuse,
+                    replay_ms=REPLAY_MS,
+                )
+            except NoRouteError as exc:
+                error = error or exc
+                continue
+            return first, route
+        raise error
+
+    async def _open_route(
+        self,
+        route: list[ServerSpan],
+        reusable: Mapping[tuple[str, int, int], Hop],
+        history: SpanHistory,
+        position: int,
+        replay: Replay,
+    ) -> tuple[list[Hop], dict[int, Tensor], dict[PeerId, int]]:
+        """Hops for ``route``: reuse the ones holding the session, open and replay the others (in
+        order: each replay's output is the history the next new hop may need). On failure, the
+        hops opened here are closed again."""
+        hops: list[Hop] = []
+        opened: list[Hop] = []
+        fresh: dict[int, Tensor] = {}
+        replayed: dict[PeerId, int] = {}
+        try:
+            for span in route:
+                reused = reusable.get((span.peer_id, span.start, span.end))
+                if reused is not None:
+                    hops.append(reused)
+                    continue
+                try:
+                    hop = await Hop.open(self.node, span, self.request, RECOVERY_TIMEOUT)
+                except ShoalError as exc:
+                    raise _RebuildFailed(span, exc) from exc
+                opened.append(hop)
+                if position:
+                    try:
+                        output = await replay(hop, history.replay_inputs(span.start, position, fresh), position)
+                    except (ShoalError, TimeoutError) as exc:
+                        raise _RebuildFailed(span, exc) from exc
+                    if history.at(span.end) is None:
+                        fresh.setdefault(span.end, output)
+                    replayed[span.peer_id] = position
+                hops.append(hop)
+        except _RebuildFailed:
+            await close_all(opened)
+            raise
+        return hops, fresh, replayed
+
+
+__all__ = ["MAX_RECOVERIES", "ChainRecovery", "Rebuilt", "RecoveryRecord", "gave_up"]

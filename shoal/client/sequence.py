@@ -1,0 +1,154 @@
+"""The block stack as a chain of remote servers: a :class:`~shoal.client.blocks.BlockSequence`
+over the ``shoal/blocks/2`` protocol, routed over the servers a
+:class:`~shoal.client.directory.ServerDirectory` knows.
+
+Stateless forwards draw a route each; sessions (:class:`~shoal.client.session.RemoteSession`) keep
+one and survive server failures. The synchronous methods (called from transformers' generate) hand
+coroutines to the process's client event loop (:mod:`shoal.client.runtime`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from shoal.client.directory import ServerDirectory
+from shoal.client.history import step_inputs
+from shoal.client.recovery import MAX_RECOVERIES, gave_up
+from shoal.client.runtime import LoopThread, shared_loop
+from shoal.client.session import RemoteSession
+from shoal.errors import BadRequest, ShoalError
+from shoal.protocols import BLOCKS
+from shoal.routing import ServerSpan
+from shoal.transport import BaseNode, Node, StartNode, Ticket, TransportConfig
+from shoal.wire import Message
+from shoal.wire.schema import InfoReply
+
+log = logging.getLogger(__name__)
+
+
+class RemoteSequence:
+    """Blocks ``[0, num_blocks)`` served by the servers a :class:`ServerDirectory` knows.
+    ``push``: sessions let servers hand a step's output straight to the next (where both can)."""
+
+    def __init__(
+        self, node: BaseNode, runtime: LoopThread, directory: ServerDirectory, num_blocks: int, *, push: bool = True
+    ):
+        self.node = node
+        self.runtime = runtime
+        self.directory = directory
+        self.num_blocks = num_blocks
+        self.push = push
+        self._route = directory.route_inference(0, cache_tokens=0, push=push)  # until a session opens
+        self._session: RemoteSession | None = None  # the latest one opened
+
+    @classmethod
+    def connect(
+        cls,
+        initial_peers: Sequence[str | Ticket],
+        num_blocks: int,
+        hidden_size: int,
+        transport: TransportConfig | None = None,
+        runtime: LoopThread | None = None,
+        model: str | None = None,
+        *,
+        push: bool = True,
+        refresh_period: float = 30.0,
+        seed: int | None = None,
+        start_node: StartNode = Node.start,
+    ) -> RemoteSequence:
+        """Tickets with a swarm id: join the swarm through any of them and route over its table
+        (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets:
+        ask each peer what it hosts. ``refresh_period``: seconds between background refreshes of
+        the server list and latencies (0: never). ``start_node``: how the client's node starts
+        (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside this process)."""
+        runtime = runtime or shared_loop()
+        tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
+        if not tickets:
+            raise ValueError("initial_peers is empty: give at least one server ticket")
+        transport = transport or TransportConfig()
+        timeout = transport.deadlines.connect + transport.deadlines.request
+
+        async def setup() -> RemoteSequence:
+            node = await start_node(transport)
+            try:
+                directory = ServerDirectory(
+                    node, tickets, model, num_blocks, hidden_size, timeout, refresh_period=refresh_period, seed=seed
+                )
+                await directory.refresh()
+                sequence = cls(node, runtime, directory, num_blocks, push=push)
+                directory.start()
+                return sequence
+            except BaseException:
+                await node.close()
+                raise
+
+        sequence = runtime.run(setup())
+        log.info("route: %s", " -> ".join(f"{s.peer_id[:8]}[{s.start}:{s.end})" for s in sequence.chain))
+        return sequence
+
+    @property
+    def chain(self) -> list[ServerSpan]:
+        """The route of the latest session (as it is now, or was when it closed); before any
+        session, the route planned at connect."""
+        session = self._session
+        return session.chain if session is not None else list(self._route)
+
+    def describe_route(self) -> list[dict]:
+        return [{"peer": s.peer_id, "start": s.start, "end": s.end} for s in self.chain]
+
+    def forward(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        return self.runtime.run(self._forward(hidden, position_ids, attention_mask))
+
+    async def _forward(self, hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> Tensor:
+        """Stateless pass; each call draws its own route (capacity-weighted). A failing server is
+        banned and the rest of the pass re-routed from the block it should have started at."""
+        directory = self.directory
+        block, failed, recoveries = 0, set(), 0
+        while block < self.num_blocks:
+            route = directory.route_forward(block, exclude=failed)
+            for span in route:
+                message = Message("forward", 1, tensors=step_inputs(hidden, position_ids, mask))
+                try:
+                    # the node's deadlines: connect for the dial (a dead server costs that much), request for the reply
+                    reply = await self.node.request(span.ticket, BLOCKS, message)
+                except BadRequest:
+                    raise
+                except ShoalError as exc:
+                    recoveries += 1
+                    failed.add(span.peer_id)
+                    directory.failed(span.peer_id)
+                    log.warning("forward through %s failed (%s); re-routing", span.peer_id[:10], exc)
+                    if recoveries > MAX_RECOVERIES:
+                        raise gave_up(directory, failed, block, exc) from exc
+                    break
+                directory.succeeded(span.peer_id)
+                hidden, block = reply.tensors[0], span.end
+        return hidden
+
+    def open_session(self, batch_size: int, max_length: int) -> RemoteSession:
+        session = RemoteSession(self, batch_size, max_length)
+        self.runtime.run(session.open())
+        self._session = session
+        return session
+
+    def server_infos(self) -> list[InfoReply]:
+        """Fresh ``info`` of every server on the current route (counters included)."""
+
+        async def gather() -> list[InfoReply]:
+            replies = [await self.node.request(s.ticket, BLOCKS, Message("info", 1)) for s in self.chain]
+            return [reply.reply(InfoReply) for reply in replies]
+
+        return self.runtime.run(gather())
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            await self.directory.stop()
+            await self.node.close()
+
+        self.runtime.run(shutdown())
+
+
+__all__ = ["RemoteSequence"]

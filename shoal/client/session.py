@@ -1,0 +1,151 @@
+"""An inference session over a chain of remote servers that survives server failures.
+
+The session puts three parts together, none of which changes another's state: the
+:class:`~shoal.client.driver.ChainDriver` owns the chain and runs steps through it, the
+:class:`~shoal.client.history.SpanHistory` keeps the inputs at the chain's boundaries, and the
+:class:`~shoal.client.recovery.ChainRecovery` policy returns a rebuilt chain that the session
+installs in the driver (and whose replay outputs it adds to the history). Routing hears about
+servers only through :class:`~shoal.client.feedback.RouteFeedback`.
+
+* a hop that fails mid-step is aborted and rebuilt; the step goes on from the first hop replaced;
+* a reply flagged ``draining`` (the server is leaving) moves that span the same way, before the
+  next step; while nobody can take over, the leaving server keeps serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from shoal.client.driver import ChainDriver, HopFailed
+from shoal.client.history import SpanHistory
+from shoal.client.hops import Hop, close_all
+from shoal.client.recovery import ChainRecovery, Rebuilt, RecoveryRecord
+from shoal.errors import BadRequest, NotFound, ShoalError
+from shoal.routing import ServerSpan
+from shoal.wire.schema import OpenRequest
+
+if TYPE_CHECKING:
+    from shoal.client.sequence import RemoteSequence
+
+
+class RemoteSession:
+    """A :class:`~shoal.client.blocks.BlockSession` over a chain of servers (one stream each)."""
+
+    def __init__(self, sequence: RemoteSequence, batch_size: int, max_length: int):
+        self.runtime = sequence.runtime
+        self.num_blocks = sequence.num_blocks
+        self.batch_size = batch_size
+        self.max_length = max_length
+        directory = sequence.directory
+        self._driver = ChainDriver(directory, sequence.node.config.deadlines.request, push=sequence.push)
+        request = OpenRequest(max_length=max_length, batch_size=batch_size)
+        self._recovery = ChainRecovery(sequence.node, directory, directory, request, push=sequence.push)
+        self._history = SpanHistory(batch_size)
+        self._position = 0
+        self._chain: list[ServerSpan] = []  # the last chain installed (still readable once closed)
+        self.closed = False
+        self.recoveries: list[RecoveryRecord] = []  # what happened, in order
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        if not 0 <= value <= self._position:
+            raise ValueError(f"can only roll back: position {value} not in [0, {self._position}]")
+        if value < self._position:
+            self._history.truncate(value)
+        self._position = value
+
+    @property
+    def chain(self) -> list[ServerSpan]:
+        """The servers the session runs on now (the last ones, once closed)."""
+        return list(self._chain)
+
+    @property
+    def cache_tokens(self) -> int:
+        return self.batch_size * self.max_length
+
+    # ---- opening and closing -------------------------------------------------------------------
+
+    async def open(self) -> None:
+        self._install(await self._recovery.open_chain())
+
+    def _install(self, hops: Sequence[Hop]) -> None:
+        self._driver.install(hops)
+        self._chain = self._driver.chain
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            hops = list(self._driver.hops)
+            self._driver.install(())
+            self._history.clear()
+            self.runtime.run(close_all(hops))
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def step(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        if self.closed:
+            raise NotFound("session is closed")
+        batch, n = hidden.shape[:2]
+        if batch != self.batch_size:
+            raise BadRequest(f"batch size {batch} != session batch size {self.batch_size}")
+        if self._position + n > self.max_length:
+            raise BadRequest(f"step of {n} at position {self._position} exceeds max_length {self.max_length}")
+        out = self.runtime.run(self._step(hidden, position_ids, attention_mask))
+        self._position += n
+        return out
+
+    async def _step(self, hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> Tensor:
+        driver, position = self._driver, self._position
+        failed: frozenset[str] = frozenset()
+        while (leaving := driver.leaving()) is not None:  # the server said it is leaving: move its span first
+            peer = driver.hops[leaving].span.peer_id
+            _, failed = await self._recover(leaving, ShoalError(f"server {peer[:10]} is draining"), failed, drain=True)
+        inputs: dict[int, Tensor] = {0: hidden}  # block -> this step's input there
+        index = 0
+        while True:
+            try:
+                await driver.run(index, inputs, position_ids, mask, position)
+                break
+            except HopFailed as failure:
+                if isinstance(failure.cause, BadRequest):  # our request was wrong: another server would
+                    raise failure.cause from None  # refuse it too; the session stays usable
+                await driver.hops[failure.index].abort()
+                index, failed = await self._recover(failure.index, failure.cause, failed)
+        self._history.record(inputs, driver.starts, position_ids, mask, position + hidden.shape[1])
+        return inputs[self.num_blocks]
+
+    async def _recover(
+        self, index: int, cause: BaseException, failed: frozenset[str], drain: bool = False
+    ) -> tuple[int, frozenset[str]]:
+        """Rebuild the chain around hop ``index`` and install it. Returns the index of the first
+        hop replaced (the step goes on from there) and the servers found failing so far."""
+        driver = self._driver
+        rebuilt: Rebuilt | None = await self._recovery.rebuild(
+            driver.hops,
+            index,
+            cause,
+            failed=failed,
+            history=self._history,
+            position=self._position,
+            replay=driver.replay,
+            drain=drain,
+        )
+        if rebuilt is None:  # draining, and nobody can take over yet
+            driver.keep_serving(driver.hops[index])
+            return index, failed | {driver.hops[index].span.peer_id}
+        self._install(driver.hops[: rebuilt.first] + rebuilt.suffix)
+        for block, output in rebuilt.boundaries.items():
+            self._history.adopt(block, output)
+        await close_all(list(rebuilt.retired))
+        self.recoveries.append(rebuilt.record)
+        return rebuilt.first, rebuilt.failed
+
+
+__all__ = ["RemoteSession"]
