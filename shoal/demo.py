@@ -43,6 +43,7 @@ class _TimedStreamer(TextStreamer):
 def run_demo(options: DemoOptions) -> int:
     from shoal.checkpoints import fetch_model, load_config
     from shoal.client import AutoDistributedModelForCausalLM
+    from shoal.heap import freeze_startup_heap
     from shoal.launch import LocalSwarm, even_spans
     from shoal.models import get_family
 
@@ -53,6 +54,7 @@ def run_demo(options: DemoOptions) -> int:
     print(f"starting {len(spans)} servers for {options.model} on loopback: {spans}", file=sys.stderr)
     with LocalSwarm(model_dir, spans, ["--num-threads", threads]) as swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.tickets)
+        freeze_startup_heap()  # before the timed generation (see shoal.heap)
         try:
             print("route: " + " -> ".join(f"{s.peer_id[:8]}[{s.start}:{s.end})" for s in model.blocks.chain))
             tokenizer = model.tokenizer

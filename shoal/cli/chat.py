@@ -40,12 +40,14 @@ def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = s
     from shoal.checkpoints import model_name
     from shoal.client import AutoDistributedModelForCausalLM
     from shoal.gateway.engine import Engine, GatewayError, Sampling
+    from shoal.heap import freeze_startup_heap
 
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     model = AutoDistributedModelForCausalLM.from_pretrained(
         options.model, initial_peers=list(options.join), transport=options.transport
     )
+    freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
     try:
         engine = Engine(model, model_name(options.model))
         length = options.max_length or min(engine.context_length, 2048)

@@ -1,6 +1,8 @@
 """``shoal``: serve model blocks, fetch models, run the local demo swarm.
 
 Subcommands build a config object and hand it to the role's own module; no logic lives here.
+Importing this module changes nothing and loads no torch: :func:`main`, the process entry point,
+first sets shoal's OpenMP defaults (:mod:`shoal.omp`), which must happen before torch loads.
 """
 
 from __future__ import annotations
@@ -10,13 +12,19 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from shoal.swarm.gossip import GossipConfig
-from shoal.transport import Deadlines, NetworkProfile, Ticket, TransportConfig
-from shoal.transport.loop import run as run_loop
+if TYPE_CHECKING:
+    from shoal.transport import TransportConfig
+
+# the network profiles' names (shoal.transport.NetworkProfile), spelled here so that building the
+# parser does not import the transport (and with it torch) before main() set the OpenMP defaults
+NETWORK_PROFILES = ("local", "internet")
 
 
 def _transport(args: argparse.Namespace) -> TransportConfig:
+    from shoal.transport import Deadlines, NetworkProfile, TransportConfig
+
     return TransportConfig(
         profile=NetworkProfile(args.network),
         bind_addr=f"{args.host}:{args.port}",
@@ -28,7 +36,7 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
     group = parser.add_argument_group("network")
     group.add_argument(
         "--network",
-        choices=[p.value for p in NetworkProfile],
+        choices=NETWORK_PROFILES,
         default="local",
         help="local: direct addresses only (LAN, loopback); internet: iroh relays and address lookup",
     )
@@ -39,8 +47,12 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from shoal.heap import freeze_startup_heap
     from shoal.server.app import serve
     from shoal.server.config import ServerConfig, parse_blocks, parse_dtype
+    from shoal.swarm.gossip import GossipConfig
+    from shoal.transport import Ticket
+    from shoal.transport.loop import run as run_loop
 
     try:
         config = ServerConfig(
@@ -65,17 +77,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
-            test_reply_delay=args.test_reply_delay_ms / 1e3,
         )
     except ValueError as exc:
         print(f"shoal serve: error: {exc}", file=sys.stderr)
         return 2
+    freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
     run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
     return 0
 
 
 def cmd_swarm_status(args: argparse.Namespace) -> int:
     from shoal.swarm.status import render, swarm_status, to_json
+    from shoal.transport import Ticket
+    from shoal.transport.loop import run as run_loop
 
     status = run_loop(swarm_status(Ticket.parse(args.join), _transport(args)))
     print(to_json(status) if args.json else render(status))
@@ -116,7 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-threads", type=int, help="torch threads for compute")
     serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this TCP port (0: any free one)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    serve.add_argument("--test-reply-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow server
     swarm = serve.add_argument_group("swarm")
     swarm.add_argument("--new-swarm", action="store_true", help="create a swarm; the printed ticket joins it")
     swarm.add_argument("--join", action="append", default=[], metavar="TICKET", help="join the swarm of this peer")
@@ -156,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shoal.omp import apply_defaults
+
+    apply_defaults()  # before any subcommand imports torch
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -46,6 +46,7 @@ def serve_gateway(options: GatewayOptions) -> int:
 
     from shoal.gateway.app import build_app
     from shoal.gateway.swarm import Watchers
+    from shoal.heap import freeze_startup_heap
 
     model, engine = None, None
     if options.model is not None:
@@ -63,6 +64,7 @@ def serve_gateway(options: GatewayOptions) -> int:
         engine = Engine(model, model_name(options.model), options.default_max_tokens)
     try:
         app = build_app(engine, Watchers(options.transport, options.join), options.api_key, options.max_concurrency)
+        freeze_startup_heap()  # a long-lived process, after its heavy imports, before it says it is ready
         sock = _bind(options.host, options.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

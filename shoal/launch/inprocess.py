@@ -1,0 +1,174 @@
+"""A swarm of block servers inside this process: the real handler, sessions, push chain and client,
+minus the process boundary (tests, benchmarks, notebooks).
+
+Each server is the one ``shoal serve`` builds (:func:`shoal.server.app.load_block_server`: the
+span's weights only, its own compute thread), answering on a node of one
+:class:`~shoal.transport.MemoryNetwork` by default, or on iroh nodes (``start_node=Node.start``,
+e.g. behind the WAN emulator). Servers and clients share the client runtime's event loop thread
+(:func:`shoal.client.runtime.shared_loop`), as the in-memory network requires.
+
+    with InProcessSwarm(model_dir, [BlockRange(0, 2), BlockRange(2, 4)]) as swarm:
+        model = swarm.connect()  # an AutoDistributedModelForCausalLM over every server
+        model.generate(...)
+        swarm.kill(BlockRange(0, 2))  # abrupt: its streams end, as if the process died
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.client.runtime import LoopThread, shared_loop
+from shoal.ids import BlockRange
+from shoal.protocols import BLOCKS
+from shoal.server.app import load_block_server
+from shoal.server.backend import compute_thread
+from shoal.server.config import ServerConfig
+from shoal.server.handler import BlockServer
+from shoal.transport import BaseNode, MemoryNetwork, StartNode, Ticket, TransportConfig
+
+#: Turns a loaded server into the one that serves (e.g. :func:`testkit.faults.make_faulty`).
+Prepare = Callable[[BlockServer], BlockServer]
+LOOPBACK = TransportConfig(bind_addr="127.0.0.1:0")
+
+
+@dataclass
+class LocalServer:
+    """One server of an :class:`InProcessSwarm`."""
+
+    blocks: BlockRange
+    server: BlockServer
+    node: BaseNode
+    compute: ThreadPoolExecutor
+    alive: bool = True
+
+    @property
+    def ticket(self) -> Ticket:
+        return self.node.ticket()
+
+
+class InProcessSwarm:
+    """Servers for ``spans`` of the checkpoint at ``model_dir``, in this process. A context manager
+    that closes every client it made, then every server."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        spans: Iterable[BlockRange],
+        *,
+        cache_tokens: int = 4096,
+        max_sessions_per_peer: int = 16,
+        session_idle_timeout: float = 60.0,
+        num_threads: int = 1,
+        start_node: StartNode | None = None,
+        transport: TransportConfig = LOOPBACK,
+        prepare: Prepare | None = None,
+        runtime: LoopThread | None = None,
+    ):
+        self.model_dir = Path(model_dir)
+        self.runtime = runtime or shared_loop()
+        self.network = MemoryNetwork() if start_node is None else None
+        self.start_node: StartNode = self.network.start if self.network is not None else start_node
+        self.transport = transport
+        self.servers: list[LocalServer] = []
+        self.clients: list = []
+        self._settings = dict(
+            cache_tokens=cache_tokens,
+            max_sessions_per_peer=max_sessions_per_peer,
+            session_idle_timeout=session_idle_timeout,
+            num_threads=num_threads,
+        )
+        try:
+            for span in spans:
+                self.add(span, prepare)
+        except BaseException:
+            self.close()
+            raise
+
+    def add(self, span: BlockRange, prepare: Prepare | None = None, **settings: float) -> LocalServer:
+        """Load one more server for ``span`` and start serving it; ``settings`` (``cache_tokens``,
+        ``max_sessions_per_peer``, ``session_idle_timeout``, ``num_threads``) override the swarm's."""
+        settings = {**self._settings, **settings}
+        config = ServerConfig(model=str(self.model_dir), blocks=span, transport=self.transport, **settings)
+        compute = compute_thread(config.num_threads)
+        try:
+            server = compute.submit(load_block_server, config, span, None, compute).result()
+            if prepare is not None:
+                server = prepare(server)
+            node = self.runtime.run(self.start_node(self.transport, {BLOCKS: server.handle}))
+        except BaseException:
+            compute.shutdown(wait=False, cancel_futures=True)
+            raise
+        server.attach(node)
+        local = LocalServer(span, server, node, compute)
+        self.servers.append(local)
+        return local
+
+    def server(self, span: BlockRange) -> LocalServer:
+        """The first live server of ``span``."""
+        for local in self.servers:
+            if local.blocks == span and local.alive:
+                return local
+        raise KeyError(f"no live server for blocks {span}")
+
+    def tickets(self, spans: Sequence[BlockRange] | None = None) -> list[Ticket]:
+        """Tickets of the live servers (of ``spans``, in that order, if given)."""
+        if spans is None:
+            return [s.ticket for s in self.servers if s.alive]
+        return [self.server(span).ticket for span in spans]
+
+    def connect(self, spans: Sequence[BlockRange] | None = None, **kwargs):
+        """A client (:class:`~shoal.client.AutoDistributedModelForCausalLM`) given the servers of
+        ``spans`` (default: all) as its initial peers. ``start_node`` (default: the servers') may
+        wrap it, e.g. to register the client's node with a network emulator."""
+        from shoal.client import AutoDistributedModelForCausalLM
+
+        kwargs.setdefault("transport", self.transport)
+        kwargs.setdefault("start_node", self.start_node)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(self.model_dir), initial_peers=self.tickets(spans), **kwargs
+        )
+        self.clients.append(model)
+        return model
+
+    def kill(self, target: BlockRange | LocalServer) -> LocalServer:
+        """End a server (``target``, or the first live one of that span) abruptly: its node closes
+        (peers' streams fail at once) and it computes no more."""
+        local = target if isinstance(target, LocalServer) else self.server(target)
+        local.alive = False
+        self.runtime.run(local.node.close())
+        local.compute.shutdown(wait=False, cancel_futures=True)
+        return local
+
+    def drain(self, target: BlockRange | LocalServer, timeout: float = 5.0) -> None:
+        """Leave gracefully, as a server does on SIGTERM: open sessions move away, then it closes."""
+        local = target if isinstance(target, LocalServer) else self.server(target)
+        self.runtime.run(local.server.drain(timeout))
+        self.kill(local)
+
+    def close(self) -> None:
+        clients, self.clients = self.clients, []
+        for model in clients:
+            try:
+                model.blocks.close()
+            except Exception:  # a client that failed half-way must not keep the servers alive
+                pass
+        for local in self.servers:
+            if local.alive:
+                local.alive = False
+                try:
+                    self.runtime.run(local.node.close(), timeout=10)
+                finally:
+                    local.server.backend.shutdown()
+                    local.compute.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> InProcessSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["LOOPBACK", "InProcessSwarm", "LocalServer", "Prepare"]
