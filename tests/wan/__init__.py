@@ -1,0 +1,1 @@
+"""The wide-area network emulator (testkit.wan)."""
