@@ -47,11 +47,9 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,7 +64,10 @@ from transformers import (
 )
 
 from shoal.checkpoints import load_config
+from shoal.heap import freeze_startup_heap
+from shoal.launch import ServerProcess, serve_args
 from shoal.omp import child_environment
+from shoal.transport import Ticket
 
 TARGETS = {"llama270m": 0.9, "smollm2": 0.8}
 OMP_ENV_MARK = "SHOAL_BENCH_STARTED_OMP_ENV"  # the OpenMP variables the benchmark was started with
@@ -138,11 +139,15 @@ def prompt_ids(name: str, path: Path, vocab_size: int) -> torch.Tensor:
 # ---- servers ----------------------------------------------------------------------------------
 
 
-class Server:
-    """``python -m shoal.cli.main serve`` in a child process; ``ticket`` once it printed one.
+class Server(ServerProcess):
+    """``python -m shoal.cli.main serve`` in a child process (:class:`shoal.launch.ServerProcess`),
+    loading while the caller goes on: :meth:`wait_ready` returns its ticket.
 
     ``threads``: ``--num-threads`` and ``OMP_NUM_THREADS`` (None: torch's default); ``extra_args``
-    go to ``shoal serve`` as they are (e.g. ``--device cuda --dtype bfloat16``)."""
+    go to ``shoal serve`` as they are (e.g. ``--device cuda --dtype bfloat16``); ``entry``: the
+    interpreter arguments before ``serve``. The command line and environment are the benchmark's
+    measured setup: this process's environment (with shoal's spin count, see :func:`main`) plus
+    ``env``, standard input inherited."""
 
     def __init__(
         self,
@@ -154,41 +159,15 @@ class Server:
         entry: Sequence[str] = ("-m", "shoal.cli.main"),
     ):
         self.blocks, self.threads = blocks, threads
-        args = [sys.executable, *entry, "serve", str(model), "--blocks", f"{blocks[0]}:{blocks[1]}"]
-        args += ["--host", "127.0.0.1", "--request-timeout", "120", *extra_args]
-        child_env = {**os.environ, **(env or {})}
+        args = serve_args(model, blocks, "--request-timeout", "120", *extra_args, entry=entry)
+        child_env = dict(env or {})
         if threads is not None:
             args += ["--num-threads", str(threads)]
             child_env["OMP_NUM_THREADS"] = str(threads)
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env)
-        self.output: list[str] = []
-        self.ticket: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(args, ready_timeout=None, env=child_env, stdin=None)
 
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if line.startswith("ticket: ") and self.ticket is None:
-                self.ticket = line.split(" ", 1)[1].strip()
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self, timeout: float = 300) -> str:
-        self._ready.wait(timeout)
-        if self.ticket is None:
-            self.stop()
-            raise RuntimeError(f"server {self.blocks} did not start:\n{''.join(self.output)[-3000:]}")
-        return self.ticket
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+    def wait_ready(self, timeout: float = 300) -> Ticket:
+        return super().wait_ready(timeout)
 
 
 class LocalWorker:
@@ -456,6 +435,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             )
             swarm.blocks = BlockTimer(swarm.blocks)
             swarms[f"server_threads_{spec}"] = swarm
+        freeze_startup_heap()  # as shoal's own long-lived processes do (see shoal.heap)
 
         def swarm_runner(model):
             return lambda meter=None: run_once(model, ids, args.new_tokens, pad, None, meter, args.abort_above)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.generate import BlockTimer, Server, halves, run_once, summarize
+from testkit.tiny import LARGE_INIT, TINY_SHAPE
 
 LLAMA3_8B = dict(
     hidden_size=4096,
@@ -46,21 +47,8 @@ LLAMA3_8B = dict(
     eos_token_id=128001,
     pad_token_id=None,
 )
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=512,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=None,
-)
+# the tests' tiny llama (testkit.tiny), with Llama 3's rope and norm settings
+TINY = {**TINY_SHAPE, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "eos_token_id": 2, "pad_token_id": None}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -136,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("gpu_smoke: --device cuda but torch.cuda.is_available() is False")
     sync = torch.cuda.synchronize if is_cuda else None
     shape = TINY if args.tiny else LLAMA3_8B
-    # 0.3 (the tests' tiny llama) keeps a toy model's greedy choices far from ties; 0.02 is Llama's own.
-    initializer_range = 0.3 if args.tiny else 0.02
+    # LARGE_INIT keeps a toy model's greedy choices far from ties; 0.02 is Llama's own.
+    initializer_range = LARGE_INIT if args.tiny else 0.02
     started = time.perf_counter()
     timings: dict[str, float] = {}
     result: dict = {
@@ -207,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             top2 = out.logits[mismatch][0].float().topk(2).values
             result["parity"]["local_top2_logit_gap_at_mismatch"] = round(float(top2[0] - top2[1]), 5)
 
-        before = [info["counters"] for info in remote.server_infos()]
+        before = [info.counters for info in remote.server_infos()]
         runs: dict[str, list[dict]] = {"local": [], "swarm": []}
         for rep in range(args.repeats):
             order = ["local", "swarm"] if rep % 2 == 0 else ["swarm", "local"]
@@ -218,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         speed["ratio"] = round(speed["swarm"]["decode_tok_s_median"] / speed["local"]["decode_tok_s_median"], 3)
         # the servers' own compute per step, from their step_seconds counters (prefill steps
         # included, so a slight overestimate): the part of blocks_ms that is not transport
-        after = [info["counters"] for info in remote.server_infos()]
+        after = [info.counters for info in remote.server_infos()]
         speed["swarm"]["server_compute_ms"] = [
-            round((a["step_seconds"] - b["step_seconds"]) / max(1, a["steps"] - b["steps"]) * 1e3, 3)
+            round((a.step_seconds - b.step_seconds) / max(1, a.steps - b.steps) * 1e3, 3)
             for a, b in zip(after, before, strict=True)
         ]
         result["decode"] = speed

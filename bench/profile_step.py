@@ -38,7 +38,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 
 ENV_OUT = "SHOAL_PROFILE_OUT"
+SERVE_ENTRY = ("-m", "bench.profile_step", "--serve")  # then ``serve ...``: an instrumented shoal serve
 
 
 # ---- instrumented server -------------------------------------------------------------------------
@@ -365,43 +365,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.client_threads)
 
-    import subprocess
     import tempfile
 
     from bench.generate import CpuMeter, halves, model_dir, prompt_ids, run_once
     from shoal import AutoDistributedModelForCausalLM
     from shoal.checkpoints import load_config
+    from shoal.heap import freeze_startup_heap
+    from shoal.launch import ServerProcess, serve_args, stop_all
     from shoal.transport import TransportConfig
 
     path = model_dir(args.model)
     config = load_config(path)
     tmp = Path(tempfile.mkdtemp(prefix="shoal-profile-"))
     servers = []
-    for i, blocks in enumerate(halves(config.num_hidden_layers)):
-        env = {**os.environ, ENV_OUT: str(tmp / f"server{i}.json"), "OMP_NUM_THREADS": str(args.server_threads)}
+    for i, blocks in enumerate(halves(config.num_hidden_layers)):  # loading in parallel
+        env = {ENV_OUT: str(tmp / f"server{i}.json"), "OMP_NUM_THREADS": str(args.server_threads)}  # over ours
         if args.omp_wait_policy:
             env["OMP_WAIT_POLICY"] = args.omp_wait_policy
         if args.one_torch_thread:
             env["SHOAL_PROFILE_ONE_TORCH_THREAD"] = "1"
         env.update(kv.split("=", 1) for kv in args.server_env)
-        cmd = [sys.executable, "-m", "bench.profile_step", "--serve", "serve", str(path)]
-        cmd += ["--blocks", f"{blocks[0]}:{blocks[1]}", "--host", "127.0.0.1"]
-        cmd += ["--num-threads", str(args.server_threads)]
-        servers.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
-    tickets = []
-    for proc in servers:
-        for line in proc.stdout:
-            if line.startswith("ticket: "):
-                tickets.append(line.split(" ", 1)[1].strip())
-                break
-        else:
-            raise RuntimeError("an instrumented server did not start")
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+        serve = serve_args(path, blocks, "--num-threads", str(args.server_threads), entry=SERVE_ENTRY)
+        servers.append(ServerProcess(serve, ready_timeout=None, env=env, stdin=None))
     try:
+        tickets = [server.wait_ready(600) for server in servers]
         hooks = ClientHooks()
         swarm = AutoDistributedModelForCausalLM.from_pretrained(
             str(path), tickets, transport=TransportConfig(bind_addr="127.0.0.1:0"), push=args.push
         )
+        freeze_startup_heap()  # as shoal's own long-lived processes do (see shoal.heap)
         ids = prompt_ids(args.model, path, config.vocab_size)
         run_once(swarm, ids, args.new_tokens, 0)  # warm-up
         first = len(hooks.steps)
@@ -414,10 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         decode = {first + r * args.new_tokens + j for r in range(args.runs) for j in range(1, args.new_tokens)}
         swarm.blocks.close()
     finally:
-        for proc in servers:
-            proc.terminate()
-        for proc in servers:
-            proc.wait(30)
+        stop_all(servers, 30)  # each writes its record as it exits
     records = [json.loads((tmp / f"server{i}.json").read_text()) for i in range(len(servers))]
     assert all(len(r) == len(hooks.steps) for r in records), [len(r) for r in records] + [len(hooks.steps)]
     result = {

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -35,7 +33,8 @@ from transformers import LogitsProcessor
 from bench.generate import CpuMeter, Server, model_dir, prompt_ids, run_once
 from shoal import AutoDistributedModelForCausalLM
 from shoal.checkpoints import load_config
-from shoal.launch import even_spans
+from shoal.heap import freeze_startup_heap
+from shoal.launch import even_spans, join_flags, stop_all, wait_converged
 from shoal.transport import Ticket, TransportConfig
 
 LOOPBACK = TransportConfig(bind_addr="127.0.0.1:0")
@@ -80,7 +79,7 @@ def push_vs_hops(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dic
                 result, out = run_once(clients[mode], ids, args.new_tokens, 0, meter=meter, abort_above=1.0)
                 runs[mode].append(result)
                 outputs.setdefault(mode, out)
-        counters = [info["counters"] for info in clients["push"].blocks.server_infos()]
+        counters = [info.counters for info in clients["push"].blocks.server_infos()]
         for client in clients.values():
             client.blocks.close()
         median = {m: statistics.median(r["decode_tok_s"] for r in runs[m]) for m in runs}
@@ -95,12 +94,11 @@ def push_vs_hops(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dic
             "hops_ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in runs["hops"]), 1),
             "ratio_push_over_hops": round(median["push"] / median["hops"], 3),
             "same_tokens": bool(torch.equal(outputs["push"], outputs["hops"])),
-            "pushes_sent_per_server": [c["pushes_sent"] for c in counters],
+            "pushes_sent_per_server": [c.pushes_sent for c in counters],
             "foreign_cpu_median": round(statistics.median(r["foreign_cpu"] for m in runs for r in runs[m]), 3),
         }
     finally:
-        for server in servers:
-            server.stop()
+        stop_all(servers)
 
 
 def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
@@ -108,9 +106,8 @@ def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
     layout = {"c0": spans[0], "c1": spans[1], "c2": spans[2], "s1": spans[1], "s2": spans[2]}
     threads = args.server_threads
 
-    def start(name: str, join: str | None) -> Server:
-        swarm = ["--new-swarm"] if join is None else ["--join", join]
-        extra = ["--throughput", "10", *SWARM_FLAGS, *swarm]
+    def start(name: str, join: Ticket | None) -> Server:
+        extra = ["--throughput", "10", *SWARM_FLAGS, *join_flags(join)]
         return Server(path, layout[name], threads=threads, extra_args=extra)
 
     servers = {"c0": start("c0", None)}
@@ -121,23 +118,19 @@ def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
     try:
         for server in servers.values():
             server.wait_ready()
-        time.sleep(3)  # a few gossip rounds: every table lists every server
+        wait_converged(path, list(servers.values()))  # every table lists every server
         for trial in range(args.kills):
             client = AutoDistributedModelForCausalLM.from_pretrained(
                 str(path), [servers["c0"].ticket], transport=LOOPBACK, refresh_period=0
             )
-            peers = {Ticket.parse(s.ticket).peer_id: n for n, s in servers.items()}
+            peers = {s.ticket.peer_id: n for n, s in servers.items()}
             with client.inference_session(max_length=ids.shape[1] + args.new_tokens) as cache:
                 route = [peers[span.peer_id] for span in cache.session.chain]
                 candidates = [n for n in route if layout[n] != spans[0]]  # spans with a spare
                 victim = candidates[trial % len(candidates)]
                 step = rng.randint(8, args.new_tokens - 8)
 
-                def kill(victim: str = victim) -> None:
-                    os.kill(servers[victim].proc.pid, signal.SIGKILL)
-                    servers[victim].proc.wait(10)
-
-                clock = KillAt(step, kill)
+                clock = KillAt(step, servers[victim].kill)  # SIGKILL
                 client.generate(
                     ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                     logits_processor=[clock], pad_token_id=0,
@@ -151,8 +144,8 @@ def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
                         "step": step,
                         "recovery_s": round(clock.times[step + 1] - clock.killed_at, 3),
                         "median_token_s": round(statistics.median(gaps), 4),
-                        "client_recovery_s": session.recoveries[0]["seconds"] if session.recoveries else None,
-                        "replayed": {peers[p]: n for p, n in session.recoveries[0]["replayed"].items()}
+                        "client_recovery_s": session.recoveries[0].seconds if session.recoveries else None,
+                        "replayed": {peers[p]: n for p, n in session.recoveries[0].replayed.items()}
                         if session.recoveries
                         else {},
                     }
@@ -160,10 +153,9 @@ def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
             client.blocks.close()
             servers[victim] = start(victim, servers["c0"].ticket if victim != "c0" else servers["s1"].ticket)
             servers[victim].wait_ready()
-            time.sleep(3)
+            wait_converged(path, list(servers.values()))  # the victim's record expired, the new one spread
     finally:
-        for server in servers.values():
-            server.stop()
+        stop_all(list(servers.values()))
     latencies = [t["recovery_s"] for t in trials]
     return {
         "servers": {n: list(s) for n, s in layout.items()},
@@ -184,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", choices=["push", "recovery"], action="append", default=[])
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
+    freeze_startup_heap()  # as shoal's own long-lived processes do (see shoal.heap)
     path = model_dir(args.model)
     ids = prompt_ids(args.model, path, load_config(path).vocab_size)
     result: dict = {"model": args.model, "new_tokens": args.new_tokens, "prompt_tokens": ids.shape[1]}

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from shoal.heap import freeze_startup_heap
 from shoal.omp import child_environment
 from shoal.transport import META, Node, Ticket, TransportConfig
 from shoal.transport.loop import run as run_loop
@@ -229,6 +230,7 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    freeze_startup_heap()  # as shoal's own long-lived processes do (see shoal.heap)
     if args.serve:
         run_loop(run_server())
         return

@@ -9,12 +9,8 @@ swarm's greedy answers equal plain transformers' exactly.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -24,18 +20,14 @@ from pathlib import Path
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from shoal.launch import ServerProcess, serve_args
-from shoal.swarm.status import swarm_status
+from shoal.launch import ChildProcess, ServerProcess
 from shoal.transport import Ticket, TransportConfig
-from tests.helpers.aio import run
-from tests.helpers.parity import tiny_causal_lm
-from tests.helpers.swarm import write_checkpoint
+from testkit.tiny import save_checkpoint, tiny_model
+from tests.helpers.registry import ENV, process_swarm
 
 LOOPBACK = TransportConfig(bind_addr="127.0.0.1:0")
 SPANS = [(0, 2), (2, 4), (4, 6)]
-GOSSIP = ("--gossip-period", "0.5", "--refresh-period", "1", "--expiry", "3")
 CACHE_TOKENS = 1024  # per block: a request for more positions than this is one the swarm cannot serve
-ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def build_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 11):
@@ -44,7 +36,7 @@ def build_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 11):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    model = tiny_causal_lm(
+    model = tiny_model(
         "llama",
         seed=seed,
         vocab_size=len(tokenizer),
@@ -57,7 +49,7 @@ def build_chat_model(out_dir: Path, tokenizer_dir: Path, seed: int = 11):
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
-    write_checkpoint(model, out_dir, tokenizer=tokenizer)
+    save_checkpoint(model, out_dir, tokenizer=tokenizer)
     return model
 
 
@@ -80,47 +72,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class UrlProcess:
+class UrlProcess(ChildProcess):
     """A child ``python ARGS...`` that prints ``PREFIX: URL`` when ready; its output is kept."""
 
     def __init__(self, args: Sequence[str], prefix: str, timeout: float = 120.0, stdin=subprocess.DEVNULL):
-        self.args = list(args)
-        self.proc = subprocess.Popen(
-            [sys.executable, *self.args],
-            stdin=stdin,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, **ENV},
-        )
-        self.output: list[str] = []
-        deadline = time.monotonic() + timeout
-        self.url = None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.output.append(line)
-            if line.startswith(f"{prefix}: "):
-                self.url = line.split(" ", 1)[1].strip()
-                break
-        if self.url is None:
-            self.stop()
-            raise RuntimeError(f"{self.args} did not print '{prefix}: ...':\n{''.join(self.output)[-4000:]}")
-        threading.Thread(target=self._drain, daemon=True).start()
+        super().__init__(args, f"{prefix}: ", timeout, ENV, stdin)
 
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+    @property
+    def url(self) -> str:
+        return self.ready_value
 
 
 @dataclass
@@ -144,61 +104,28 @@ class MetricsSwarm:
     model_dir: Path
     servers: list[Server] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.processes = process_swarm(self.model_dir, "--throughput", "100", "--cache-tokens", str(CACHE_TOKENS))
+
     @property
     def ticket(self) -> Ticket:
         return self.servers[0].process.ticket
 
     def start(self, spans: Sequence[tuple[int, int]] = SPANS, extra: Sequence[str] = ()) -> MetricsSwarm:
-        """The first span founds the swarm; the others join it in parallel."""
+        """The first span founds the swarm, the others join it in parallel; returns once every
+        server's table lists every server online."""
         try:
-            self.servers.append(self._start(spans[0], ["--new-swarm", *extra]))
-            joined: list[Server | Exception] = [None] * (len(spans) - 1)
-
-            def one(i: int) -> None:
-                try:
-                    joined[i] = self._start(spans[i + 1], ["--join", str(self.ticket), *extra])
-                except Exception as exc:
-                    joined[i] = exc
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(joined))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            self.servers += [s for s in joined if isinstance(s, Server)]
-            errors = [e for e in joined if isinstance(e, Exception)]
-            if errors:
-                raise RuntimeError(f"servers did not start: {errors}")
-            self.wait_online(len(spans))
+            ports = [free_port() for _ in spans]
+            started = self.processes.start(spans, [("--metrics-port", str(port), *extra) for port in ports])
+            self.servers += [Server(*spec) for spec in zip(spans, started, ports, strict=True)]
+            self.processes.wait_converged(60.0)
         except BaseException:
             self.close()
             raise
         return self
 
-    def _start(self, span: tuple[int, int], extra: Sequence[str]) -> Server:
-        port = free_port()
-        args = serve_args(self.model_dir, span, "--num-threads", "1", "--throughput", "100")
-        args += ["--cache-tokens", str(CACHE_TOKENS), "--metrics-port", str(port), *GOSSIP, *extra]
-        return Server(span, ServerProcess(args, ready_timeout=120.0, env=ENV), port)
-
-    def wait_online(self, count: int, timeout: float = 60.0) -> dict:
-        """Until the swarm's table (through the first server) lists ``count`` servers online."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status = run(swarm_status(self.ticket, LOOPBACK), 20)
-            online = [s for m in status["models"] for s in m["servers"] if s["state"] == "online"]
-            if len(online) >= count:
-                return status
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{count} servers not online within {timeout} s: {status}")
-            time.sleep(0.2)
-
     def close(self) -> None:
-        for server in self.servers:
-            if server.process.proc.poll() is None:
-                server.process.proc.terminate()
-        for server in self.servers:
-            server.process.stop()
+        self.processes.stop()
 
 
 def scrape(url: str) -> dict[str, float]:

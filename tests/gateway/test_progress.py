@@ -10,14 +10,14 @@ import time
 import pytest
 
 from shoal.checkpoints import fetch, loading, save_sharded
-from tests.helpers.parity import tiny_llama
+from testkit.tiny import tiny_model
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    model = tiny_llama(seed=1)
+    model = tiny_model("llama", 1)
     return save_sharded(model, model.config, tmp_path_factory.mktemp("ckpt"))
 
 

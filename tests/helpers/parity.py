@@ -11,69 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    PreTrainedModel,
-    Qwen2Config,
-)
 
 from shoal.client.blocks import BlockSequence, BlockSession
-
-
-def tiny_llama(seed: int = 0, initializer_range: float = 0.3) -> LlamaForCausalLM:
-    """4 blocks, hidden 64, GQA 4/2, vocab 256. The large init keeps greedy choices far from ties."""
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-        initializer_range=initializer_range,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
-
-
-TINY_SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=None,
-    pad_token_id=0,
-)
-# llama: GQA 4/2; mistral: GQA with a sliding window (24) shorter than a 64-token generation, on every
-# layer; qwen2: GQA, q/k/v biases, sliding window (24) on layers >= 2 only.
-TINY_CONFIGS = {
-    "llama": lambda: LlamaConfig(**TINY_SHAPE),
-    "mistral": lambda: MistralConfig(**TINY_SHAPE, sliding_window=24),
-    "qwen2": lambda: Qwen2Config(**TINY_SHAPE, use_sliding_window=True, sliding_window=24, max_window_layers=2),
-}
-
-
-def tiny_causal_lm(model_type: str, seed: int = 0, initializer_range: float = 0.3, **overrides) -> PreTrainedModel:
-    """A random tiny model of family ``model_type`` (see ``TINY_CONFIGS``), 4 blocks, vocab 256, no eos
-    (generation always runs to ``max_new_tokens``). The large init keeps greedy choices far from ties."""
-    config = TINY_CONFIGS[model_type]()
-    config.initializer_range = initializer_range
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 @dataclass
@@ -188,15 +127,12 @@ def assert_logits_close(model, reference, input_ids: Tensor, atol: float = 1e-4,
     return err, bool(torch.equal(got, expected))
 
 
-def char_tokenizer(vocab_size: int = 256):
-    """A one-character-per-token tokenizer for tiny random models: printable ASCII, then CJK ideographs
-    up to ``vocab_size`` (id 0, ``!``, is the pad token). Any id sequence decodes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(0x21, 0x7F)]
-    chars += [chr(0x4E00 + i) for i in range(vocab_size - len(chars))]
-    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="!"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="!")
+__all__ = [
+    "CountingBlocks",
+    "CountingSession",
+    "assert_generate_matches",
+    "assert_logits_close",
+    "greedy_with_gap",
+    "left_padded",
+    "min_top2_gap",
+]

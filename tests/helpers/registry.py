@@ -1,7 +1,8 @@
 """Helpers for the swarm registry tests (tests/integration/test_registry.py).
 
-* :class:`RegistrySwarm`: ``shoal serve`` processes in one swarm, on loopback, with short gossip
-  periods (:data:`SWARM_FLAGS`), one torch thread each.
+* :func:`process_swarm`: ``shoal serve`` processes in one swarm (:class:`shoal.launch.LocalSwarm`), on
+  loopback, with short gossip periods (:data:`SWARM_FLAGS`), one torch thread each (the routing and
+  gateway tests use it too); :class:`RegistrySwarm` names their spans and throughputs.
 * :func:`fetch_view` / :func:`poll_views`: read every server's table through a test :class:`Node`
   (op ``table``), polled until a condition holds for each peer, with a deadline; an optional
   ``invariant`` is checked on every view seen on the way.
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
 import struct
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -37,14 +36,27 @@ from pathlib import Path
 import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.launch import ServerProcess, serve_args, start_parallel
-from shoal.swarm.gossip import GossipConfig, pack, unpack
+from shoal.ids import BlockRange
+from shoal.launch import LocalSwarm, ServerProcess
+from shoal.swarm.gossip import GossipConfig
+from shoal.swarm.messages import (
+    OfferReply,
+    OfferRequest,
+    Payload,
+    PushReply,
+    PushRequest,
+    SyncReply,
+    SyncRequest,
+    decode_payload,
+    encode_payload,
+)
 from shoal.swarm.records import SIGNING_CONTEXT, Record, ServerRecord, SignedRecord, State, decode, sign
 from shoal.swarm.service import SWARM, SwarmService, blob, blob_bytes, fetch_table
 from shoal.swarm.table import RecordTable
 from shoal.transport import Node, Ticket, TransportConfig
 from shoal.transport.identity import generate_key
 from shoal.wire import Message
+from shoal.wire.schema import Gossip
 
 LOOPBACK = TransportConfig(bind_addr="127.0.0.1:0")
 PERIOD = 0.5  # --gossip-period
@@ -60,6 +72,16 @@ Span = tuple[int, int]
 
 
 # ---- server processes ------------------------------------------------------------------------------
+ONE_THREAD = ("--num-threads", "1")
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def process_swarm(model_dir: Path, *extra: str) -> LocalSwarm:
+    """``shoal serve`` processes of one swarm over ``model_dir`` (none started yet): one torch and
+    OpenMP thread each, the short gossip periods, ``extra`` flags."""
+    return LocalSwarm(model_dir, extra_args=(*ONE_THREAD, *SWARM_FLAGS, *extra), swarm=True, env=ENV, ready_timeout=120)
+
+
 @dataclass
 class Server:
     span: Span
@@ -76,72 +98,44 @@ class Server:
         return self.process.ticket.peer_id
 
     def output(self) -> str:
-        return "".join(self.process.output)
-
-
-def swarm_server_args(model_dir: Path, span: Span, join: Ticket | None, *extra: str) -> list[str]:
-    """``shoal serve`` of ``span`` with one torch thread and the short gossip periods, creating a
-    swarm (``join`` None) or joining through ``join``."""
-    swarm = ["--new-swarm"] if join is None else ["--join", str(join)]
-    return serve_args(model_dir, span, "--num-threads", "1", *SWARM_FLAGS, *swarm, *extra)
-
-
-def start_server(model_dir: Path, span: Span, throughput: float, join: Ticket | None) -> Server:
-    """``shoal serve`` of ``span`` creating a swarm (``join`` None) or joining through ``join``."""
-    args = swarm_server_args(model_dir, span, join, "--throughput", str(throughput))
-    return Server(span, throughput, ServerProcess(args, ready_timeout=120.0, env={"OMP_NUM_THREADS": "1"}))
+        return self.process.text()
 
 
 class RegistrySwarm:
-    """Server processes of one swarm over ``model_dir``; :meth:`close` stops every one still running."""
+    """Server processes of one swarm over ``model_dir``, each announcing the throughput it is given;
+    :meth:`close` stops every one still running."""
 
     def __init__(self, model_dir: Path):
         self.model_dir = Path(model_dir)
+        self.processes = process_swarm(self.model_dir)
         self.servers: list[Server] = []  # every server ever started, in start order
         self.swarm_id: str | None = None
 
     def found(self, span: Span, throughput: float) -> Server:
-        server = start_server(self.model_dir, span, throughput, None)
-        self.servers.append(server)
+        (server,) = self.join_all([(span, throughput)], None)
         self.swarm_id = server.ticket.swarm_id
         return server
 
-    def join_all(self, spans: Sequence[tuple[Span, float, Ticket]]) -> list[Server]:
-        """Start one server per ``(span, throughput, join ticket)`` in parallel; all must start."""
-        started, errors = start_parallel([lambda spec=spec: start_server(self.model_dir, *spec) for spec in spans])
-        self.servers += [s for s in started if s is not None]
-        if errors:
-            raise RuntimeError("servers did not start:\n" + "\n".join(errors))
-        return started
+    def join_all(self, specs: Sequence[tuple[Span, float]], join: Ticket | None) -> list[Server]:
+        """One server per ``(span, throughput)``, joining through ``join``, in parallel; all must start."""
+        extra = [("--throughput", str(throughput)) for _, throughput in specs]
+        started = self.processes.start([span for span, _ in specs], extra, join)
+        servers = [Server(span, throughput, p) for (span, throughput), p in zip(specs, started, strict=True)]
+        self.servers += servers
+        return servers
 
     @property
     def running(self) -> list[Server]:
-        return [s for s in self.servers if s.process.proc.poll() is None]
+        return [s for s in self.servers if s.process.alive]
 
     def tickets(self, servers: Sequence[Server] | None = None) -> dict[str, Ticket]:
         return {s.peer: s.ticket for s in (self.running if servers is None else servers)}
 
     def check_alive(self) -> None:
-        dead = [s for s in self.servers if s.process.proc.poll() is not None and not s.stopped]
-        if dead:
-            raise RuntimeError(
-                "servers died:\n"
-                + "\n".join(f"--- {s.span} exit {s.process.proc.returncode}:\n{s.output()[-3000:]}" for s in dead)
-            )
+        self.processes.check_alive(expected_gone=[s.process for s in self.servers if s.stopped])
 
     def close(self, timeout: float = 15.0) -> None:
-        """SIGTERM every running server at once (one signal each: a second one during shutdown
-        would kill it), wait, SIGKILL those that did not exit in time."""
-        running = self.running
-        for server in running:
-            server.process.proc.terminate()
-        for server in running:
-            try:
-                server.process.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-            with contextlib.suppress(OSError):
-                server.process.proc.stdin.close()
+        self.processes.stop(timeout)
 
 
 # ---- reading tables --------------------------------------------------------------------------------
@@ -164,12 +158,12 @@ class View:
 
 
 async def fetch_view(node: Node, ticket: Ticket) -> View:
-    payload = await fetch_table(node, ticket, FETCH_TIMEOUT)
+    table = await fetch_table(node, ticket, FETCH_TIMEOUT)
     records = {}
-    for data in payload["records"]:
+    for data in table.records:
         signed = decode(data)  # a server's table holds only records that decode and verify
         records[signed.key] = signed
-    return View(ticket.peer_id, time.monotonic(), records, set(payload["records"]), Counter(payload["rejected"]))
+    return View(ticket.peer_id, time.monotonic(), records, set(table.records), Counter(table.rejected))
 
 
 async def poll_views(
@@ -206,6 +200,13 @@ async def poll_views(
 
 
 # ---- a test peer speaking the swarm protocol -------------------------------------------------------
+GOSSIP_OPS: dict[str, tuple[Callable[[object], Payload], type[Payload]]] = {
+    "offer": (lambda digest: OfferRequest(digest=digest), OfferReply),
+    "push": (lambda records: PushRequest(records=records), PushReply),
+    "sync": (lambda digest: SyncRequest(digest=digest), SyncReply),
+}
+
+
 class TestPeer:
     """A node with its own key and a :class:`SwarmService` answering gossip (no rounds of its own:
     it only publishes what a test injects)."""
@@ -233,11 +234,13 @@ class TestPeer:
     def id(self) -> str:
         return self.node.id
 
-    async def op(self, ticket: Ticket, op: str, value) -> object:
-        """One gossip request (``offer``, ``push``, ``sync``) to ``ticket``'s peer; its decoded reply."""
-        message = Message("gossip", 1, {"op": op}, [blob(pack(value))])
+    async def op(self, ticket: Ticket, op: str, value) -> Payload:
+        """One gossip request to ``ticket``'s peer: ``offer`` or ``sync`` of the digest ``value``, or
+        ``push`` of the records ``value``; its reply, validated."""
+        request, reply_type = GOSSIP_OPS[op]
+        message = Message("gossip", 1, Gossip(op=op), [blob(encode_payload(request(value)))])
         reply = await self.node.request(ticket, SWARM, message, FETCH_TIMEOUT)
-        return unpack(blob_bytes(reply), 1 << 20)
+        return decode_payload(blob_bytes(reply), reply_type)
 
     def own_record(self, fingerprints: Sequence[bytes], model: str, span: Span, state: State, lifetime: float):
         now = time.time()
@@ -268,7 +271,7 @@ def server_record(
     cache_tokens_free: int = 100,
 ) -> ServerRecord:
     return ServerRecord(
-        swarm=swarm, peer=peer, addrs=tuple(addrs), relay=None, model=model, start=span[0], end=span[1],
+        swarm=swarm, peer=peer, addrs=tuple(addrs), relay=None, model=model, blocks=BlockRange(*span),
         fingerprints=tuple(fingerprints), state=state, throughput=throughput, cache_tokens_free=cache_tokens_free,
         rtts=(),
         version="test", timestamp=now, expires=now + lifetime,

@@ -1,18 +1,11 @@
-"""Block servers in child processes, and a thin client for their ``shoal/blocks/1`` protocol.
-
-    python -m tests.helpers.servers hold-session TICKET MAX_LENGTH HIDDEN_SIZE
-
-opens a session on the server of ``TICKET``, takes one step, prints ``session: <id>`` and then
-waits for its standard input to close (tests kill it to play a client that vanishes mid-session).
+"""Block servers in child processes, and a thin client for the ``shoal/blocks/2`` protocol that works
+on any node (iroh or in-memory): typed requests in, typed replies out, no client-side policy.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -22,56 +15,49 @@ import torch
 
 from shoal.checkpoints import weight_map
 from shoal.checkpoints.loading import INDEX_FILE
+from shoal.errors import remote_error
+from shoal.ids import BlockRange
+from shoal.launch import ServerProcess, serve_args, stop_all
 from shoal.protocols import BLOCKS
-from shoal.transport import MessageStream, Node, Ticket, TransportConfig
+from shoal.transport import BaseNode, MessageStream, Ticket, TransportConfig
 from shoal.wire import Message
-from tests.helpers.processes import PeerProcess
+from shoal.wire.schema import InfoReply, OpenReply, OpenRequest, PushHop, StepReply, StepRequest
 
 CLIENT_CONFIG = TransportConfig(bind_addr="127.0.0.1:0")
 
 
-def start_server(model_dir: str | Path, blocks: str, *flags: str, ready_timeout: float = 180.0) -> PeerProcess:
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a test's child processes: one OpenMP thread each
+
+
+def start_server(model_dir: str | Path, blocks: str, *flags: str, ready_timeout: float = 180.0) -> ServerProcess:
     """``shoal serve`` on loopback with one compute thread."""
-    args = ["-m", "shoal.cli.main", "serve", str(model_dir), "--blocks", blocks, "--host", "127.0.0.1"]
-    return PeerProcess([*args, "--num-threads", "1", *flags], ready_timeout=ready_timeout)
+    args = serve_args(model_dir, BlockRange.parse(blocks), "--num-threads", "1", *flags)
+    return ServerProcess(args, ready_timeout, env=ONE_THREAD)
 
 
-def stop_servers(processes: Iterable[PeerProcess], timeout: float = 30.0) -> None:
-    """:func:`stop_server` for several, shutting down in parallel; stops them all before failing."""
+def stop_servers(processes: Iterable[ServerProcess], timeout: float = 30.0) -> None:
+    """Stop them in parallel (:func:`shoal.launch.stop_all`); fail unless every one exited cleanly
+    (SIGTERM, not SIGKILL) without logging a traceback."""
     processes = list(processes)
-    for process in processes:
-        _terminate(process)
-    failures = []
-    for process in processes:
-        try:
-            stop_server(process, timeout)
-        except AssertionError as exc:
-            failures.append(str(exc))
+    stop_all(processes, timeout)
+    failures = [problem for process in processes if (problem := _unclean(process))]
     assert not failures, "\n".join(failures)
 
 
-def _terminate(process: PeerProcess) -> None:
-    """One SIGTERM only: a second one could land after the server's event loop removed its
-    handler, and kill it mid-shutdown."""
-    if process.proc.poll() is None and not getattr(process, "terminated", False):
-        process.proc.terminate()
-        process.terminated = True
+def stop_server(process: ServerProcess, timeout: float = 30.0) -> str:
+    """:func:`stop_servers` for one; returns its output."""
+    stop_servers([process], timeout)
+    return process.text()
 
 
-def stop_server(process: PeerProcess, timeout: float = 30.0) -> str:
-    """SIGTERM (a server's clean shutdown), SIGKILL if it does not exit in time; fail unless it
-    exited cleanly without logging a traceback. Returns its output."""
-    _terminate(process)
-    try:
-        process.proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise AssertionError(f"server {process.args} ignored SIGTERM for {timeout} s") from None
+def _unclean(process: ServerProcess) -> str | None:
     time.sleep(0.1)  # let the output reader catch the last lines
-    output = "".join(process.output)
-    assert process.proc.returncode == 0, f"server exited with {process.proc.returncode}:\n{output[-4000:]}"
-    assert "Traceback" not in output, f"server logged a traceback:\n{output[-4000:]}"
-    return output
+    output = process.text()
+    if process.proc.returncode != 0:
+        return f"server {process.args} exited with {process.proc.returncode}:\n{output[-4000:]}"
+    if "Traceback" in output:
+        return f"server {process.args} logged a traceback:\n{output[-4000:]}"
+    return None
 
 
 def inputs(
@@ -87,36 +73,56 @@ def inputs(
     return tensors
 
 
-async def info(node: Node, ticket: Ticket) -> dict:
-    return (await node.request(ticket, BLOCKS, Message("info", 1))).meta
+async def info(node: BaseNode, ticket: Ticket) -> InfoReply:
+    return (await node.request(ticket, BLOCKS, Message("info", 1))).reply(InfoReply)
 
 
-async def forward(node: Node, ticket: Ticket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    reply = await node.request(ticket, BLOCKS, Message("forward", 1, {}, list(tensors)))
+async def forward(node: BaseNode, ticket: Ticket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    reply = await node.request(ticket, BLOCKS, Message("forward", 1, tensors=list(tensors)))
     return reply.tensors[0]
 
 
 class Session:
     """One session on one server, over the stream that opened it."""
 
-    def __init__(self, stream: MessageStream, session_id: str, max_length: int):
-        self.stream, self.id, self.max_length = stream, session_id, max_length
+    def __init__(self, stream: MessageStream, reply: OpenReply):
+        self.stream, self.id, self.token, self.max_length = stream, reply.session, reply.token, reply.max_length
 
     @classmethod
-    async def open(cls, node: Node, ticket: Ticket, max_length: int, batch_size: int = 1) -> Session:
+    async def open(cls, node: BaseNode, ticket: Ticket, max_length: int, batch_size: int = 1) -> Session:
         stream = await node.open_stream(ticket, BLOCKS)
         try:
-            reply = await stream.request(Message("open", 1, {"max_length": max_length, "batch_size": batch_size}))
+            reply = await stream.request(Message("open", 1, OpenRequest(max_length=max_length, batch_size=batch_size)))
         except BaseException:
             await stream.finish()
             raise
-        return cls(stream, reply.meta["session"], reply.meta["max_length"])
+        return cls(stream, reply.reply(OpenReply))
+
+    def push_hop(self, ticket: Ticket) -> PushHop:
+        """Where a previous server pushes steps of this session (``ticket``: this session's server)."""
+        return PushHop(ticket=str(ticket), session=self.id, token=self.token)
+
+    async def send_step(
+        self, position: int, tensors: Sequence[torch.Tensor], session_id: str | None = None, push=()
+    ) -> int:
+        """Send a step without waiting for its reply; returns its id."""
+        step_id = self.stream.next_id()
+        meta = StepRequest(session=self.id if session_id is None else session_id, position=position, push=tuple(push))
+        await self.stream.send(Message("step", step_id, meta, list(tensors)))
+        return step_id
+
+    async def result(self, step_id: int, timeout: float = 10.0) -> tuple[StepReply, torch.Tensor]:
+        """The reply to step ``step_id`` (an error reply is raised as its :class:`RemoteError`)."""
+        reply = await self.stream.recv(timeout)
+        if reply.kind == "error":
+            raise remote_error(*reply.error_info())
+        assert reply.id == step_id, f"reply {reply.id} to step {step_id}"
+        return reply.reply(StepReply), reply.tensors[0]
 
     async def step(self, position: int, tensors: Sequence[torch.Tensor], session_id: str | None = None) -> torch.Tensor:
-        meta = {"session": self.id if session_id is None else session_id, "position": position}
-        reply = await self.stream.request(Message("step", self.stream.next_id(), meta, list(tensors)))
-        assert reply.meta["position"] == position + tensors[0].shape[1]
-        return reply.tensors[0]
+        meta, out = await self.result(await self.send_step(position, tensors, session_id))
+        assert meta.position == position + tensors[0].shape[1]
+        return out
 
     async def close(self) -> None:
         try:
@@ -126,16 +132,16 @@ class Session:
 
 
 async def wait_for_info(
-    node: Node, ticket: Ticket, done: Callable[[dict], bool], timeout: float = 60.0, interval: float = 0.1
-) -> dict:
-    """Poll ``info`` until ``done(meta)``; fail with the last meta after ``timeout`` seconds."""
+    node: BaseNode, ticket: Ticket, done: Callable[[InfoReply], bool], timeout: float = 10.0, interval: float = 0.01
+) -> InfoReply:
+    """Poll ``info`` until ``done(reply)``; fail with the last reply after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        meta = await info(node, ticket)
-        if done(meta):
-            return meta
+        reply = await info(node, ticket)
+        if done(reply):
+            return reply
         if time.monotonic() > deadline:
-            raise AssertionError(f"server state not reached within {timeout} s: {meta}")
+            raise AssertionError(f"server state not reached within {timeout} s: {reply}")
         await asyncio.sleep(interval)
 
 
@@ -185,66 +191,3 @@ def peak_rss_bytes(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmHWM for pid {pid}")
-
-
-# ---- a client in its own process ---------------------------------------------------------------
-class SessionHolder:
-    """A child process holding one open session (see the module docstring); :meth:`kill` makes it
-    vanish without closing anything."""
-
-    def __init__(self, ticket: Ticket, max_length: int, hidden_size: int, timeout: float = 120.0):
-        cmd = [sys.executable, "-m", "tests.helpers.servers", "hold-session", str(ticket)]
-        self.proc = subprocess.Popen(
-            [*cmd, str(max_length), str(hidden_size)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        lines = []
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("session: "):
-                self.session_id = line.split()[1]
-                return
-        self.kill()
-        raise RuntimeError(f"session holder did not open a session:\n{''.join(lines)[-4000:]}")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-async def _hold_session(ticket: Ticket, max_length: int, hidden_size: int) -> None:
-    node = await Node.start(CLIENT_CONFIG)
-    session = await Session.open(node, ticket, max_length)
-    await session.step(0, inputs(hidden_size, 2))
-    print(f"session: {session.id}", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    await session.close()
-    await node.close()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command", required=True)
-    hold = sub.add_parser("hold-session")
-    hold.add_argument("ticket")
-    hold.add_argument("max_length", type=int)
-    hold.add_argument("hidden_size", type=int)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    asyncio.run(_hold_session(Ticket.parse(args.ticket), args.max_length, args.hidden_size))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,7 @@
-"""Integration tests run real ``shoal serve`` processes (see tests/helpers/swarm.py).
+"""Fixtures and test order of the integration tests.
 
-* Tests here parametrized by ``name`` (a model) run grouped by model, within each module, so a pool
-  that keeps one model's swarm at a time starts each swarm once.
-* ``model_order``: the models the selected tests use, in run order (lets a pool start the next swarm
-  while the current model's tests run).
+* Tests here parametrized by ``name`` (a model) run grouped by model, within each module, so a module
+  that keeps one model's swarm at a time builds each swarm once.
 * ``smollm2_dir`` (tests/conftest.py): the fetched SmolLM2 checkpoint; a missing one FAILS the test.
 * ``parity_findings``: lines printed in the terminal summary (e.g. whether logits were bitwise equal).
 """
@@ -15,7 +13,6 @@ from pathlib import Path
 import pytest
 
 _FINDINGS = pytest.StashKey[list[str]]()
-_ORDER = pytest.StashKey[list[str]]()
 
 
 def _model_of(item: pytest.Item) -> str | None:
@@ -26,7 +23,8 @@ def _model_of(item: pytest.Item) -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Within each module of this directory, run the tests grouped by model, models in the order
-    they first appear (stable otherwise), so a module keeping one model's swarm starts each once."""
+    they first appear (stable otherwise). pytest's own grouping of module-scoped parameters does
+    not do it here: it groups by ``hops`` as readily as by ``name``."""
     here = Path(__file__).parent
     by_module: dict[Path, list[int]] = {}
     for i, item in enumerate(items):
@@ -37,11 +35,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ordered = sorted((items[i] for i in slots), key=lambda item: names.index(_model_of(item)))
         for slot, item in zip(slots, ordered, strict=True):
             items[slot] = item
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    names = (_model_of(item) for item in session.items)
-    session.config.stash[_ORDER] = list(dict.fromkeys(n for n in names if n is not None))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -55,8 +48,3 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 @pytest.fixture(scope="session")
 def parity_findings(pytestconfig: pytest.Config) -> list[str]:
     return pytestconfig.stash.setdefault(_FINDINGS, [])
-
-
-@pytest.fixture(scope="session")
-def model_order(pytestconfig: pytest.Config) -> list[str]:
-    return pytestconfig.stash.get(_ORDER, [])

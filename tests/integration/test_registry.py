@@ -37,13 +37,15 @@ from transformers import AutoModelForCausalLM
 
 from shoal.checkpoints import model_fingerprints, model_name, save_sharded
 from shoal.swarm.gossip import GossipConfig
+from shoal.swarm.messages import PushReply
 from shoal.swarm.records import ModelRecord, ServerRecord, SignedRecord, State, sign
 from shoal.swarm.service import SWARM, SwarmService
 from shoal.swarm.table import RecordTable
 from shoal.transport import Node
 from shoal.transport.identity import generate_key
+from testkit.tiny import tiny_model
 from tests.helpers.aio import run
-from tests.helpers.parity import min_top2_gap, tiny_causal_lm
+from tests.helpers.parity import min_top2_gap
 from tests.helpers.registry import (
     EXPIRY,
     LOOPBACK,
@@ -81,7 +83,7 @@ STARTUP = 60.0  # a swarm of 5 to settle: process start, imports, loading, gossi
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    model = tiny_causal_lm("llama", seed=3)
+    model = tiny_model("llama", seed=3)
     return save_sharded(model, model.config, tmp_path_factory.mktemp("registry"))
 
 
@@ -90,7 +92,7 @@ def swarm(model_dir):
     swarm = RegistrySwarm(model_dir)
     try:
         founder = swarm.found(*FIRST)
-        swarm.join_all([(span, tput, founder.ticket) for span, tput in JOINERS])
+        swarm.join_all(JOINERS, founder.ticket)
         run(_all_online(swarm, STARTUP), STARTUP + 10)
         yield swarm
     finally:
@@ -113,7 +115,7 @@ def six(swarm: RegistrySwarm) -> list[Server]:
     """The 6 servers (starting the 6th if an earlier test did not), all online in every table."""
     swarm.check_alive()
     if len(swarm.servers) == 1 + len(JOINERS):
-        swarm.join_all([(*NEW, swarm.servers[3].ticket)])
+        swarm.join_all([NEW], swarm.servers[3].ticket)
         run(_all_online(swarm, 30.0), 40.0)
     assert len(swarm.servers) == 6
     return swarm.servers
@@ -161,7 +163,7 @@ def test_a_peer_that_stops_answering_does_not_hold_back_news():
 def test_new_server_record_reaches_every_peer(swarm):
     assert len(swarm.servers) == 5, "this test adds the 6th server"
     swarm.check_alive()
-    (new,) = swarm.join_all([(*NEW, swarm.servers[3].ticket)])
+    (new,) = swarm.join_all([NEW], swarm.servers[3].ticket)
     ready = time.monotonic()  # it printed its ticket right after publishing its online record
     tickets = swarm.tickets()
     assert len(tickets) == 6
@@ -285,17 +287,17 @@ def test_forged_records_never_enter_a_table_and_a_valid_one_spreads(swarm, model
             targets = (push_to.peer, offer_to.peer, sync_to.peer)
             before = {p: (await fetch_view(node, tickets[p])).rejected for p in targets}
             # push: the forgeries and the control record in one batch, to one server
-            assert await peer.op(push_to.ticket, "push", [*forged.records.values(), control.data]) == {}
+            assert await peer.op(push_to.ticket, "push", [*forged.records.values(), control.data]) == PushReply()
             injected = time.monotonic()
             # offer, then push what it wanted (and the rest anyway, as a forger would)
-            wanted = await peer.op(offer_to.ticket, "offer", forged.digest())
+            wanted = (await peer.op(offer_to.ticket, "offer", forged.digest())).wanted
             assert forged.fresh_keys <= set(wanted), wanted
-            assert await peer.op(offer_to.ticket, "push", list(forged.records.values())) == {}
+            assert await peer.op(offer_to.ticket, "push", list(forged.records.values())) == PushReply()
             # sync: its answer must not carry a forgery; then push what it wanted
             answer = await peer.op(sync_to.ticket, "sync", forged.digest())
-            assert forged.fresh_keys <= set(answer["wanted"]), answer["wanted"]
-            assert not set(answer["records"]) & set(forged.records.values())
-            assert await peer.op(sync_to.ticket, "push", list(forged.records.values())) == {}
+            assert forged.fresh_keys <= set(answer.wanted), answer.wanted
+            assert not set(answer.records) & set(forged.records.values())
+            assert await peer.op(sync_to.ticket, "push", list(forged.records.values())) == PushReply()
 
             def has_control(view: View) -> bool:
                 return control.data in view.data
@@ -335,7 +337,7 @@ def test_clean_shutdown_shows_offline_in_every_table_at_once(swarm):
             await fetch_view(node, target.ticket)  # connections up before the clock starts
             target.stopped = True
             started = time.monotonic()
-            target.process.proc.terminate()
+            target.process.terminate()
             bound = OFFLINE_ROUNDS * ROUND + POLL_SLACK
             return started, await poll_views(node, others, offline, bound, what="offline record")
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from shoal.checkpoints import load_span, save_sharded, weight_map
+from shoal.checkpoints import load_span, weight_map
 from shoal.checkpoints.loading import load_tensors, span_tensor_filter
 from shoal.client import AutoDistributedModelForCausalLM
+from shoal.ids import BlockRange
+from shoal.launch import start_parallel
 from shoal.transport import Node
+from testkit.tiny import save_checkpoint, tiny_checkpoint, tiny_model
 from tests.helpers.aio import run
-from tests.helpers.parity import assert_logits_close, tiny_llama
+from tests.helpers.parity import assert_logits_close
 from tests.helpers.servers import (
     CLIENT_CONFIG,
     block_prefixes,
@@ -48,7 +51,9 @@ MARGIN = 32 * MB
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    config = LlamaConfig(
+    # Llama's own init (0.02): with testkit.tiny's large one, 512-wide activations would dwarf 1e-4
+    return tiny_model(
+        "llama",
         hidden_size=HIDDEN,
         intermediate_size=2048,
         num_hidden_layers=NUM_BLOCKS,
@@ -56,15 +61,13 @@ def model() -> LlamaForCausalLM:
         num_key_value_heads=8,
         vocab_size=32000,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        initializer_range=0.02,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
 def full_dir(model, tmp_path_factory):
-    return save_sharded(model, model.config, tmp_path_factory.mktemp("slice") / "full")
+    return save_checkpoint(model, tmp_path_factory.mktemp("slice") / "full")
 
 
 def tensor_bytes(model_dir, wanted) -> int:
@@ -101,21 +104,21 @@ def head_dir(full_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline_server(tmp_path_factory):
     """A server process that loads (next to) nothing: two blocks of a 64-wide model, ~0.2 MB."""
-    tiny = tiny_llama()
-    process = start_server(save_sharded(tiny, tiny.config, tmp_path_factory.mktemp("baseline")), "0:2")
+    process = start_server(tiny_checkpoint(tmp_path_factory.mktemp("baseline")), "0:2")
     yield process
     stop_server(process)
 
 
 @pytest.fixture(scope="module")
 def servers(span_dirs):
-    started = {}
+    """One server per span, from its own copy, loading in parallel."""
+    spans = list(span_dirs)
+    started, errors = start_parallel([lambda s=s: start_server(span_dirs[s], f"{s[0]}:{s[1]}") for s in spans])
     try:
-        for span, model_dir in span_dirs.items():
-            started[span] = start_server(model_dir, f"{span[0]}:{span[1]}")
-        yield started
+        assert not errors, "servers did not start:\n" + "\n".join(errors)
+        yield dict(zip(spans, started, strict=True))
     finally:
-        stop_servers(started.values())
+        stop_servers(s for s in started if s is not None)
 
 
 def test_copies_hold_only_their_own_shards(full_dir, span_dirs, head_dir):
@@ -140,13 +143,15 @@ def test_servers_from_their_slices_compute_their_blocks(model, full_dir, servers
         async with await Node.start(CLIENT_CONFIG) as node:
             for (a, b), process in servers.items():
                 span, prints = load_span(full_dir, a, b)
-                meta = await info(node, process.ticket)
-                assert (meta["start"], meta["end"], meta["num_blocks"]) == (a, b, NUM_BLOCKS)
-                assert meta["fingerprints"] == [prints[i] for i in range(a, b)]
+                served = (await info(node, process.ticket)).span
+                assert (served.blocks, served.num_blocks) == (BlockRange(a, b), NUM_BLOCKS)
+                assert served.fingerprints == [prints[i] for i in range(a, b)]
                 for x in (inputs(HIDDEN, 7, seed=a), inputs(HIDDEN, 5, batch=2, seed=b, mask=True)):
                     if len(x) == 3:
                         x[2][0, 2] = False  # a masked-out token in the first row
-                    torch.testing.assert_close(await forward(node, process.ticket, x), local_forward(span, x))
+                    torch.testing.assert_close(
+                        await forward(node, process.ticket, x), local_forward(span, x), rtol=0, atol=1e-4
+                    )
 
     run(go(), timeout=120)
 

@@ -1,10 +1,13 @@
-"""Generation through a real swarm (``shoal serve`` processes on loopback) equals local transformers.
+"""Generation through a swarm of real block servers equals local transformers.
 
-Each model gets one swarm of 4 servers, e.g. for 4 blocks ``[0:2] [2:4] [0:1] [1:2]``: a client given
-``[0:2], [2:4]`` routes over 2 servers, one given ``[0:1], [1:2], [2:4]`` over 3. Models: random tiny
-``llama`` (GQA), ``mistral`` (GQA, sliding window shorter than the generation) and ``qwen2`` (GQA,
-q/k/v biases, sliding window on the upper layers), initialised so greedy choices are far from ties;
-and the real SmolLM2-135M-Instruct (fetched once with ``shoal models fetch smollm2``).
+Each model gets one :class:`~shoal.launch.InProcessSwarm` of 4 servers (the handler, sessions and push
+chain ``shoal serve`` runs, on an in-memory network), e.g. for 4 blocks ``[0:2] [2:4] [0:1] [1:2]``:
+a client given ``[0:2], [2:4]`` routes over 2 servers, one given ``[0:1], [1:2], [2:4]`` over 3.
+Models: random tiny ``llama`` (GQA), ``mistral`` (GQA, sliding window shorter than the generation)
+and ``qwen2`` (GQA, q/k/v biases, sliding window on the upper layers) from :mod:`testkit.tiny`, whose
+large init keeps greedy choices far from ties; and the real SmolLM2-135M-Instruct (fetched once with
+``shoal models fetch smollm2``). One test runs the tiny llama through 2 ``shoal serve`` processes over
+iroh (:class:`~shoal.launch.LocalSwarm`): the CLI and the cross-process push chain.
 
 The reference is ``AutoModelForCausalLM.from_pretrained(checkpoint)`` in fp32, one torch thread; its
 outputs are computed once per model and shared by both routes.
@@ -13,7 +16,6 @@ outputs are computed once per model and shared by both routes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +24,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-from shoal.checkpoints import fetch_model, is_fetched, load_config
+from shoal.checkpoints import load_config
+from shoal.client import AutoDistributedModelForCausalLM
+from shoal.ids import BlockRange
+from shoal.launch import InProcessSwarm, LocalSwarm, even_spans
+from shoal.launch.inprocess import LOOPBACK
 from shoal.models import get_family
-from tests.helpers.parity import assert_logits_close, char_tokenizer, greedy_with_gap, left_padded, tiny_causal_lm
-from tests.helpers.swarm import Span, Swarm, start_swarm, two_and_three_hop_spans, write_checkpoint
+from testkit.tiny import char_tokenizer, tiny_checkpoint
+from tests.helpers.parity import assert_logits_close, greedy_with_gap, left_padded
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(120)
 
 MODEL_ORDER = ("llama", "mistral", "qwen2", "smollm2")
 HOPS = (2, 3)
+# module-scoped parameters: pytest runs each model's tests together, with one swarm alive at a time
 CASES = [pytest.param(name, hops, id=f"{name}-{hops}hops") for name in MODEL_ORDER for hops in HOPS]
 # batch, sampling and session tests: every route for the tiny models, the 3-hop route for SmolLM2 (whose
 # tokens cost ~0.1 s each here; the 2-hop route is covered by its greedy and logits tests)
@@ -38,6 +45,18 @@ FEATURE_CASES = [c for c in CASES if c.values[0] != "smollm2" or c.values[1] == 
 TINY_SEEDS = {"llama": 0, "mistral": 1, "qwen2": 2}
 MIN_GAP = 1e-3  # smallest top-2 logit gap of the reference's greedy runs: far above fp32 noise (~1e-5)
 ATOL = 1e-4
+COUNTED = (  # server counters whose change over a session the tests check
+    "sessions_opened",
+    "sessions_closed",
+    "positions_processed",
+    "steps",
+    "forward_requests",
+    "pushes_sent",
+    "pushes_received",
+    "pushes_failed",
+    "pushes_rejected",
+    "errors",
+)
 GREEDY = {"do_sample": False}
 SAMPLING = [
     pytest.param({"temperature": 0.8}, id="temp"),
@@ -53,13 +72,21 @@ SMOLLM2_BATCH = [
 ]
 
 
+def hop_chains(num_blocks: int) -> dict[int, list[BlockRange]]:
+    """A 2-hop chain ``[0:h], [h:n]`` and a 3-hop chain ``[0:q], [q:h], [h:n]`` sharing the last server."""
+    two = even_spans(num_blocks, 2)
+    half = two[0].end
+    quarter = max(1, half // 2)
+    return {2: two, 3: [BlockRange(0, quarter), BlockRange(quarter, half), two[1]]}
+
+
 @dataclass
 class Case:
     """One model: its swarm, its local reference, prompts, and memoised reference outputs."""
 
     name: str
-    swarm: Swarm
-    chains: dict[int, list[Span]]
+    swarm: InProcessSwarm
+    chains: dict[int, list[BlockRange]]
     reference: Any
     tokenizer: Any
     prompt: torch.Tensor  # [1, P]
@@ -79,14 +106,10 @@ class Case:
     def client(self, hops: int):
         if hops not in self.clients:
             model = self.swarm.connect(self.chains[hops])
-            route = [(s.start, s.end) for s in model.blocks.chain]
+            route = [s.blocks for s in model.blocks.chain]
             assert route == self.chains[hops], f"route {route} != {self.chains[hops]}"
             self.clients[hops] = model
         return self.clients[hops]
-
-    def close(self) -> None:
-        self.clients.clear()
-        self.swarm.close(graceful=False)  # SIGKILL: nothing to flush, and graceful exits cost seconds
 
 
 def _chat(tokenizer, question: str) -> str:
@@ -95,31 +118,16 @@ def _chat(tokenizer, question: str) -> str:
     )
 
 
-def tiny_checkpoint(name: str, workdir: Path) -> Path:
-    """The random tiny ``name`` model as a sharded checkpoint, with a one-char-per-token tokenizer."""
-    path = workdir / name
-    if not (path / "config.json").is_file():
-        write_checkpoint(tiny_causal_lm(name, seed=TINY_SEEDS[name]), path, tokenizer=char_tokenizer())
-    return path
-
-
-def hop_chains(model_dir: Path) -> dict[int, list[Span]]:
-    config = load_config(model_dir)
-    two, three = two_and_three_hop_spans(get_family(config).num_blocks(config))
-    return {2: two, 3: three}
-
-
-def build_case(name: str, model_dir: Path, swarm: Swarm) -> Case:
-    """Prompts and the local reference for ``name``, over its running ``swarm``."""
+def build_case(name: str, model_dir: Path) -> Case:
+    """The swarm, prompts and local reference of ``name``."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if name == "smollm2":
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         prompt = tokenizer(_chat(tokenizer, SMOLLM2_PROMPT), return_tensors="pt").input_ids
         tokenizer.padding_side = "left"
         enc = tokenizer([_chat(tokenizer, q) for q in SMOLLM2_BATCH], return_tensors="pt", padding=True)
         batch = (enc.input_ids, enc.attention_mask)
         new_tokens = {"batch": 16, "sampling": 12}
     else:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         rng = torch.Generator().manual_seed(100 + TINY_SEEDS[name])
         prompt = torch.randint(3, 256, (1, 12), generator=rng)
         batch = left_padded([torch.randint(3, 256, (n,), generator=rng).tolist() for n in (5, 12, 9)])
@@ -129,73 +137,52 @@ def build_case(name: str, model_dir: Path, swarm: Swarm) -> Case:
         f"need 3 left-padded rows of distinct lengths: {lengths}"
     )
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    return Case(name, swarm, hop_chains(model_dir), reference, tokenizer, prompt, batch, new_tokens)
+    config = load_config(model_dir)
+    chains = hop_chains(get_family(config).num_blocks(config))
+    swarm = InProcessSwarm(model_dir, sorted({span for chain in chains.values() for span in chain}))
+    return Case(name, swarm, chains, reference, tokenizer, prompt, batch, new_tokens)
 
 
-class CasePool:
-    """Keeps the swarm of one model at a time (tests run grouped by model; see conftest), and starts
-    the next model's swarm in the background while the current model's tests run."""
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Each tiny model as a sharded checkpoint with a one-char-per-token tokenizer."""
+    root = tmp_path_factory.mktemp("swarm-models")
+    return {
+        name: tiny_checkpoint(root / name, name, seed, tokenizer=char_tokenizer()) for name, seed in TINY_SEEDS.items()
+    }
 
-    def __init__(self, workdir: Path, order: list[str]):
-        self.workdir = workdir
-        self.order = order
+
+class Cases:
+    """Keeps the case of one model at a time: tests run grouped by model (see conftest), so each
+    model's swarm is built once and closed before the next model's is."""
+
+    def __init__(self, tiny_dirs: dict[str, Path]):
+        self.tiny_dirs = tiny_dirs
         self.current: Case | None = None
-        self._starting: dict[str, Future[Swarm]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-start")
-
-    def _model_dir(self, name: str) -> Path | None:
-        """Checkpoint of ``name``; None for a SmolLM2 not fetched (its tests fail via ``smollm2_dir``)."""
-        if name == "smollm2":
-            return fetch_model("smollm2", progress=False) if is_fetched("smollm2") else None
-        return tiny_checkpoint(name, self.workdir)  # in this thread: it seeds torch's global RNG
-
-    def _start(self, name: str, model_dir: Path) -> None:
-        if name not in self._starting:
-            spans = sorted({span for chain in hop_chains(model_dir).values() for span in chain})
-            self._starting[name] = self._executor.submit(start_swarm, model_dir, spans)
 
     def get(self, name: str, smollm2_dir: Callable[[], Path]) -> Case:
         if self.current is not None and self.current.name != name:
-            case, self.current = self.current, None
-            case.close()
+            self.close()
         if self.current is None:
-            model_dir = smollm2_dir() if name == "smollm2" else self._model_dir(name)
-            self._start(name, model_dir)
-            swarm = self._starting.pop(name).result()
-            later = self.order[self.order.index(name) + 1 :] if name in self.order else []
-            next_dir = self._model_dir(later[0]) if later else None
-            if next_dir is not None:
-                self._start(later[0], next_dir)
-            try:
-                self.current = build_case(name, model_dir, swarm)
-            except BaseException:
-                swarm.close(graceful=False)
-                raise
+            self.current = build_case(name, smollm2_dir() if name == "smollm2" else self.tiny_dirs[name])
         return self.current
 
     def close(self) -> None:
         case, self.current = self.current, None
         if case is not None:
-            case.close()
-        for future in self._starting.values():
-            try:
-                future.result().close(graceful=False)
-            except Exception:  # it failed to start: start_swarm stopped its servers
-                pass
-        self._starting.clear()
-        self._executor.shutdown(wait=True)
+            case.swarm.close()
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, model_order):
-    pool = CasePool(tmp_path_factory.mktemp("swarm-models"), [n for n in model_order if n in MODEL_ORDER])
-    yield pool
-    pool.close()
+def cases(tiny_dirs):
+    cases = Cases(tiny_dirs)
+    yield cases
+    cases.close()
 
 
 @pytest.fixture
-def case(pool: CasePool, name: str, request) -> Case:
-    return pool.get(name, lambda: request.getfixturevalue("smollm2_dir"))
+def case(cases: Cases, name: str, request) -> Case:
+    return cases.get(name, lambda: request.getfixturevalue("smollm2_dir"))
 
 
 @pytest.fixture
@@ -271,7 +258,9 @@ def test_seeded_sampling(case, model, kwargs):
 @pytest.mark.parametrize(("name", "hops"), FEATURE_CASES)
 def test_two_generates_in_one_session(case, model, hops):
     """32 + 32 tokens in one ``inference_session`` equal 64 at once; each server on the route opened
-    exactly one session for it and processed len(prompt) + 63 positions (no prefix recomputed)."""
+    exactly one session for it and processed len(prompt) + 63 positions in 64 steps (no prefix
+    recomputed), and every step went server to server by push: each server but the last pushed all
+    64 on, each but the first received all 64 that way, none failed or was rejected."""
     expected, _ = case.greedy64()
     p = case.prompt.shape[1]
     before = model.blocks.server_infos()
@@ -281,15 +270,46 @@ def test_two_generates_in_one_session(case, model, hops):
         assert session.position == p + 63
     after = model.blocks.server_infos()
     assert torch.equal(second, expected)
-    assert [(i["start"], i["end"]) for i in after] == case.chains[hops]
-    keys = ("sessions_opened", "sessions_closed", "positions_processed", "forward_requests", "steps")
-    for old, new in zip(before, after, strict=True):
-        delta = {key: new["counters"][key] - old["counters"][key] for key in keys}
-        where = f"server [{new['start']}:{new['end']}) counter deltas {delta}"
-        assert delta["sessions_opened"] == 1, where
-        assert delta["sessions_closed"] == 1, where
-        assert delta["positions_processed"] == p + 63, where
-        assert delta["forward_requests"] == 0, where
+    assert [i.span.blocks for i in after] == case.chains[hops]
+    steps = 2 * 32  # a prefill and 31 decode steps per generate
+    for k, (old, new) in enumerate(zip(before, after, strict=True)):
+        delta = {key: getattr(new.counters, key) - getattr(old.counters, key) for key in COUNTED}
+        first_hop, last_hop = k == 0, k == hops - 1
+        assert delta == {
+            "sessions_opened": 1,
+            "sessions_closed": 1,
+            "positions_processed": p + 63,
+            "steps": steps,
+            "forward_requests": 0,
+            "pushes_sent": 0 if last_hop else steps,
+            "pushes_received": 0 if first_hop else steps,
+            "pushes_failed": 0,
+            "pushes_rejected": 0,
+            "errors": 0,
+        }, f"server {new.span.blocks} counter deltas {delta}"
+
+
+@pytest.mark.parametrize(("name", "hops"), [pytest.param("llama", 2, id="llama-2hops")])
+def test_greedy_through_shoal_serve_processes(case, hops):
+    """The same 64 greedy tokens through 2 ``shoal serve`` processes over iroh on loopback: the CLI
+    loads its span, prints its ticket, serves it, and the first server pushes every step to the
+    second across the process boundary."""
+    expected, _ = case.greedy64()
+    spans = [(span.start, span.end) for span in case.chains[hops]]  # serve_args takes tuples only, for now
+    with LocalSwarm(case.swarm.model_dir, spans, extra_args=["--num-threads", "1"]) as servers:
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(case.swarm.model_dir), initial_peers=servers.tickets, transport=LOOPBACK
+        )
+        try:
+            assert [s.blocks for s in model.blocks.chain] == case.chains[hops]
+            assert torch.equal(model.generate(case.prompt, max_new_tokens=64, **GREEDY), expected)
+            counters = [info.counters for info in model.blocks.server_infos()]
+        finally:
+            model.blocks.close()
+    assert [(c.steps, c.pushes_sent, c.pushes_received, c.pushes_failed) for c in counters] == [
+        (64, 64, 0, 0),
+        (64, 0, 64, 0),
+    ]
 
 
 # --- SmolLM2 with its tokenizer: eos, stop strings, repetition penalty, streamer ------------------

@@ -29,13 +29,12 @@ from pathlib import Path
 import pytest
 
 from shoal.checkpoints import save_sharded
+from shoal.launch import ServerProcess, join_flags, start_parallel, stop_all
 from shoal.swarm.records import State
 from shoal.transport import Node, Ticket
+from testkit.tiny import tiny_model
 from tests.helpers.aio import run
-from tests.helpers.parity import tiny_causal_lm
-from tests.helpers.processes import PeerProcess
-from tests.helpers.registry import LOOPBACK, SWARM_FLAGS, View, fetch_view, poll_views
-from tests.helpers.swarm import stop_processes
+from tests.helpers.registry import ENV, LOOPBACK, ONE_THREAD, SWARM_FLAGS, View, fetch_view, poll_views
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,36 +48,26 @@ MOVE = re.compile(r"moving from blocks (\d+):(\d+) to (\d+):(\d+)")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    model = tiny_causal_lm("llama", seed=5, num_hidden_layers=NUM_BLOCKS)
+    model = tiny_model("llama", seed=5, num_hidden_layers=NUM_BLOCKS)
     return save_sharded(model, model.config, tmp_path_factory.mktemp("placement-model"))
 
 
-def auto_server(model_dir: Path, home: Path, join: Ticket | None, *extra: str) -> PeerProcess:
+def auto_server(model_dir: Path, home: Path, join: Ticket | None, *extra: str) -> ServerProcess:
     """``shoal -v serve MODEL`` without ``--blocks``, creating the swarm (``join`` None) or joining it."""
-    swarm = ["--new-swarm"] if join is None else ["--join", str(join)]
-    args = ["-m", "shoal.cli.main", "-v", "serve", str(model_dir), "--host", "127.0.0.1", "--num-threads", "1"]
-    return PeerProcess([*args, *SWARM_FLAGS, *swarm, *extra], env={"SHOAL_HOME": str(home)})
+    args = ["-m", "shoal.cli.main", "-v", "serve", str(model_dir), "--host", "127.0.0.1", *ONE_THREAD]
+    return ServerProcess([*args, *SWARM_FLAGS, *join_flags(join), *extra], 120, {**ENV, "SHOAL_HOME": str(home)})
 
 
-def start_all(count: int, start) -> list[PeerProcess]:
+def start_all(count: int, start) -> list[ServerProcess]:
     """``count`` processes started at once (``start(i)``); all must come up."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(count) as pool:
-        futures = [pool.submit(start, i) for i in range(count)]
-    started, errors = [], []
-    for future in futures:
-        try:
-            started.append(future.result())
-        except Exception as exc:
-            errors.append(str(exc))
+    started, errors = start_parallel([lambda i=i: start(i) for i in range(count)])
     if errors:
-        stop_processes(started)
+        stop_all([s for s in started if s is not None])
         raise RuntimeError("servers did not start:\n" + "\n".join(errors))
     return started
 
 
-def moves(process: PeerProcess) -> list[tuple[int, int, int, int]]:
+def moves(process: ServerProcess) -> list[tuple[int, int, int, int]]:
     return [tuple(map(int, m.groups())) for m in MOVE.finditer("".join(process.output))]
 
 
@@ -119,15 +108,16 @@ def four(model_dir, tmp_path_factory):
     try:
         servers += start_all(3, lambda i: auto_server(model_dir, home, founder.ticket, *extra))
         yield servers
-    finally:
-        stop_processes(servers)
+    finally:  # SIGKILL: how they leave is not the point here (the victim's clean exit is tested), and
+        for server in servers:  # survivors that lost a peer take seconds to leave cleanly
+            server.kill()
 
 
-def _tickets(servers: list[PeerProcess]) -> dict[str, Ticket]:
+def _tickets(servers: list[ServerProcess]) -> dict[str, Ticket]:
     return {s.ticket.peer_id: s.ticket for s in servers}
 
 
-def _check_alive(servers: list[PeerProcess]) -> None:
+def _check_alive(servers: list[ServerProcess]) -> None:
     dead = [s for s in servers if s.proc.poll() is not None]
     assert not dead, "servers died:\n" + "\n".join("".join(s.output)[-3000:] for s in dead)
 
@@ -175,7 +165,7 @@ def test_survivors_move_until_every_block_is_covered_again(four):
 def test_measured_throughput_is_announced_and_cached(model_dir, tmp_path):
     home = tmp_path / "home"
 
-    async def record_of(process: PeerProcess):
+    async def record_of(process: ServerProcess):
         async with await Node.start(LOOPBACK) as node:
             view = await fetch_view(node, process.ticket)
         return view.server(process.ticket.peer_id)
@@ -188,7 +178,7 @@ def test_measured_throughput_is_announced_and_cached(model_dir, tmp_path):
         processes.append(joiner := auto_server(model_dir, home, first.ticket, "--num-blocks", "12"))
         joined = run(record_of(joiner), 20.0)
     finally:
-        stop_processes(processes)
+        stop_all(processes)
     assert "measured: step" in "".join(first.output)
     assert 0 < record.step_ms < 50
     assert record.throughput == pytest.approx(1000 / record.step_ms, rel=1e-3)

@@ -1,17 +1,16 @@
-"""A swarm of ``shoal serve`` processes whose members can be killed and restarted, and clients that
-join it through one ticket.
+"""Routing tests' pieces: a swarm of named ``shoal serve`` processes (:class:`KillableSwarm`, on
+:class:`shoal.launch.LocalSwarm`), clients joining it through one ticket, and generation hooks
+(:class:`TokenRecorder`, :class:`AtStep`) shared with the in-process tests.
 
-A restarted member gets a new identity: iroh endpoints that held a connection to the old instance
-do not reach a new instance of the same peer id at new addresses (seen here: their dials time out
-for as long as we watched), so the test swarm does not depend on that."""
+A killed member is not restarted under its old identity: iroh endpoints that held a connection to
+the old instance do not reach a new instance of the same peer id at new addresses (seen here: their
+dials time out for as long as we watched)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,137 +19,58 @@ from transformers import LogitsProcessor
 from transformers.generation.streamers import BaseStreamer
 
 from shoal import AutoDistributedModelForCausalLM
-from shoal.launch import ServerProcess, start_parallel
+from shoal.launch import LocalSwarm, ServerProcess
 from shoal.transport import Ticket
-from tests.helpers.registry import LOOPBACK, swarm_server_args
+from tests.helpers.registry import LOOPBACK, process_swarm
 
 Span = tuple[int, int]
 
 
 @dataclass
-class Member:
-    name: str
-    span: Span
-    extra: tuple[str, ...]
-    process: ServerProcess | None = None
-
-    @property
-    def ticket(self) -> Ticket:
-        return self.process.ticket
-
-    @property
-    def peer(self) -> str:
-        return self.process.ticket.peer_id
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.proc.poll() is None
-
-
-@dataclass
 class KillableSwarm:
-    """Named servers in one swarm; :meth:`restart` brings one back (under a new peer id)."""
+    """Named ``shoal serve`` processes in one swarm (short gossip periods, one thread each)."""
 
     model_dir: Path
-    members: dict[str, Member] = field(default_factory=dict)
+    members: dict[str, ServerProcess] = field(default_factory=dict)
 
-    def _args(self, member: Member, join: Ticket | None) -> list[str]:
-        return swarm_server_args(self.model_dir, member.span, join, *member.extra)
+    def __post_init__(self) -> None:
+        self.processes: LocalSwarm = process_swarm(self.model_dir)
 
     def start(self, specs: Sequence[tuple[str, Span, tuple[str, ...]]]) -> None:
-        """The first spec founds the swarm (unless one is running); the rest join in parallel."""
-        new = [Member(name, span, extra) for name, span, extra in specs]
-        for member in new:
-            self.members[member.name] = member
-        if not any(m.alive for m in self.members.values()):
-            first = new.pop(0)
-            first.process = ServerProcess(self._args(first, None), env={"OMP_NUM_THREADS": "1"})
-        self._start_parallel(new)
-        self.wait_converged()
+        """``(name, span, extra flags)`` each, loading in parallel (the first founds the swarm unless
+        one runs); returns once every running member's table lists every running member."""
+        started = self.processes.start([span for _, span, _ in specs], [extra for _, _, extra in specs])
+        self.members.update((name, process) for (name, _, _), process in zip(specs, started, strict=True))
+        self.processes.wait_converged()
 
-    def _start_parallel(self, members: Sequence[Member]) -> None:
-        join = self.any_ticket()
-        started, errors = start_parallel(
-            [lambda m=m: ServerProcess(self._args(m, join), env={"OMP_NUM_THREADS": "1"}) for m in members]
-        )
-        for member, process in zip(members, started, strict=True):
-            if process is not None:
-                member.process = process
-        if errors:
-            raise RuntimeError("servers did not start:\n" + "\n".join(errors))
+    def ticket(self, name: str) -> Ticket:
+        return self.members[name].ticket
 
-    def any_ticket(self, exclude: Sequence[str] = ()) -> Ticket:
-        for member in self.members.values():
-            if member.alive and member.name not in exclude:
-                return member.ticket
-        raise RuntimeError("no server of the swarm is running")
-
-    def wait_converged(self, timeout: float = 30.0) -> None:
-        """Until every running server's table lists exactly the running servers, online (records
-        of killed ones have expired everywhere)."""
-        import asyncio
-
-        from shoal.checkpoints import model_name
-        from shoal.client.directory import swarm_spans
-        from shoal.transport import Node
-
-        async def poll() -> None:
-            async with await Node.start(LOOPBACK) as node:
-                deadline = time.monotonic() + timeout
-                while True:
-                    running = [m for m in self.members.values() if m.alive]
-                    want = {(m.peer, tuple(m.ticket.addrs)) for m in running}
-                    seen = []
-                    for member in running:
-                        try:
-                            spans = await swarm_spans(node, [member.ticket], model_name(str(self.model_dir)), 2.0)
-                        except Exception:
-                            spans = []
-                        seen.append({(s.peer_id, tuple(s.ticket.addrs)) for s in spans})
-                    if all(want == view for view in seen):
-                        return
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"swarm tables did not converge within {timeout} s")
-                    await asyncio.sleep(0.2)
-
-        asyncio.run(poll())
-
-    def by_peer(self, peer: str) -> Member:
-        return next(m for m in self.members.values() if m.process is not None and m.peer == peer)
+    def peer(self, name: str) -> str:
+        return self.members[name].ticket.peer_id
 
     def name_of(self, peer: str) -> str:
-        return next((m.name for m in self.members.values() if m.process is not None and m.peer == peer), peer[:8])
+        return next(name for name, process in self.members.items() if process.ticket.peer_id == peer)
 
     def kill(self, name: str) -> None:
-        member = self.members[name]
-        os.kill(member.process.pid, signal.SIGKILL)
-        member.process.proc.wait(10)
+        """SIGKILL: no shutdown at all, its connections just stop answering."""
+        self.members[name].kill()
 
     def terminate(self, name: str) -> None:
         """SIGTERM, without waiting (the server drains meanwhile)."""
-        self.members[name].process.proc.terminate()
-
-    def restart(self, names: Sequence[str]) -> None:
-        for name in names:
-            member = self.members[name]
-            if member.alive:
-                member.process.stop()
-        self._start_parallel([self.members[n] for n in names])
-        self.wait_converged()
+        self.members[name].terminate()
 
     def close(self) -> None:
-        for member in self.members.values():
-            if member.alive:
-                member.process.proc.terminate()
-        for member in self.members.values():
-            if member.process is not None:
-                with contextlib.suppress(Exception):
-                    member.process.stop(10)
+        """SIGKILL all: how they leave is not what these tests look at, and after a member was
+        killed a clean leave takes each survivor seconds (its offline record goes to the dead peer too)."""
+        self.processes.kill()
 
 
 def connect(swarm: KillableSwarm, first: str | None = None, **kwargs):
-    """A client joining through ``first``'s ticket (its table holds its own newest record)."""
-    ticket = swarm.members[first].ticket if first else swarm.any_ticket()
+    """A client joining through one ticket only (``first``'s, else a running member's), once every
+    table lists exactly the running members (a killed one's record has expired everywhere)."""
+    swarm.processes.wait_converged()
+    ticket = swarm.ticket(first) if first else swarm.processes.tickets[0]
     return AutoDistributedModelForCausalLM.from_pretrained(
         str(swarm.model_dir), initial_peers=[ticket], transport=LOOPBACK, refresh_period=0, **kwargs
     )
@@ -175,37 +95,46 @@ class TokenRecorder(BaseStreamer):
 
 class AtStep(LogitsProcessor):
     """Calls ``action`` once, when generate asks for the ``step``-th new token's scores (0-based);
-    the step's blocks have run by then, so the action hits the next step."""
+    the step's blocks have run by then, so the action hits the next step. ``stamps``: when each
+    step's scores were asked for (the gap around ``step`` is the recovery's cost)."""
 
     def __init__(self, step: int, action):
         self.step = step
         self.action = action
         self.calls = 0
-        self.fired_at: float | None = None
         self.stamps: list[float] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.stamps.append(time.perf_counter())
         if self.calls == self.step:
             self.action()
-            self.fired_at = time.perf_counter()
         self.calls += 1
         return scores
 
+    def gap(self) -> float:
+        """Seconds from the action's step to the next (the step that had to recover)."""
+        return self.stamps[self.step + 1] - self.stamps[self.step]
 
-def counters(model) -> dict[str, dict]:
-    """peer -> counters, for every server the client's directory knows that answers."""
+
+def counters(model, exclude: Collection[str] = ()) -> dict[str, dict]:
+    """peer -> counters (``info`` over the wire), for every server the client's directory knows but
+    ``exclude`` (dead ones: asking them costs the whole timeout)."""
+    import msgspec
+
     from shoal.protocols import BLOCKS
     from shoal.wire import Message
+    from shoal.wire.schema import InfoReply
 
     blocks = model.blocks
 
     async def gather() -> dict[str, dict]:
         out = {}
         for span in blocks.directory.spans:
+            if span.peer_id in exclude:
+                continue
             with contextlib.suppress(Exception):
                 reply = await blocks.node.request(span.ticket, BLOCKS, Message("info", 1), timeout=2.0)
-                out[span.peer_id] = reply.meta["counters"]
+                out[span.peer_id] = msgspec.structs.asdict(reply.reply(InfoReply).counters)
         return out
 
     return blocks.runtime.run(gather())
@@ -215,6 +144,7 @@ def wait_draining(model, peer: str, timeout: float = 10.0) -> None:
     """Until the server ``peer`` answers ``info`` with ``draining`` (it got SIGTERM and began leaving)."""
     from shoal.protocols import BLOCKS
     from shoal.wire import Message
+    from shoal.wire.schema import InfoReply
 
     blocks = model.blocks
     span = next(s for s in blocks.directory.spans if s.peer_id == peer)
@@ -224,7 +154,7 @@ def wait_draining(model, peer: str, timeout: float = 10.0) -> None:
             reply = blocks.runtime.run(blocks.node.request(span.ticket, BLOCKS, Message("info", 1), timeout=2.0))
         except Exception:
             return  # already gone
-        if reply.meta.get("draining"):
+        if reply.reply(InfoReply).draining:
             return
         time.sleep(0.01)
     raise TimeoutError(f"server {peer[:10]} did not start draining within {timeout} s")

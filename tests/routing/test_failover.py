@@ -1,9 +1,14 @@
-"""Fault tolerance through a real swarm: servers SIGKILLed or drained mid-generation.
+"""Fault tolerance: servers killed or drained mid-generation, and the tokens do not change.
 
 A tiny random llama with 6 blocks; servers a1, a2 host blocks 0:3 and b1, b2 host 3:6 (spare
-coverage for every block), one swarm, short gossip periods. Clients join through one ticket and
-route over the swarm's table; steps are pushed from server to server. Victims and steps are drawn
-from a seeded generator.
+coverage for every block); steps are pushed from server to server.
+
+* In process (:class:`shoal.launch.InProcessSwarm`: the real handler, sessions, push chain, recovery
+  and client, on an in-memory network): 20 seeded runs each kill a random server of the route at a
+  random step; without spare coverage the error names the missing blocks.
+* Across processes, where the process boundary is the point: ``shoal serve`` processes in one swarm
+  (short gossip periods), clients joining through one ticket and routing over the swarm's table; one
+  route server SIGKILLed mid-generation, one drained by SIGTERM mid-generation (it exits cleanly).
 """
 
 from __future__ import annotations
@@ -14,30 +19,118 @@ import time
 import pytest
 import torch
 
+from shoal.ids import BlockRange
+from shoal.launch import InProcessSwarm
 from shoal.routing import NoRouteError
-from tests.helpers.parity import min_top2_gap, tiny_causal_lm
-from tests.helpers.swarm import write_checkpoint
+from testkit.tiny import save_checkpoint, tiny_model
+from tests.helpers.parity import min_top2_gap
 from tests.routing.helpers import AtStep, KillableSwarm, TokenRecorder, connect, counters, wait_draining
 
 NEW_TOKENS = 64
 PROMPT = torch.tensor([[1, 17, 42, 99, 7, 3, 250, 8]])
-KILL_RUNS = 20
+MAX_LENGTH = PROMPT.shape[1] + NEW_TOKENS
+TOTAL = MAX_LENGTH - 1  # positions every route server processes (the last token is not fed back)
+KILL_RUNS = 12
+FIRST, SECOND = BlockRange(0, 3), BlockRange(3, 6)
 SPECS = [("a1", (0, 3), ()), ("a2", (0, 3), ()), ("b1", (3, 6), ()), ("b2", (3, 6), ())]
 
 
 @pytest.fixture(scope="module")
 def reference_and_dir(tmp_path_factory):
-    model = tiny_causal_lm("llama", seed=5, num_hidden_layers=6)
-    path = write_checkpoint(model, tmp_path_factory.mktemp("failover-model"))
+    model = tiny_model("llama", seed=5, num_hidden_layers=6)
+    path = save_checkpoint(model, tmp_path_factory.mktemp("failover-model"))
     expected = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert min_top2_gap(model, PROMPT, max_new_tokens=NEW_TOKENS) > 1e-3  # no near-ties
     return expected, path
 
 
+# ---- in process ----------------------------------------------------------------------------------
+@pytest.fixture
+def local_swarm(reference_and_dir):
+    with InProcessSwarm(reference_and_dir[1], [FIRST, FIRST, SECOND, SECOND]) as swarm:
+        yield swarm
+
+
+def generate_killing(swarm: InProcessSwarm, model, choose) -> tuple:
+    """One greedy generation in a session; at the step ``choose(route peers)`` returns, its victim
+    is killed. Returns (tokens, streamed tokens, session, route, new route, victim, trigger)."""
+    live = {s.ticket.peer_id: s for s in swarm.servers if s.alive}
+    with model.inference_session(max_length=MAX_LENGTH) as cache:
+        route = [span.peer_id for span in cache.session.chain]
+        victim_peer, step = choose(route)
+        victim = live[victim_peer]
+        recorder, trigger = TokenRecorder(), AtStep(step, lambda: swarm.kill(victim))
+        out = model.generate(
+            PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, streamer=recorder, logits_processor=[trigger]
+        )
+        session = cache.session
+        new_route = [span.peer_id for span in session.chain]
+    return out, recorder.tokens, session, route, new_route, victim, trigger
+
+
+@pytest.mark.timeout(60)
+def test_killing_any_route_server_keeps_the_tokens(local_swarm, reference_and_dir):
+    """20 runs: kill one server of the route at a random step; tokens equal an undisturbed run,
+    nothing streamed twice or lost, only the replacement gets the replay; a new server replaces the
+    victim before the next run. The draws hit both hops and steps early and late."""
+    expected, _ = reference_and_dir
+    rng = random.Random(2026)
+    hit: set[tuple[int, bool]] = set()  # (hop killed, in the second half of the generation)
+    for run in range(KILL_RUNS):
+        model = local_swarm.connect(refresh_period=0)
+        try:
+            assert len(model.blocks.directory.spans) == 4, f"run {run}: the client sees {model.blocks.directory.spans}"
+            before = {s.ticket.peer_id: s.server.counters.positions_processed for s in local_swarm.servers}
+            out, streamed, session, route, new_route, victim, trigger = generate_killing(
+                local_swarm, model, lambda route: (rng.choice(route), rng.randint(1, NEW_TOKENS - 3))
+            )
+            after = {s.ticket.peer_id: s.server.counters.positions_processed for s in local_swarm.servers if s.alive}
+        finally:
+            model.blocks.close()
+        where = f"run {run}: {victim.blocks} killed at step {trigger.step}"
+        assert torch.equal(out, expected), f"{where}: tokens differ"
+        assert streamed == out[0, PROMPT.shape[1] :].tolist(), f"{where}: streamed tokens differ"
+        assert len(session.recoveries) == 1, f"{where}: {session.recoveries}"
+        recovery = session.recoveries[0]
+        assert recovery.failed == victim.ticket.peer_id and not recovery.drain, where
+        replacements = set(new_route) - set(route)
+        assert set(recovery.replayed) == replacements and len(replacements) == 1, (where, recovery)
+        for peer, now in after.items():
+            processed = now - before.get(peer, 0)
+            # a route server processes every position once, a server off the route none, and a
+            # replacement exactly the replayed prefix plus what followed: also every position
+            assert processed == (TOTAL if peer in new_route else 0), f"{where}: {peer[:8]} processed {processed}"
+        assert trigger.gap() < 2.0, f"{where}: the step across the kill took {trigger.gap():.2f} s"
+        hit.add((route.index(victim.ticket.peer_id), trigger.step >= NEW_TOKENS // 2))
+        local_swarm.add(victim.blocks)
+    assert hit == {(0, False), (0, True), (1, False), (1, True)}, f"the draws missed a case: {hit}"
+
+
+@pytest.mark.timeout(30)
+def test_without_spare_coverage_the_error_names_the_missing_blocks(local_swarm):
+    model = local_swarm.connect(refresh_period=0)
+    failed_at = {}
+
+    def kill_second_half() -> None:
+        local_swarm.kill(SECOND)
+        local_swarm.kill(SECOND)
+        failed_at["t"] = time.perf_counter()
+
+    session = model.inference_session(max_length=MAX_LENGTH)
+    with pytest.raises(NoRouteError) as caught, session:
+        model.generate(
+            PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, logits_processor=[AtStep(5, kill_second_half)]
+        )
+    elapsed = time.perf_counter() - failed_at["t"]
+    assert caught.value.missing == [3, 4, 5]
+    assert "3-5" in str(caught.value)
+    assert elapsed < 10.0, f"took {elapsed:.1f} s to give up"
+
+
+# ---- across processes ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def swarm(reference_and_dir, tmp_path_factory):
-    _, path = reference_and_dir
-    swarm = KillableSwarm(path)
+def swarm(reference_and_dir):
+    swarm = KillableSwarm(reference_and_dir[1])
     try:
         swarm.start(SPECS)
         yield swarm
@@ -45,100 +138,62 @@ def swarm(reference_and_dir, tmp_path_factory):
         swarm.close()
 
 
-@pytest.mark.timeout(420)
-def test_sigkill_of_any_route_server_keeps_the_tokens(swarm, reference_and_dir):
-    """20 runs: SIGKILL one server of the route at a random step; tokens equal an undisturbed run,
-    nothing streamed twice or lost, only the replacement gets the replay; the victim restarts."""
-    expected, _ = reference_and_dir
-    total = PROMPT.shape[1] + NEW_TOKENS - 1  # positions every route server processes
-    rng = random.Random(2026)
-    recovery_seconds = []
-    for run in range(KILL_RUNS):
-        model = connect(swarm, first=sorted(swarm.members)[run % 4])
-        try:
-            known = sorted((swarm.by_peer(s.peer_id).name, s.start, s.end) for s in model.blocks.directory.spans)
-            assert len(known) == 4, f"run {run}: the client sees {known}"
-            with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as cache:
-                route = [span.peer_id for span in cache.session.chain]
-                victim = swarm.by_peer(rng.choice(route)).name
-                step = rng.randint(1, NEW_TOKENS - 3)
-                before = counters(model)
-                recorder, trigger = TokenRecorder(), AtStep(step, lambda v=victim: swarm.kill(v))
-                out = model.generate(
-                    PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, streamer=recorder, logits_processor=[trigger]
-                )
-                session = cache.session
-                new_route = [span.peer_id for span in session.chain]
-                after = counters(model)
-            assert torch.equal(out, expected), f"run {run}: tokens differ after killing {victim} at step {step}"
-            assert recorder.tokens == out[0, PROMPT.shape[1] :].tolist(), f"run {run}: streamed tokens differ"
-            assert len(session.recoveries) == 1, f"run {run}: {session.recoveries}"
-            recovery = session.recoveries[0]
-            assert recovery["failed"] == swarm.members[victim].peer
-            replacements = set(new_route) - set(route)
-            assert set(recovery["replayed"]) == replacements and len(replacements) == 1, (run, recovery)
-            for peer, now in after.items():
-                processed = now["positions_processed"] - before.get(peer, {}).get("positions_processed", 0)
-                # a route server processes every position once; a server off the route none; a
-                # replacement exactly the replayed prefix plus what followed: also every position
-                assert processed in (0, total), f"run {run}: {swarm.by_peer(peer).name} processed {processed}"
-                assert (processed == total) == (peer in new_route), (run, swarm.by_peer(peer).name)
-            gap = trigger.stamps[step + 1] - trigger.stamps[step]
-            recovery_seconds.append(gap)
-        finally:
-            model.blocks.close()
-        swarm.restart([victim])
-    print(f"token gap across a kill: median {sorted(recovery_seconds)[len(recovery_seconds) // 2]:.2f} s, "
-          f"max {max(recovery_seconds):.2f} s")  # fmt: skip
-    assert max(recovery_seconds) < 5.0
-
-
 @pytest.mark.timeout(120)
-def test_without_spare_coverage_the_error_names_the_missing_blocks(swarm, reference_and_dir):
-    model = connect(swarm, first="a1")
+def test_sigkill_of_a_route_server_process_keeps_the_tokens(swarm, reference_and_dir):
+    """The route's second server is SIGKILLed mid-generation: the first one's push to it and the
+    client's wait for its reply fail across the process boundary; tokens equal an undisturbed run,
+    the spare (found in the swarm's table) gets the replay."""
+    expected, _ = reference_and_dir
+    model = connect(swarm)
     try:
-        failed_at = {}
-
-        def kill_both() -> None:
-            swarm.kill("b1")
-            swarm.kill("b2")
-            failed_at["t"] = time.perf_counter()
-
-        session = model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS)
-        with pytest.raises(NoRouteError) as caught, session:
-            model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, logits_processor=[AtStep(5, kill_both)])
-        elapsed = time.perf_counter() - failed_at["t"]
-        assert caught.value.missing == [3, 4, 5]
-        assert "3-5" in str(caught.value)
-        assert elapsed < 10.0, f"took {elapsed:.1f} s to give up"
+        known = len(model.blocks.directory.spans)
+        assert known == len(swarm.processes.running), f"the client sees {model.blocks.directory.spans}"
+        with model.inference_session(max_length=MAX_LENGTH) as cache:
+            route = [span.peer_id for span in cache.session.chain]
+            victim = swarm.name_of(route[1])
+            before = counters(model)
+            recorder, trigger = TokenRecorder(), AtStep(23, lambda: swarm.kill(victim))
+            out = model.generate(
+                PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, streamer=recorder, logits_processor=[trigger]
+            )
+            session = cache.session
+            new_route = [span.peer_id for span in session.chain]
+            after = counters(model, exclude={swarm.peer(victim)})
     finally:
         model.blocks.close()
-        swarm.restart(["b1", "b2"])
+    assert torch.equal(out, expected), f"tokens differ after killing {victim}"
+    assert recorder.tokens == out[0, PROMPT.shape[1] :].tolist(), "streamed tokens differ"
+    assert [r.failed for r in session.recoveries] == [swarm.peer(victim)]
+    spare = next(name for name in ("b1", "b2") if name != victim)
+    assert new_route == [route[0], swarm.peer(spare)]
+    assert dict(session.recoveries[0].replayed) == {swarm.peer(spare): PROMPT.shape[1] + 23}
+    for peer, now in after.items():
+        processed = now["positions_processed"] - before[peer]["positions_processed"]
+        assert processed == (TOTAL if peer in new_route else 0), f"{swarm.name_of(peer)} processed {processed}"
+    assert trigger.gap() < 5.0, f"the step across the kill took {trigger.gap():.2f} s"
 
 
 @pytest.mark.timeout(120)
 def test_sigterm_drain_during_generation_keeps_the_tokens(swarm, reference_and_dir):
+    """The route's first server gets SIGTERM mid-generation: it drains (its replies say so), the
+    client moves to the spare at its next step, and the server exits with 0."""
     expected, _ = reference_and_dir
-    model = connect(swarm, first="a1")
+    model = connect(swarm)
     try:
-        with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as cache:
-            victim = swarm.by_peer(cache.session.chain[0].peer_id).name
+        with model.inference_session(max_length=MAX_LENGTH) as cache:
+            victim = swarm.name_of(cache.session.chain[0].peer_id)
 
-            def leave(name: str) -> None:  # SIGTERM, and generation goes on once the server is leaving
-                swarm.terminate(name)
-                wait_draining(model, swarm.members[name].peer)
+            def leave() -> None:  # SIGTERM, and generation goes on once the server is leaving
+                swarm.terminate(victim)
+                wait_draining(model, swarm.peer(victim))
 
             out = model.generate(
-                PROMPT,
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                logits_processor=[AtStep(10, lambda: leave(victim))],
+                PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, logits_processor=[AtStep(10, leave)]
             )
             session = cache.session
-        assert torch.equal(out, expected)
-        assert [r["failed"] for r in session.recoveries] == [swarm.members[victim].peer]
-        assert session.recoveries[0]["drain"], "the client should move on the draining flag, not on a failure"
-        assert swarm.members[victim].process.proc.wait(30) == 0  # it drained and exited cleanly
     finally:
         model.blocks.close()
-        swarm.restart([victim])
+    assert torch.equal(out, expected)
+    assert [r.failed for r in session.recoveries] == [swarm.peer(victim)]
+    assert session.recoveries[0].drain, "the client should move on the draining flag, not on a failure"
+    assert swarm.members[victim].proc.wait(30) == 0  # it drained and exited cleanly

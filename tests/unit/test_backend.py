@@ -14,17 +14,16 @@ import threading
 import pytest
 import torch
 
-from shoal.checkpoints import load_span, save_sharded
+from shoal.checkpoints import load_span
 from shoal.server.backend import SpanBackend
-from tests.helpers.parity import tiny_llama
+from testkit.tiny import tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def span(tmp_path_factory):
-    model = tiny_llama()
-    span, _ = load_span(save_sharded(model, model.config, tmp_path_factory.mktemp("tiny-backend")), 0, 2)
+    span, _ = load_span(tiny_checkpoint(tmp_path_factory.mktemp("tiny-backend")), 0, 2)
     return span
 
 

@@ -10,20 +10,20 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 from shoal.client.blocks import BlockSequence
 from shoal.client.local import LocalBlockSequence
 from shoal.client.model import DistributedModelForCausalLM
 from shoal.models import get_family
+from testkit.tiny import char_tokenizer, tiny_model
 from tests.helpers.parity import (
     CountingBlocks,
     assert_generate_matches,
     assert_logits_close,
+    left_padded,
     min_top2_gap,
-    tiny_llama,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,7 +33,7 @@ GREEDY = {"do_sample": False}
 
 @pytest.fixture(scope="module")
 def reference():
-    return tiny_llama(seed=0)
+    return tiny_model("llama", seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -66,23 +66,6 @@ def model(reference, blocks) -> DistributedModelForCausalLM:
     config, state = reference.config, reference.state_dict()
     head = get_family(config).build_client_head(config, state, torch.float32, "cpu")
     return DistributedModelForCausalLM(config, head, blocks)
-
-
-def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """One character per token: printable ASCII then CJK ideographs up to the 256-token vocab."""
-    chars = [chr(c) for c in range(0x21, 0x7F)]
-    chars += [chr(0x4E00 + i) for i in range(256 - len(chars))]
-    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="!"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="!")
 
 
 def test_weights_are_far_from_ties(reference, prompt):
@@ -149,7 +132,7 @@ class _Collect(BaseStreamer):
 
 
 def test_stop_strings_and_streamer(model, reference, prompt, greedy64):
-    tokenizer = tiny_tokenizer()
+    tokenizer = char_tokenizer()
     new = greedy64[0, prompt.shape[1] :].tolist()
     stop = tokenizer.decode(new[8:10])
     assert stop not in tokenizer.decode(new[:9])
@@ -192,7 +175,7 @@ def test_manual_steps_with_session_cache(model, prompt):
         head = model(prompt[:, :7], cache=cache).logits
         tail = model(prompt[:, 7:], cache=cache).logits
         assert cache.position == prompt.shape[1]
-    torch.testing.assert_close(torch.cat([head, tail], dim=1), full, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat([head, tail], dim=1), full, rtol=0, atol=1e-4)  # 1.3e-5 seen on an EPYC
 
 
 class _Boom(LogitsProcessor):
@@ -226,7 +209,9 @@ def test_session_size_checked_before_running(model, prompt, blocks):
 
 def test_inputs_embeds(model, reference, prompt, blocks):
     embeds = reference.model.embed_tokens(prompt).detach()
-    torch.testing.assert_close(model(inputs_embeds=embeds).logits, reference(inputs_embeds=embeds).logits)
+    torch.testing.assert_close(
+        model(inputs_embeds=embeds).logits, reference(inputs_embeds=embeds).logits, rtol=0, atol=1e-4
+    )
     expected = reference.generate(inputs_embeds=embeds, max_new_tokens=8, **GREEDY)
     assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=8, **GREEDY), expected)
     with model.inference_session(max_length=32) as session:
@@ -236,7 +221,7 @@ def test_inputs_embeds(model, reference, prompt, blocks):
 
 
 def test_bfloat16_head_and_blocks(make_blocks):
-    reference = tiny_llama(seed=0)
+    reference = tiny_model("llama", seed=0)
     rotary = reference.model.rotary_emb
     inv_freq = rotary.inv_freq.clone()
     reference.to(torch.bfloat16)

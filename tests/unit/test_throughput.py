@@ -20,15 +20,13 @@ from shoal.server.throughput import (
     measure_compute,
     network_tokens_per_s,
 )
-from tests.helpers.parity import TINY_CONFIGS
+from testkit.tiny import tiny_config
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def tiny(model_type: str = "llama", blocks: int = 12):
-    config = TINY_CONFIGS[model_type]()
-    config.num_hidden_layers = blocks
-    return config
+    return tiny_config(model_type, num_hidden_layers=blocks)
 
 
 # hidden 64, intermediate 128, 4 heads of 16, 2 kv heads: q, o 64x64; k, v 64x32; mlp 3 x 64x128; 2 norms
