@@ -17,7 +17,9 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["BlockSequence", "BlockSession"]
+from shoal.errors import BadRequest, NotFound
+
+__all__ = ["BlockSequence", "BlockSession", "SessionPositions"]
 
 
 @runtime_checkable
@@ -54,3 +56,46 @@ class BlockSequence(Protocol):
     def open_session(self, batch_size: int, max_length: int) -> BlockSession:
         """Reserve caches for ``batch_size`` sequences of up to ``max_length`` positions."""
         ...
+
+
+class SessionPositions:
+    """The bookkeeping every :class:`BlockSession` shares, wherever its blocks run: the positions
+    its caches hold (``position``, which may only roll back), and the checks a step passes before
+    it runs. Subclasses say whether they are closed and what a rollback drops (:meth:`_rolled_back`)."""
+
+    def __init__(self, batch_size: int, max_length: int):
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self._position = 0
+
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        if not 0 <= value <= self._position:
+            raise ValueError(f"can only roll back: position {value} not in [0, {self._position}]")
+        if value < self._position:
+            self._rolled_back(value)
+        self._position = value
+
+    def _rolled_back(self, position: int) -> None:
+        """What follows ``position`` is gone (the caches are overwritten by position anyway)."""
+
+    def _check_step(self, hidden: Tensor, attention_mask: Tensor | None) -> int:
+        """Raise what a server would for this step; return its number of new positions."""
+        if self.closed:
+            raise NotFound("session is closed")
+        batch, n = hidden.shape[:2]
+        if batch != self.batch_size:
+            raise BadRequest(f"batch size {batch} != session batch size {self.batch_size}")
+        if self._position + n > self.max_length:
+            raise BadRequest(f"step of {n} at position {self._position} exceeds max_length {self.max_length}")
+        if attention_mask is not None and attention_mask.shape != (batch, self._position + n):
+            raise BadRequest(f"attention_mask {tuple(attention_mask.shape)} != {(batch, self._position + n)}")
+        return n

@@ -14,7 +14,8 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-from shoal.errors import BadRequest, NotFound
+from shoal.client.blocks import SessionPositions
+from shoal.errors import BadRequest
 from shoal.models.base import BlockSpan, SpanCache
 
 __all__ = ["LocalBlockSequence", "LocalBlockSession"]
@@ -84,25 +85,13 @@ class LocalBlockSequence:
         return out.to(self.wire_dtype)
 
 
-class LocalBlockSession:
+class LocalBlockSession(SessionPositions):
     """One cache per span; ``position`` counts the positions every span holds."""
 
     def __init__(self, blocks: LocalBlockSequence, caches: list[SpanCache], batch_size: int, max_length: int):
+        super().__init__(batch_size, max_length)
         self._blocks = blocks
         self._caches: list[SpanCache] | None = caches
-        self._position = 0
-        self.batch_size = batch_size
-        self.max_length = max_length
-
-    @property
-    def position(self) -> int:
-        return self._position
-
-    @position.setter
-    def position(self, value: int) -> None:
-        if not 0 <= value <= self._position:
-            raise ValueError(f"can only roll back: position {value} not in [0, {self._position}]")
-        self._position = value
 
     @property
     def closed(self) -> bool:
@@ -110,15 +99,7 @@ class LocalBlockSession:
 
     @torch.inference_mode()
     def step(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        if self._caches is None:
-            raise NotFound("session is closed")
-        batch, n = hidden.shape[:2]
-        if batch != self.batch_size:
-            raise BadRequest(f"batch size {batch} != session batch size {self.batch_size}")
-        if self._position + n > self.max_length:
-            raise BadRequest(f"step of {n} at position {self._position} exceeds max_length {self.max_length}")
-        if attention_mask is not None and attention_mask.shape != (batch, self._position + n):
-            raise BadRequest(f"attention_mask {tuple(attention_mask.shape)} != {(batch, self._position + n)}")
+        n = self._check_step(hidden, attention_mask)
         for span, cache in zip(self._blocks.spans, self._caches, strict=True):
             hidden = self._blocks._run(span, hidden, position_ids, attention_mask, cache, self._position)
         self._position += n

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from shoal.client.blocks import SessionPositions
 from shoal.client.driver import ChainDriver, HopFailed
 from shoal.client.history import SpanHistory
 from shoal.client.hops import Hop, close_all
 from shoal.client.recovery import ChainRecovery, Rebuilt, RecoveryRecord
-from shoal.errors import BadRequest, NotFound, ShoalError
+from shoal.errors import BadRequest, ShoalError
 from shoal.routing import ServerSpan
 from shoal.wire.schema import OpenRequest
 
@@ -31,35 +32,28 @@ if TYPE_CHECKING:
     from shoal.client.sequence import RemoteSequence
 
 
-class RemoteSession:
+class RemoteSession(SessionPositions):
     """A :class:`~shoal.client.blocks.BlockSession` over a chain of servers (one stream each)."""
 
     def __init__(self, sequence: RemoteSequence, batch_size: int, max_length: int):
+        super().__init__(batch_size, max_length)
         self.runtime = sequence.runtime
         self.num_blocks = sequence.num_blocks
-        self.batch_size = batch_size
-        self.max_length = max_length
         directory = sequence.directory
         self._driver = ChainDriver(directory, sequence.node.config.deadlines.request, push=sequence.push)
         request = OpenRequest(max_length=max_length, batch_size=batch_size)
         self._recovery = ChainRecovery(sequence.node, directory, directory, request, push=sequence.push)
         self._history = SpanHistory(batch_size)
-        self._position = 0
         self._chain: list[ServerSpan] = []  # the last chain installed (still readable once closed)
-        self.closed = False
+        self._closed = False
         self.recoveries: list[RecoveryRecord] = []  # what happened, in order
 
     @property
-    def position(self) -> int:
-        return self._position
+    def closed(self) -> bool:
+        return self._closed
 
-    @position.setter
-    def position(self, value: int) -> None:
-        if not 0 <= value <= self._position:
-            raise ValueError(f"can only roll back: position {value} not in [0, {self._position}]")
-        if value < self._position:
-            self._history.truncate(value)
-        self._position = value
+    def _rolled_back(self, position: int) -> None:
+        self._history.truncate(position)
 
     @property
     def chain(self) -> list[ServerSpan]:
@@ -80,8 +74,8 @@ class RemoteSession:
         self._chain = self._driver.chain
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        if not self._closed:
+            self._closed = True
             hops = list(self._driver.hops)
             self._driver.install(())
             self._history.clear()
@@ -90,13 +84,7 @@ class RemoteSession:
     # ---- steps ---------------------------------------------------------------------------------
 
     def step(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        if self.closed:
-            raise NotFound("session is closed")
-        batch, n = hidden.shape[:2]
-        if batch != self.batch_size:
-            raise BadRequest(f"batch size {batch} != session batch size {self.batch_size}")
-        if self._position + n > self.max_length:
-            raise BadRequest(f"step of {n} at position {self._position} exceeds max_length {self.max_length}")
+        n = self._check_step(hidden, attention_mask)
         out = self.runtime.run(self._step(hidden, position_ids, attention_mask))
         self._position += n
         return out

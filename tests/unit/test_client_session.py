@@ -318,15 +318,16 @@ def test_a_batch_of_two_with_failover(swarms, reference):
 
 
 def test_a_bad_request_is_raised_and_leaves_the_session_usable(swarms, reference):
-    """A server refusing a step (here: an attention mask of the wrong length) is not a failure to
-    route around: the error surfaces, nobody is banned or replaced, and the next good step works."""
+    """A server refusing a step (here: hidden states of the wrong width, which only the server
+    checks) is not a failure to route around: the error surfaces, nobody is banned or replaced, and
+    the next good step works."""
     swarm = swarms()
     run = Run(swarm)
     x = hidden(8)
     first = run.feed(x[:, :PREFILL])
     route = run.route()
-    with pytest.raises(BadRequest, match=r"attention_mask must be bool \[1, 6\], got torch\.bool \[1, 3\]"):
-        run.session.step(x[:, PREFILL : PREFILL + 1], torch.tensor([[PREFILL]]), torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(BadRequest, match=r"hidden states must be \[batch, tokens, 64\], got \[1, 1, 32\]"):
+        run.session.step(x[:, PREFILL : PREFILL + 1, :32].contiguous(), torch.tensor([[PREFILL]]), None)
     assert run.session.position == PREFILL and run.session.recoveries == [] and run.route() == route
     assert not any(run.directory.bans.failures(s.node.id) for s in swarm.servers)
     rest = run.feed(x, start=PREFILL)
