@@ -357,7 +357,8 @@ def test_reply_delay_holds_every_reply(model_dir):
             return timings, p.record.entries()
 
     timings, record = run(scenario(), 30)
-    assert timings["faulty info"] >= delay and timings["faulty step"] >= delay, timings
+    early = 0.005  # asyncio fires a timer up to its clock resolution early
+    assert timings["faulty info"] >= delay - early and timings["faulty step"] >= delay - early, timings
     assert timings["honest info"] < delay, timings
     assert [(e.fault, e.step) for e in record] == [("reply_delay", None)] * 2 + [("reply_delay", 0)]  # info, open, step
 

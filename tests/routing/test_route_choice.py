@@ -62,7 +62,8 @@ def test_a_slow_server_is_routed_around_once_a_faster_replica_exists(setup):
         assert route_names(names, client) == ["fast", "roomy"]
         rtt = client.blocks.directory.latency.client_rtt_ms  # what the choice rests on: measured, not told
         slow, fast = (names[n].ticket.peer_id for n in ("slow", "fast"))
-        assert rtt[slow] >= 150 and rtt[fast] < rtt[slow] - 100, rtt
+        # >= 145, not 150: asyncio fires a timer up to its clock resolution early
+        assert rtt[slow] >= 145 and rtt[fast] < rtt[slow] - 100, rtt
         expected = reference.generate(PROMPT, max_new_tokens=8, do_sample=False)
         assert torch.equal(client.generate(PROMPT, max_new_tokens=8, do_sample=False), expected)
     finally:
