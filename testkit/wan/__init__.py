@@ -63,7 +63,14 @@ from __future__ import annotations
 
 from testkit.wan.addresses import Address, parse_address
 from testkit.wan.emulator import DirectionStats, LinkConditions, WanEmulator, WanNode
-from testkit.wan.measuring import CapturedDatagram, LoopbackCapture, request_rtts, udp_drops, wait_quiet
+from testkit.wan.measuring import (
+    CapturedDatagram,
+    LoopbackCapture,
+    check_capture_against_counters,
+    request_rtts,
+    udp_drops,
+    wait_quiet,
+)
 from testkit.wan.sealing import seal
 
 __all__ = [
@@ -75,6 +82,7 @@ __all__ = [
     "WanEmulator",
     "WanNode",
     "WanSwarm",
+    "check_capture_against_counters",
     "parse_address",
     "request_rtts",
     "seal",

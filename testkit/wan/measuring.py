@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import struct
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +19,7 @@ from shoal.transport.ticket import Ticket
 from testkit.wan.addresses import Address, bound_at
 
 if TYPE_CHECKING:
-    from testkit.wan.emulator import WanEmulator
+    from testkit.wan.emulator import DirectionStats, WanEmulator
 
 _MAX_DATAGRAM = 65535
 _SOCKET_BUFFER = 4 << 20
@@ -156,3 +159,33 @@ def udp_drops(addrs: set[Address]) -> dict[Address, int]:
 
 
 __all__ = ["CapturedDatagram", "LoopbackCapture", "request_rtts", "udp_drops", "wait_quiet"]
+
+
+def check_capture_against_counters(
+    datagrams: Iterable[CapturedDatagram],
+    node_addrs: Mapping[str, Iterable[Address]],
+    emulator: set[Address],
+    stats: Mapping[tuple[str, str], DirectionStats],
+    around_before: float = math.inf,
+) -> tuple[Counter[str], Counter[str], Counter[str]]:
+    """Assert that a capture of ``lo`` agrees with the emulator's counters: every payload byte the
+    emulator delivered to a node, and every one a node sent to it, is counted on that node's links;
+    the emulator's sockets talk to nodes only. Returns, per node, the payload bytes delivered into
+    it and sent out of it through the emulator, and the datagrams that reached it straight from
+    another node (around the emulator; those seen before ``around_before``), which its seal must
+    have dropped."""
+    owner = {addr: name for name, addrs in node_addrs.items() for addr in addrs}
+    into, out_of, around = Counter(), Counter(), Counter()
+    for d in datagrams:
+        if d.src in emulator and d.dst in owner:
+            into[owner[d.dst]] += d.payload_bytes
+        elif d.src in owner and d.dst in emulator:
+            out_of[owner[d.src]] += d.payload_bytes
+        elif d.src in owner and d.dst in owner:
+            around[owner[d.dst]] += d.seen < around_before
+        else:
+            assert d.src not in emulator and d.dst not in emulator, d  # emulator sockets talk to nodes only
+    for name in node_addrs:
+        assert into[name] == sum(s.forwarded_bytes for (_, dst), s in stats.items() if dst == name), name
+        assert out_of[name] == sum(s.total_bytes for (src, _), s in stats.items() if src == name), name
+    return into, out_of, around

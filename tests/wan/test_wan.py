@@ -8,14 +8,21 @@ import socket
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import pytest
 
 from shoal.errors import RequestTimeout
 from shoal.transport import META, Node, Ticket, TransportConfig
 from shoal.transport.identity import generate_key
-from testkit.wan import LinkConditions, LoopbackCapture, WanEmulator, parse_address, request_rtts, udp_drops
+from testkit.wan import (
+    LinkConditions,
+    LoopbackCapture,
+    WanEmulator,
+    check_capture_against_counters,
+    parse_address,
+    request_rtts,
+    udp_drops,
+)
 from tests.helpers.aio import run
 
 pytestmark = pytest.mark.timeout(60)
@@ -125,20 +132,7 @@ def test_every_byte_between_nodes_goes_through_the_proxies_and_is_counted():
         datagrams = capture.close()
     stats = wan.all_stats()
     wan.close()
-    owner = {addr: name for name, addrs in node_addrs.items() for addr in addrs}
-    into, out_of, around = Counter(), Counter(), Counter()
-    for d in datagrams:
-        if d.src in emulator and d.dst in owner:
-            into[owner[d.dst]] += d.payload_bytes
-        elif d.src in owner and d.dst in emulator:
-            out_of[owner[d.src]] += d.payload_bytes
-        elif d.src in owner and d.dst in owner:
-            around[owner[d.dst]] += 1
-        else:
-            assert d.src not in emulator and d.dst not in emulator, d  # emulator sockets talk to nodes only
-    for name in node_addrs:
-        assert into[name] == sum(s.forwarded_bytes for (_, dst), s in stats.items() if dst == name), name
-        assert out_of[name] == sum(s.total_bytes for (src, _), s in stats.items() if src == name), name
+    into, out_of, around = check_capture_against_counters(datagrams, node_addrs, emulator, stats)
     assert stats[("a", "b")].forwarded_bytes >= 7 * 1024 and stats[("b", "a")].forwarded_bytes >= 7 * 1024
     assert all(s == type(s)() for (src, dst), s in stats.items() if "idle" in (src, dst))
     assert into["idle"] == out_of["idle"] == 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,16 @@ from shoal.client.driver import MIN_DEADLINE
 from shoal.ids import BlockRange
 from shoal.routing import NoRouteError
 from testkit.tiny import tiny_model
-from testkit.wan import DirectionStats, LinkConditions, LoopbackCapture, WanEmulator, WanSwarm, udp_drops, wait_quiet
+from testkit.wan import (
+    DirectionStats,
+    LinkConditions,
+    LoopbackCapture,
+    WanEmulator,
+    WanSwarm,
+    check_capture_against_counters,
+    udp_drops,
+    wait_quiet,
+)
 
 pytestmark = pytest.mark.timeout(60)
 SPANS = [BlockRange(0, 2), BlockRange(2, 4)]
@@ -175,20 +183,8 @@ def test_every_hop_of_a_step_is_counted_on_its_link_and_nothing_goes_around(chec
     assert all(s == DirectionStats() for key, s in final.items() if "s2" in key)  # the idle server's links
     assert all(s.dropped_datagrams == 0 for s in final.values()) and stray == 0
 
-    owner = {addr: name for name, own in addrs.items() for addr in own}
-    into, out_of, around = Counter(), Counter(), Counter()
-    for d in datagrams:
-        if d.src in emulator and d.dst in owner:
-            into[owner[d.dst]] += d.payload_bytes
-        elif d.src in owner and d.dst in emulator:
-            out_of[owner[d.src]] += d.payload_bytes
-        elif d.src in owner and d.dst in owner:
-            around[owner[d.dst]] += d.seen < read_at  # while every node was up, before its drops were read
-        else:
-            assert d.src not in emulator and d.dst not in emulator, d  # emulator sockets talk to nodes only
-    for name in addrs:
-        assert into[name] == sum(s.forwarded_bytes for (_, dst), s in final.items() if dst == name), name
-        assert out_of[name] == sum(s.total_bytes for (src, _), s in final.items() if src == name), name
+    # around the emulator: counted while every node was up, before its drops were read
+    _, _, around = check_capture_against_counters(datagrams, addrs, emulator, final, around_before=read_at)
     assert {name: around[name] for name in addrs} == refused
 
 
