@@ -310,15 +310,19 @@ class FaultyBackend:
         return noise * (relative * honest.float().norm() / noise.norm().clamp_min(1e-30))
 
 
-class FaultyStream:
-    """A stream the server answers on: replies are delayed, or dropped, as the faults say."""
+class _Wrapped:
+    """Stands in for ``inner`` (a stream or a node): what a subclass does not override goes to it."""
 
-    def __init__(self, inner: MessageStream, state: FaultState):
+    def __init__(self, inner: Any, state: FaultState):
         self._inner = inner
         self._state = state
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class FaultyStream(_Wrapped):
+    """A stream the server answers on: replies are delayed, or dropped, as the faults say."""
 
     async def send(self, message: Message) -> None:
         state = self._state
@@ -340,15 +344,8 @@ class FaultyStream:
         await self._inner.send(message)
 
 
-class _PushStream:
+class _PushStream(_Wrapped):
     """A stream to the next server of a chain: an equivocating server swaps the pushed output."""
-
-    def __init__(self, inner: MessageStream, state: FaultState):
-        self._inner = inner
-        self._state = state
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def send(self, message: Message) -> None:
         state = self._state
@@ -364,15 +361,8 @@ class _PushStream:
         await self._inner.send(message)
 
 
-class FaultyNode:
+class FaultyNode(_Wrapped):
     """The node a faulty server pushes through: every stream it opens is a :class:`_PushStream`."""
-
-    def __init__(self, inner: BaseNode, state: FaultState):
-        self._inner = inner
-        self._state = state
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
     async def open_stream(self, *args: Any, **kwargs: Any) -> _PushStream:
         return _PushStream(await self._inner.open_stream(*args, **kwargs), self._state)
