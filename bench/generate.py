@@ -1,6 +1,6 @@
 """Generation benchmark: greedy decode through a 2-server swarm vs plain transformers, one machine.
 
-    ../shared/lo-only python -m bench.generate [--models smollm2,llama270m] [--new-tokens 64]
+    scripts/isolated python -m bench.generate [--models smollm2,llama270m] [--new-tokens 64]
                                                [--repeats 5] [--server-threads 1,2,2p]
 
 For each model, two ``shoal serve`` processes on loopback each host half of the blocks (one pair per
@@ -227,7 +227,7 @@ class CpuMeter:
     work slowed down measures that work, not shoal. Hypervisor steal counts as foreign too.
 
     Children are found through /proc/self/task/*/children, so this works inside a PID namespace
-    whose /proc is the host's (as ../shared/lo-only leaves it)."""
+    whose /proc is the host's or its own (scripts/isolated remounts it)."""
 
     TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

@@ -1,6 +1,6 @@
 """Where one decode step's time goes: client -> server 1 -> server 2 -> client, from timestamps.
 
-    ../shared/lo-only python -m bench.profile_step [--model smollm2] [--server-threads 1]
+    scripts/isolated python -m bench.profile_step [--model smollm2] [--server-threads 1]
                                                    [--new-tokens 64] [--runs 3] [--push]
 
 Two servers (halves of the blocks) run as ``python -m bench.profile_step --serve ARGS`` (``shoal

@@ -1,6 +1,6 @@
 """Routing benchmark: server-to-server push vs client-driven hops, and recovery from a SIGKILL.
 
-    ../shared/lo-only python -m bench.routing [--model smollm2] [--repeats 5] [--kills 5]
+    scripts/isolated python -m bench.routing [--model smollm2] [--repeats 5] [--kills 5]
 
 1. **Push vs hops.** Three ``shoal serve`` processes host thirds of the model's blocks; two clients
    over the same three tickets, one with ``push=True`` (each server hands its output to the next)

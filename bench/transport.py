@@ -1,6 +1,6 @@
 """Transport benchmark: shoal on iroh vs plain asyncio TCP, two processes, one run.
 
-    ../shared/lo-only python -m bench.transport [--rounds 500] [--mb 64] [--cold]
+    scripts/isolated python -m bench.transport [--rounds 500] [--mb 64] [--cold]
 
 Prints JSON: for each stack, 1 KB request/response round trips on an open connection
 (``rtt_us_median``, ``rtt_us_p99``), ``throughput_mb_s`` for ``--mb`` MB sent as 4 MiB messages
