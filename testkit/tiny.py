@@ -10,6 +10,7 @@ Anything else is an override: ``tiny_model("qwen2", seed=3, num_hidden_layers=6)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,25 +37,48 @@ TINY_SHAPE: dict[str, Any] = dict(
 )
 #: Shorter than a 64-token generation, so the sliding-window path really runs.
 SLIDING_WINDOW = 24
-#: llama: GQA; mistral: GQA, sliding window on every layer; qwen2: GQA, q/k/v biases, sliding
-#: window on layers >= 2 only (``max_window_layers``).
-FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def _llama(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**shape)
+
+
+def _mistral(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, sliding window on every layer."""
+    from transformers import MistralConfig
+
+    return MistralConfig(**{"sliding_window": sliding_window, **shape})
+
+
+def _qwen2(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, q/k/v biases, sliding window on layers >= 2 only (``max_window_layers``)."""
+    from transformers import Qwen2Config
+
+    window = {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": 2}
+    return Qwen2Config(**{**window, **shape})
+
+
+#: The tiny config builder of each family: ``builder(shape, sliding_window)``, where ``shape`` is
+#: :data:`TINY_SHAPE` with the caller's overrides applied. One entry per family; the docstring of a
+#: builder says which family-specific features its config switches on.
+_BUILDERS: dict[str, Callable[[dict[str, Any], int], PretrainedConfig]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+}
+FAMILIES = tuple(_BUILDERS)
 
 
 def tiny_config(family: str = "llama", *, sliding_window: int = SLIDING_WINDOW, **overrides: Any) -> PretrainedConfig:
     """The tiny config of ``family`` (one of :data:`FAMILIES`), with ``overrides`` set on it;
-    ``sliding_window`` applies to mistral and qwen2 (llama has none)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    shape = {**TINY_SHAPE, **overrides}
-    if family == "llama":
-        return LlamaConfig(**shape)
-    if family == "mistral":
-        return MistralConfig(**{"sliding_window": sliding_window, **shape})
-    if family == "qwen2":
-        window = {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": 2}
-        return Qwen2Config(**{**window, **shape})
-    raise ValueError(f"no tiny config for {family!r}: choose one of {', '.join(FAMILIES)}")
+    ``sliding_window`` applies to the families that have one."""
+    builder = _BUILDERS.get(family)
+    if builder is None:
+        raise ValueError(f"no tiny config for {family!r}: choose one of {', '.join(FAMILIES)}")
+    return builder({**TINY_SHAPE, **overrides}, sliding_window)
 
 
 def tiny_model(
