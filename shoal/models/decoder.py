@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -167,20 +169,55 @@ class DecoderSpan(BlockSpan):
         return hidden
 
 
-class DecoderClientHead(ClientHead):
-    """Token embeddings, final norm and LM head (sharing the embedding matrix when tied)."""
+@dataclass(frozen=True)
+class HeadScalars:
+    """Scalars some families' models apply on the client side of the blocks (all off by default).
 
-    def __init__(self, embed_tokens: nn.Embedding, norm: nn.Module, lm_head: nn.Linear, dtype: torch.dtype):
+    transformers applies them in the model, not the layers, so a family whose config has them says so
+    through :attr:`DecoderFamily.head_scalars`; the client head then applies them as the model would.
+    """
+
+    embed_scale: float = 1.0  # embeddings *= this, in the embedding dtype (Gemma: sqrt(hidden_size))
+    logits_divisor: float = 1.0  # logits /= this (Granite's ``logits_scaling``)
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma's final soft-capping)
+
+
+def no_head_scalars(config) -> HeadScalars:
+    return HeadScalars()
+
+
+class DecoderClientHead(ClientHead):
+    """Token embeddings, final norm and LM head (sharing the embedding matrix when tied), with the
+    family's :class:`HeadScalars`."""
+
+    def __init__(
+        self,
+        embed_tokens: nn.Embedding,
+        norm: nn.Module,
+        lm_head: nn.Linear,
+        dtype: torch.dtype,
+        scalars: HeadScalars = HeadScalars(),
+    ):
         super().__init__()
         self.embed_tokens, self.norm, self.lm_head, self.dtype = embed_tokens, norm, lm_head, dtype
+        self.scalars = scalars
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        if self.scalars.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(self.scalars.embed_scale, dtype=hidden.dtype)
+        return hidden
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden.to(self.dtype)))
+        logits = self.lm_head(self.norm(hidden.to(self.dtype)))
+        if self.scalars.logits_divisor != 1.0:
+            logits = logits / self.scalars.logits_divisor
+        cap = self.scalars.logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, dtype, device) -> nn.Module:
@@ -215,6 +252,7 @@ class DecoderFamily:
     rotary_cls: type[nn.Module]  # called as rotary_cls(config=config)
     norm_cls: type[nn.Module]  # called as norm_cls(hidden_size, eps=config.rms_norm_eps)
     prefix: str = "model."
+    head_scalars: Callable[[Any], HeadScalars] = no_head_scalars  # the config's client-side scalars
 
     def num_blocks(self, config) -> int:
         return config.num_hidden_layers
@@ -262,4 +300,4 @@ class DecoderFamily:
             lm_head.weight = embed.weight
         else:
             _assign(lm_head, {"weight": state_dict["lm_head.weight"]}, "lm_head", dtype, device)
-        return DecoderClientHead(embed, norm, lm_head, dtype)
+        return DecoderClientHead(embed, norm, lm_head, dtype, self.head_scalars(config))
