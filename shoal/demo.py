@@ -21,7 +21,7 @@ DEFAULT_MODEL = "smollm2"
 class DemoOptions:
     prompt: str
     servers: int = 3
-    max_new_tokens: int = 48
+    max_new_tokens: int = 160  # a short answer fits (`shoal demo` passes its --max-new-tokens)
     model: str = DEFAULT_MODEL
 
 
@@ -38,6 +38,12 @@ class _TimedStreamer(TextStreamer):
             return
         self.times.append(time.perf_counter())
         super().put(value)
+
+
+def was_cut(new_tokens: list[int], max_new_tokens: int, eos_token_id: int | list[int] | None) -> bool:
+    """Whether generation stopped at the token limit rather than at an end-of-sequence token."""
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    return len(new_tokens) >= max_new_tokens and not (new_tokens and new_tokens[-1] in eos)
 
 
 def run_demo(options: DemoOptions) -> int:
@@ -66,11 +72,19 @@ def run_demo(options: DemoOptions) -> int:
             streamer = _TimedStreamer(tokenizer)
             started = time.perf_counter()
             with torch.inference_mode():
-                model.generate(**inputs, max_new_tokens=options.max_new_tokens, do_sample=False, streamer=streamer)
+                out = model.generate(
+                    **inputs, max_new_tokens=options.max_new_tokens, do_sample=False, streamer=streamer
+                )
             times = streamer.times
             ttft = times[0] - started if times else float("nan")
             decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
             print(f"\n{len(times)} tokens; first after {ttft * 1e3:.0f} ms; decode {decode:.1f} tokens/s")
+            new_tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
+            if was_cut(new_tokens, options.max_new_tokens, model.generation_config.eos_token_id):
+                print(
+                    f"(the answer was cut at the limit of {options.max_new_tokens} new tokens: "
+                    "raise it with --max-new-tokens N)"
+                )
         finally:
             model.blocks.close()
     return 0

@@ -16,18 +16,26 @@
     │   ├── NotFound                unknown session or resource
     │   └── Unavailable             the server is draining (leaving): use another one
     ├── IdentityError               the identity key file is missing, unreadable or corrupt
-    └── TicketError                 a ticket string cannot be parsed
+    ├── TicketError                 a ticket string cannot be parsed
+    ├── UsageError                  asked for something that cannot be: a bad flag value, a block range
+    │   │                           outside the model, ... (also a ValueError)
+    │   └── ModelNotFoundError      no directory, known model or Hub id by that name (also a FileNotFoundError)
+    └── BindError                   an address to listen on is taken or not ours to use
+
+The ``shoal`` command turns every one of them into one line on standard error (:mod:`shoal.cli.failures`).
 """
 
 from __future__ import annotations
 
 __all__ = [
     "BadRequest",
+    "BindError",
     "BusyError",
     "ClosedError",
     "ConnectTimeout",
     "IdentityError",
     "MessageTooLarge",
+    "ModelNotFoundError",
     "NotFound",
     "ProtocolMismatch",
     "RefusedError",
@@ -37,6 +45,7 @@ __all__ = [
     "TicketError",
     "TransportError",
     "Unavailable",
+    "UsageError",
     "WireError",
     "remote_error",
 ]
@@ -124,6 +133,22 @@ class IdentityError(ShoalError):
 
 class TicketError(ShoalError, ValueError):
     pass
+
+
+class UsageError(ShoalError, ValueError):
+    """What was asked cannot be done as asked; the message says what to change."""
+
+
+class ModelNotFoundError(UsageError, FileNotFoundError):
+    """No local directory, known model or Hub id has this name."""
+
+
+class BindError(ShoalError):
+    """An address to listen on is in use or not permitted. ``address`` is ``host:port``."""
+
+    def __init__(self, address: str, reason: str):
+        self.address = address
+        super().__init__(f"cannot listen on {address}: {reason}")
 
 
 REMOTE_CODES: dict[str, type[RemoteError]] = {

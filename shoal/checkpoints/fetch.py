@@ -33,6 +33,7 @@ from shoal.checkpoints.loading import INDEX_FILE, SINGLE_FILE, load_config, span
 from shoal.checkpoints.sharding import save_sharded
 from shoal.ids import BlockRange
 from shoal.models import get_family
+from shoal.errors import ModelNotFoundError, ShoalError
 
 MARKER = ".shoal-complete.json"
 
@@ -162,7 +163,7 @@ def fetch_model(name: str, *, progress: bool = True) -> Path:
     """The converted checkpoint directory of known model ``name``, fetching it on first use."""
     spec = KNOWN_MODELS.get(name)
     if spec is None:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
+        raise ModelNotFoundError(f"unknown model {name!r}: known models are {', '.join(sorted(KNOWN_MODELS))}")
     final = model_cache_dir(name)
     if (final / MARKER).is_file():
         return final
@@ -210,15 +211,16 @@ def resolve_model(
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
     if model in KNOWN_MODELS:
         return fetch_model(model)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         known = ", ".join(sorted(KNOWN_MODELS))
-        raise FileNotFoundError(f"{model!r} is not a directory, a Hub id (org/name), or a known model ({known})")
-
-    import huggingface_hub
+        raise ModelNotFoundError(
+            f"unknown model {model!r}: not a directory, a Hub id (org/name), or a known model ({known}; "
+            "see `shoal models list`)"
+        )
 
     meta = [
         "config.json",
@@ -230,12 +232,36 @@ def resolve_model(
         "merges.txt",
         "chat_template.*",
     ]
-    root = Path(huggingface_hub.snapshot_download(model, revision=revision, cache_dir=cache_dir, allow_patterns=meta))
+    root = Path(_hub_snapshot(model, revision=revision, cache_dir=cache_dir, allow_patterns=meta))
     if (root / INDEX_FILE).is_file():
         wanted = _wanted(load_config(root), blocks, client, metadata_only)
         shards = sorted({shard for name, shard in weight_map(root).items() if wanted(name)})
     else:
         shards = [SINGLE_FILE]
     # pin the commit just resolved (the snapshot folder's name), so shards match the index
-    huggingface_hub.snapshot_download(model, revision=root.name, cache_dir=cache_dir, allow_patterns=shards)
+    _hub_snapshot(model, revision=root.name, cache_dir=cache_dir, allow_patterns=shards)
     return root
+def _hub_snapshot(model: str, **kwargs) -> str:
+    """``huggingface_hub.snapshot_download``, with "no such model" as :class:`ModelNotFoundError`
+    and "cannot reach the Hub" as :class:`HubUnreachable` (both name the model and what to do)."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    try:
+        return huggingface_hub.snapshot_download(model, **kwargs)
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.HFValidationError) as exc:
+        raise ModelNotFoundError(
+            f"unknown model {model!r}: the Hugging Face Hub has no such model (if it is private or gated, "
+            "log in with `hf auth login`; known models: see `shoal models list`)"
+        ) from exc
+    except errors.LocalEntryNotFoundError as exc:
+        raise HubUnreachable(
+            f"cannot download {model!r}: the Hugging Face Hub is unreachable and the model is not in the local "
+            "cache (pass a local directory, or a known model from `shoal models list`)"
+        ) from exc
+
+
+class HubUnreachable(ShoalError):
+    """A Hub model was asked for, but the Hub cannot be reached and the model is not cached."""
+
+

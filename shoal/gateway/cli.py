@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from shoal.cli.main import port_number, positive_float, positive_int
 from shoal.transport import Deadlines, NetworkProfile, Ticket, TransportConfig
 
 
@@ -21,8 +22,8 @@ def _client_network(parser: argparse.ArgumentParser) -> None:
         help="local: direct addresses only (LAN, loopback); internet: iroh relays and address lookup",
     )
     group.add_argument("--bind", default="0.0.0.0:0", metavar="ADDR:PORT", help="UDP address of the iroh endpoint")
-    group.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to reach a peer")
-    group.add_argument("--request-timeout", type=float, default=60.0, help="seconds for one request or step")
+    group.add_argument("--connect-timeout", type=positive_float, default=5.0, help="seconds to reach a peer")
+    group.add_argument("--request-timeout", type=positive_float, default=60.0, help="seconds for one request or step")
 
 
 def _transport(args: argparse.Namespace) -> TransportConfig:
@@ -35,7 +36,7 @@ def _transport(args: argparse.Namespace) -> TransportConfig:
 
 def _http(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+    parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (0: any free one)")
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -87,9 +88,9 @@ def add_commands(sub) -> None:
     api.add_argument("model", help=model_help)
     _http(api)
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $SHOAL_API_KEY; none)")
-    api.add_argument("--max-concurrency", type=int, default=16, help="generations running at once")
-    api.add_argument("--max-tokens", type=int, default=512, help="answer length when a request names none")
-    api.add_argument("--num-threads", type=int, help="torch threads (embeddings, LM head)")
+    api.add_argument("--max-concurrency", type=positive_int, default=16, help="generations running at once")
+    api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
+    api.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
     _client_network(api)
     api.set_defaults(func=cmd_api)
 
@@ -101,13 +102,17 @@ def add_commands(sub) -> None:
     chat = sub.add_parser("chat", help="chat in the terminal with a model served by a swarm (one session)")
     chat.add_argument("model", help=model_help)
     chat.add_argument("--system", help="system message opening the conversation")
-    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
+    chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per answer at most")
     chat.add_argument(
-        "--max-length", type=int, help="positions of the whole conversation (default: min(context, 2048))"
+        "--max-length",
+        type=positive_int,
+        help="positions of the whole conversation (default: min(context, 2048))",
     )
-    chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int)
-    chat.add_argument("--num-threads", type=int, help="torch threads (embeddings, LM head)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    chat.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from the smallest set of tokens holding this probability"
+    )
+    chat.add_argument("--seed", type=int, help="seed of the sampling (default: random)")
+    chat.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
     _client_network(chat)
     chat.set_defaults(func=cmd_chat)

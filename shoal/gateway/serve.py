@@ -11,6 +11,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
+from shoal.errors import BindError
 from shoal.transport import Ticket, TransportConfig
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,17 @@ class GatewayOptions:
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a taken port is reported at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise BindError(address, exc.strerror or str(exc)) from exc
     sock.set_inheritable(True)
     return sock
 
@@ -48,24 +55,28 @@ def serve_gateway(options: GatewayOptions) -> int:
     from shoal.gateway.swarm import Watchers
     from shoal.heap import freeze_startup_heap
 
-    model, engine = None, None
     if options.model is not None:
-        import torch
+        from shoal.checkpoints.check import check_model
 
-        from shoal.checkpoints import model_name
-        from shoal.client import AutoDistributedModelForCausalLM
-        from shoal.gateway.engine import Engine
-
-        if options.num_threads:
-            torch.set_num_threads(options.num_threads)
-        model = AutoDistributedModelForCausalLM.from_pretrained(
-            options.model, initial_peers=[options.join], transport=options.transport
-        )
-        engine = Engine(model, model_name(options.model), options.default_max_tokens)
+        check_model(options.model)  # an unknown model or family: before the port is taken
+    sock = _bind(options.host, options.port)
+    model, engine = None, None
     try:
+        if options.model is not None:
+            import torch
+
+            from shoal.checkpoints import model_name
+            from shoal.client import AutoDistributedModelForCausalLM
+            from shoal.gateway.engine import Engine
+
+            if options.num_threads:
+                torch.set_num_threads(options.num_threads)
+            model = AutoDistributedModelForCausalLM.from_pretrained(
+                options.model, initial_peers=[options.join], transport=options.transport
+            )
+            engine = Engine(model, model_name(options.model), options.default_max_tokens)
         app = build_app(engine, Watchers(options.transport, options.join), options.api_key, options.max_concurrency)
         freeze_startup_heap()  # a long-lived process, after its heavy imports, before it says it is ready
-        sock = _bind(options.host, options.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         if engine is not None:
@@ -76,6 +87,7 @@ def serve_gateway(options: GatewayOptions) -> int:
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         if model is not None:
             try:
                 model.blocks.close()

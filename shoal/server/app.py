@@ -41,6 +41,7 @@ from shoal.server.budget import CacheBudget
 from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer
 from shoal.server.placement import Balance, Placed, choose_span, plan_move
+from shoal.server.preflight import CheckedModel, check_blocks, check_model
 from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
 from shoal.swarm.records import State
 from shoal.swarm.service import SWARM, SwarmService
@@ -71,8 +72,7 @@ def load_block_server(
     family = get_family(hf_config)
     total = family.num_blocks(hf_config)
     start, end = span.start, span.end
-    if end > total:
-        raise ValueError(f"--blocks {start}:{end} is outside the model's {total} blocks")
+    check_blocks(span, CheckedModel(model_dir, hf_config.model_type, total))
     tensors = load_tensors(model_dir, span_tensor_filter(hf_config, start, end))
     fingerprints = span_fingerprints(hf_config, start, end, tensors)
     if on_fingerprints is not None:
@@ -290,7 +290,9 @@ async def serve(
     on_ready: Callable[[Ticket], None] | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Join (or create) the swarm, load the blocks, serve until ``stop`` is set or SIGINT/SIGTERM."""
+    """Join (or create) the swarm, load the blocks, serve until ``stop`` is set or SIGINT/SIGTERM.
+    The model and the span are checked first (:mod:`shoal.server.preflight`), before anything binds."""
+    check_blocks(config.blocks, check_model(config.model))
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     compute = compute_thread(config.num_threads)

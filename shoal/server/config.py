@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.errors import UsageError
 from shoal.ids import BlockRange
 from shoal.swarm.gossip import GossipConfig
 from shoal.transport import Ticket, TransportConfig
@@ -25,7 +26,7 @@ def parse_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+        raise UsageError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
 
 
 def parse_blocks(text: str) -> BlockRange:
@@ -33,9 +34,9 @@ def parse_blocks(text: str) -> BlockRange:
     try:
         start, end = (int(part) for part in text.split(":"))
     except ValueError:
-        raise ValueError(f"--blocks takes START:END (half-open), got {text!r}") from None
+        raise UsageError(f"--blocks takes START:END (half-open), got {text!r}") from None
     if not 0 <= start < end:
-        raise ValueError(f"--blocks {text}: need 0 <= START < END")
+        raise UsageError(f"--blocks {text}: need 0 <= START < END")
     return BlockRange(start, end)
 
 
@@ -66,18 +67,18 @@ class ServerConfig:
 
     def __post_init__(self):
         if self.blocks is None and not (self.new_swarm or self.join):
-            raise ValueError(
+            raise UsageError(
                 "--blocks START:END is required outside a swarm; to let the server choose its blocks, "
                 "start it in a swarm (--new-swarm, or --join TICKET)"
             )
         if self.blocks is not None and self.num_blocks is not None:
-            raise ValueError("--blocks and --num-blocks exclude each other (--num-blocks: placed automatically)")
+            raise UsageError("--blocks and --num-blocks exclude each other (--num-blocks: placed automatically)")
         if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"--num-blocks must be at least 1, got {self.num_blocks}")
+            raise UsageError(f"--num-blocks must be at least 1, got {self.num_blocks}")
         if self.throughput is not None and not 0 <= self.throughput < 1e12:
-            raise ValueError(f"--throughput must be a non-negative number, got {self.throughput}")
+            raise UsageError(f"--throughput must be a non-negative number, got {self.throughput}")
         if not self.balance_period > 0:
-            raise ValueError(f"--balance-period must be positive, got {self.balance_period}")
+            raise UsageError(f"--balance-period must be positive, got {self.balance_period}")
 
     @property
     def placed_automatically(self) -> bool:

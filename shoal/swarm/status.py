@@ -5,17 +5,22 @@ from __future__ import annotations
 import json
 import time
 
+from shoal.errors import UsageError
 from shoal.swarm.records import ServerRecord, State
-from shoal.swarm.service import decode_table, fetch_table
+from shoal.swarm.service import SWARM, decode_table, fetch_table
 from shoal.swarm.table import RecordTable
 from shoal.transport import Node, Ticket, TransportConfig
 
 
 async def swarm_status(ticket: Ticket, transport: TransportConfig) -> dict:
     if not ticket.swarm_id:
-        raise ValueError("this ticket names no swarm (it was printed by a server started without --new-swarm/--join)")
+        raise UsageError(
+            "this ticket names no swarm: it was printed by a server started without --new-swarm or --join; "
+            "use the ticket of a swarm member"
+        )
     async with await Node.start(transport) as node:
-        payload = await fetch_table(node, ticket, transport.deadlines.connect + transport.deadlines.request)
+        await node.connect(ticket, SWARM, transport.deadlines.connect)  # a dead peer fails in --connect-timeout
+        payload = await fetch_table(node, ticket, transport.deadlines.request)
     table = RecordTable(ticket.swarm_id)
     table.merge_many(decode_table(payload))
     return summarize(table, time.time())

@@ -20,6 +20,7 @@ import iroh
 from iroh import iroh_ffi
 
 from shoal.errors import (
+    BindError,
     ClosedError,
     ConnectTimeout,
     ProtocolMismatch,
@@ -161,8 +162,9 @@ class Node(BaseNode):
         options = endpoint_options(endpoint_plan(config, alpns), secret_key or generate_key())
         try:
             endpoint = await iroh.Endpoint.bind(options)
-        except iroh.IrohError as exc:
-            raise _translate(exc, "bind") from None
+        except iroh.IrohError as exc:  # the UDP address is taken or not ours: say which one
+            reason = (exc.message() or "").splitlines()[-1].strip().removeprefix("bind: ") or exc.kind().name
+            raise BindError(config.bind_addr or "any address", f"UDP: {reason}") from None
         node = cls(endpoint, config, handlers)
         node._accept_task = asyncio.create_task(node._accept_loop())
         return node

@@ -27,7 +27,7 @@ def test_fetch_is_idempotent_and_offline(smollm2, monkeypatch):
 
     monkeypatch.setattr(fetch_module.subprocess, "run", no_subprocess)
     assert fetch_model("smollm2", progress=False) == smollm2[0]
-    with pytest.raises(ValueError, match="known: smollm2"):
+    with pytest.raises(ValueError, match="known models are smollm2"):
         fetch_model("nope")
 
 
