@@ -61,13 +61,191 @@ def _qwen2(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
     return Qwen2Config(**{**window, **shape})
 
 
+#: Not hidden_size / num_attention_heads (16), as in real Qwen3 checkpoints: the projections are not square.
+HEAD_DIM = 24
+#: Experts of the tiny MoE families (each token picks 2): enough that routing really chooses.
+NUM_EXPERTS = 4
+
+
+def _qwen3(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, q/k norms, q/k/v/o biases, head_dim apart from hidden size, sliding window on layers >= 2."""
+    from transformers import Qwen3Config
+
+    window = {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": 2}
+    return Qwen3Config(**{"head_dim": HEAD_DIM, "attention_bias": True, **window, **shape})
+
+
+def _qwen3_moe(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """Qwen3's attention (sliding window on every layer); 4 experts of width 48, top-2 with the top-2
+    weights renormalised (``norm_topk_prob``), sparse on layers 1 and 3 only (``decoder_sparse_step``
+    2), a dense MLP of width 128 on layers 0 and 2."""
+    from transformers import Qwen3MoeConfig
+
+    moe = {
+        "num_experts": NUM_EXPERTS,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 2,
+    }
+    window = {"use_sliding_window": True, "sliding_window": sliding_window}
+    return Qwen3MoeConfig(**{"head_dim": HEAD_DIM, "attention_bias": True, **moe, **window, **shape})
+
+
+def _mixtral(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, sliding window on every layer, 4 experts on every layer, top-2; ``router_jitter_noise``
+    set, though transformers applies it in training only."""
+    from transformers import MixtralConfig
+
+    moe = {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": 2, "router_jitter_noise": 0.1}
+    return MixtralConfig(**{"head_dim": HEAD_DIM, "sliding_window": sliding_window, **moe, **shape})
+
+
+#: Gemma 3's tiny window at most: shorter than the swarm tests' 12-token prompts, so the prefill slides too.
+GEMMA3_WINDOW = 8
+
+
+def _gemma3(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """Gemma 3 text: sliding and full layers mixed (``layer_types``), a window of at most
+    :data:`GEMMA3_WINDOW`, a rotary per layer type (sliding theta 500, full theta 50k with linear scaling 2),
+    ``query_pre_attn_scalar`` 24 (not head_dim 16), final logit soft-capping (on the client, as are
+    the embeddings' sqrt(hidden_size) scale), q/k/v/o biases. ``attn_logit_softcapping`` is set too,
+    though transformers' Gemma 3 layer (5.24) does not apply it."""
+    from transformers import Gemma3TextConfig
+
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
+    }
+    layers = shape["num_hidden_layers"]
+    gemma = {
+        "head_dim": 16,
+        "sliding_window": min(sliding_window, GEMMA3_WINDOW),
+        # 4 blocks: sliding, full, sliding, sliding (the 2- and 3-hop routes get mixed and single-type spans)
+        "layer_types": ["full_attention" if i % 4 == 1 else "sliding_attention" for i in range(layers)],
+        "rope_parameters": rope,
+        "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 10.0,
+        "attn_logit_softcapping": 20.0,
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+    }
+    return Gemma3TextConfig(**{**gemma, **shape})
+
+
+def _phi3(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, fused q/k/v and gate/up projections, rotary on half of each head
+    (``partial_rotary_factor`` 0.5, theta 500), sliding window on every layer."""
+    from transformers import Phi3Config
+
+    rope = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}
+    return Phi3Config(**{"sliding_window": sliding_window, "rope_parameters": rope, **shape})
+
+
+def _falcon_shape(shape: dict[str, Any]) -> dict[str, Any]:
+    """:data:`TINY_SHAPE` in FalconConfig's names (it would keep the others as stray attributes)."""
+    shape = dict(shape)
+    shape["ffn_hidden_size"] = shape.pop("intermediate_size")
+    shape["num_kv_heads"] = shape.pop("num_key_value_heads")
+    return shape
+
+
+def _falcon(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """Falcon-7B's layout, FalconConfig's defaults: multi-query (one kv head), rotary, attention and
+    MLP in parallel after one shared LayerNorm."""
+    from transformers import FalconConfig
+
+    return FalconConfig(**_falcon_shape(shape))
+
+
+def _falcon_alibi(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """Falcon-RW's layout: alibi instead of rotary, multi-head (not multi-query), attention then MLP
+    (not in parallel), biases on every linear layer."""
+    from transformers import FalconConfig
+
+    shape = _falcon_shape(shape)
+    shape["num_kv_heads"] = shape["num_attention_heads"]  # the old architecture caches one kv head per head
+    return FalconConfig(**{"alibi": True, "multi_query": False, "parallel_attn": False, "bias": True, **shape})
+
+
+def _falcon_new_arch(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """Falcon-40B's layout: the new decoder architecture (grouped kv heads, separate ``ln_attn`` and
+    ``ln_mlp``, attention and MLP in parallel), rotary with theta 500."""
+    from transformers import FalconConfig
+
+    arch = {"new_decoder_architecture": True, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+    return FalconConfig(**{**arch, **_falcon_shape(shape)})
+
+
+# --- families without an adapter, served by the generic path (shoal.models.generic) ---------------
+
+
+def _olmo2(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, q/k RMS norms over all heads, norms after attention and MLP instead of before."""
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**shape)
+
+
+def _granite(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, every multiplier off its default of 1: embeddings and logits scaled on the client
+    (``embedding_multiplier``, ``logits_scaling``), residual and attention scaled in the layers."""
+    from transformers import GraniteConfig
+
+    scalars = {"embedding_multiplier": 3.0, "logits_scaling": 2.0, "residual_multiplier": 0.5}
+    return GraniteConfig(**{**scalars, "attention_multiplier": 0.1, **shape})
+
+
+def _helium(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, head_dim given (16), RMS norm epsilon 1e-8."""
+    from transformers import HeliumConfig
+
+    return HeliumConfig(**{"head_dim": 16, **shape})
+
+
+def _glm(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """GQA, q/k/v biases, fused gate/up projection, rotary on half of each head (interleaved)."""
+    from transformers import GlmConfig
+
+    return GlmConfig(**{"head_dim": 16, **shape})
+
+
+def _olmo3(shape: dict[str, Any], sliding_window: int) -> PretrainedConfig:
+    """Olmo 2's layers with sliding and full layers mixed (``layer_types``: 3 sliding, 1 full), the
+    window shorter than a generation, and a rotary per layer type (theta 500 and 50k)."""
+    from transformers import Olmo3Config
+
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 50_000.0},
+    }
+    return Olmo3Config(**{"sliding_window": sliding_window, "rope_parameters": rope, **shape})
+
+
+#: Families served by the generic path, not by an adapter: shoal names none of them (tested).
+GENERIC_FAMILIES = ("glm", "granite", "helium", "olmo2", "olmo3")
+
+
 #: The tiny config builder of each family: ``builder(shape, sliding_window)``, where ``shape`` is
 #: :data:`TINY_SHAPE` with the caller's overrides applied. One entry per family; the docstring of a
 #: builder says which family-specific features its config switches on.
 _BUILDERS: dict[str, Callable[[dict[str, Any], int], PretrainedConfig]] = {
+    "falcon": _falcon,
+    "falcon_alibi": _falcon_alibi,
+    "falcon_new_arch": _falcon_new_arch,
+    "gemma3": _gemma3,
+    "glm": _glm,
+    "granite": _granite,
+    "helium": _helium,
     "llama": _llama,
     "mistral": _mistral,
+    "mixtral": _mixtral,
+    "olmo2": _olmo2,
+    "olmo3": _olmo3,
+    "phi3": _phi3,
     "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
 }
 FAMILIES = tuple(_BUILDERS)
 
@@ -130,6 +308,7 @@ def char_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
 
 __all__ = [
     "FAMILIES",
+    "GENERIC_FAMILIES",
     "LARGE_INIT",
     "SLIDING_WINDOW",
     "TINY_SHAPE",

@@ -31,3 +31,17 @@ def smollm2_dir() -> Path:
             pytrace=False,
         )
     return fetch_model("smollm2", progress=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """The fetched Gemma-3-270M checkpoint; a missing one FAILS the test (never skips)."""
+    from shoal.checkpoints import fetch_model, is_fetched, model_cache_dir
+
+    if not is_fetched("gemma3"):
+        pytest.fail(
+            f"Gemma 3 is not fetched (expected at {model_cache_dir('gemma3')}): run `shoal models fetch gemma3` "
+            "once (it needs the network), then rerun the tests",
+            pytrace=False,
+        )
+    return fetch_model("gemma3", progress=False)

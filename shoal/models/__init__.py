@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from shoal.errors import UsageError
 from shoal.models.base import BlockSpan, CacheGeometry, ClientHead, Family, SpanCache
 
 __all__ = [
@@ -22,14 +23,20 @@ __all__ = [
 ]
 
 _FAMILY_MODULES: dict[str, str] = {
+    "falcon": "shoal.models.falcon",
+    "gemma3_text": "shoal.models.gemma3",
     "llama": "shoal.models.llama",
     "mistral": "shoal.models.mistral",
+    "mixtral": "shoal.models.mixtral",
+    "phi3": "shoal.models.phi3",
     "qwen2": "shoal.models.qwen2",
+    "qwen3": "shoal.models.qwen3",
+    "qwen3_moe": "shoal.models.qwen3_moe",
 }
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint's ``model_type`` has no family adapter."""
+class UnsupportedModelError(UsageError):
+    """The checkpoint's ``model_type`` has no family adapter, and the model does not fit the generic path."""
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -37,11 +44,18 @@ def supported_model_types() -> tuple[str, ...]:
 
 
 def get_family(config) -> Family:
-    """The family adapter for ``config`` (anything with ``model_type``, e.g. a transformers config)."""
+    """The family adapter for ``config`` (anything with ``model_type``, e.g. a transformers config);
+    a model type without one goes the generic path (:mod:`shoal.models.generic`), if it fits."""
     model_type = getattr(config, "model_type", None)
     module = _FAMILY_MODULES.get(model_type)
-    if module is None:
+    if module is not None:
+        return importlib.import_module(module).FAMILY
+    from shoal.models.generic import UnfitModel, generic_family  # builds a tiny model: only when needed
+
+    try:
+        return generic_family(config)
+    except UnfitModel as unfit:
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
-        )
-    return importlib.import_module(module).FAMILY
+            f"unsupported model_type {model_type!r}: no family adapter (supported: "
+            f"{', '.join(supported_model_types())}) and the generic path does not fit: {unfit}"
+        ) from None

@@ -98,15 +98,49 @@ class _MaskSizes:
         return self.past + query_length - offset, offset
 
 
+def checked_step(
+    hidden: torch.Tensor, attention_mask: torch.Tensor | None, cache: SpanKVCache | None, past_length: int
+) -> torch.Tensor | None:
+    """Refuse a step that does not fit ``cache`` or whose mask does not cover ``past_length + n``;
+    returns the mask as bool on ``hidden``'s device (a span's first act, whatever its family)."""
+    batch, n = hidden.shape[:2]
+    if cache is None and past_length:
+        raise ValueError("past_length > 0 needs a cache")
+    if cache is not None:
+        if batch != cache.batch_size:
+            raise ValueError(f"batch {batch} != cache batch {cache.batch_size}")
+        if not 0 <= past_length <= cache.length:
+            raise ValueError(f"past_length {past_length} outside the cached [0, {cache.length}]")
+        if past_length + n > cache.max_length:
+            raise ValueError(f"{past_length} + {n} positions exceed the cache's {cache.max_length}")
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != (batch, past_length + n):
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != {(batch, past_length + n)}")
+    return attention_mask.to(device=hidden.device, dtype=torch.bool)
+
+
 class DecoderSpan(BlockSpan):
     """Blocks ``[start, end)`` of a llama-like model with their rotary embedding and masks."""
 
-    def __init__(self, config, start: int, end: int, layers: nn.ModuleList, rotary: nn.Module, geometry):
+    def __init__(
+        self,
+        config,
+        start: int,
+        end: int,
+        layers: nn.ModuleList,
+        rotary: nn.Module,
+        geometry,
+        rotary_keys: list[str | None] | None = None,
+    ):
         super().__init__()
         self.config, self.start, self.end = config, start, end
         self.layers, self.rotary_emb, self.geometry = layers, rotary, geometry
         self.dtype = geometry.dtype
         self.windows = [sliding_window_of(config, i) for i in range(start, end)]
+        # per layer, the argument the rotary takes besides (hidden, positions): None for the model's
+        # single rotary, a layer type where the model builds one per type (see DecoderFamily)
+        self.rotary_keys = rotary_keys if rotary_keys is not None else [None] * len(layers)
         self._cache_kw = _cache_kwarg(type(layers[0]).forward)
 
     def allocate_cache(self, batch_size: int, max_length: int) -> SpanKVCache:
@@ -126,6 +160,12 @@ class DecoderSpan(BlockSpan):
             **{_MASK_CACHE_KW: _MaskSizes(past_length, window)},
         )
 
+    def _position_embeddings(self, hidden, position_ids, key: str | None):
+        """(cos, sin) [batch, n, head_dim] of the rotary for ``key`` (None: the model's only one)."""
+        if key is None:
+            return self.rotary_emb(hidden, position_ids)
+        return self.rotary_emb(hidden, position_ids, key)
+
     @torch.no_grad()
     def forward(
         self,
@@ -135,33 +175,21 @@ class DecoderSpan(BlockSpan):
         cache: SpanKVCache | None = None,
         past_length: int = 0,
     ) -> torch.Tensor:
-        batch, n = hidden.shape[:2]
-        if cache is None and past_length:
-            raise ValueError("past_length > 0 needs a cache")
-        if cache is not None:
-            if batch != cache.batch_size:
-                raise ValueError(f"batch {batch} != cache batch {cache.batch_size}")
-            if not 0 <= past_length <= cache.length:
-                raise ValueError(f"past_length {past_length} outside the cached [0, {cache.length}]")
-            if past_length + n > cache.max_length:
-                raise ValueError(f"{past_length} + {n} positions exceed the cache's {cache.max_length}")
-        if attention_mask is not None:
-            if tuple(attention_mask.shape) != (batch, past_length + n):
-                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != {(batch, past_length + n)}")
-            attention_mask = attention_mask.to(device=hidden.device, dtype=torch.bool)
+        n = hidden.shape[1]
+        attention_mask = checked_step(hidden, attention_mask, cache, past_length)
         hidden = hidden.to(self.dtype)
-        position_embeddings = self.rotary_emb(hidden, position_ids)  # (cos, sin) [batch, n, head_dim]
+        rotations = {key: self._position_embeddings(hidden, position_ids, key) for key in set(self.rotary_keys)}
         masks = {w: self._mask(w, hidden, attention_mask, position_ids, past_length) for w in set(self.windows)}
         step = None
         if cache is not None:
             step = _CacheStep(cache, self.start, past_length, [_kv_offset(past_length, w) for w in self.windows])
-        for layer, window in zip(self.layers, self.windows, strict=True):
+        for layer, window, key in zip(self.layers, self.windows, self.rotary_keys, strict=True):
             hidden = layer(
                 hidden,
                 attention_mask=masks[window],
                 position_ids=position_ids,
                 use_cache=cache is not None,
-                position_embeddings=position_embeddings,
+                position_embeddings=rotations[key],
                 **{self._cache_kw: step},
             )
         if cache is not None:
@@ -177,13 +205,21 @@ class HeadScalars:
     through :attr:`DecoderFamily.head_scalars`; the client head then applies them as the model would.
     """
 
-    embed_scale: float = 1.0  # embeddings *= this, in the embedding dtype (Gemma: sqrt(hidden_size))
-    logits_divisor: float = 1.0  # logits /= this (Granite's ``logits_scaling``)
+    embed_scale: float = 1.0  # embeddings *= this (Gemma: sqrt(hidden_size); a config's embedding_multiplier)
+    embed_scale_in_dtype: bool = False  # round the scale to the embeddings' dtype first, as Gemma does
+    logits_divisor: float = 1.0  # logits /= this (a config's ``logits_scaling``)
     logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma's final soft-capping)
 
 
 def no_head_scalars(config) -> HeadScalars:
     return HeadScalars()
+
+
+BlockTensors = dict[str, torch.Tensor]  # one block's tensors, named relative to its block prefix
+
+
+def tensors_as_stored(config, tensors: BlockTensors) -> BlockTensors:
+    return tensors
 
 
 class DecoderClientHead(ClientHead):
@@ -205,8 +241,9 @@ class DecoderClientHead(ClientHead):
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.scalars.embed_scale != 1.0:
-            hidden = hidden * torch.tensor(self.scalars.embed_scale, dtype=hidden.dtype)
+        scale = self.scalars.embed_scale
+        if scale != 1.0:  # in bf16 the two differ: a rounded scale (Gemma) or a float one (the others)
+            hidden = hidden * (torch.tensor(scale).to(hidden.dtype) if self.scalars.embed_scale_in_dtype else scale)
         return hidden
 
     @torch.no_grad()
@@ -240,6 +277,9 @@ def prepare_config(config):
     config = copy.deepcopy(config)
     if getattr(config, "_attn_implementation", None) is None:
         config._attn_implementation = "sdpa"
+    if getattr(config, "_experts_implementation", None) is None:
+        # what PreTrainedModel.get_correct_experts_implementation picks for MoE layers (others ignore it)
+        config._experts_implementation = "grouped_mm"
     return config
 
 
@@ -253,6 +293,11 @@ class DecoderFamily:
     norm_cls: type[nn.Module]  # called as norm_cls(hidden_size, eps=config.rms_norm_eps)
     prefix: str = "model."
     head_scalars: Callable[[Any], HeadScalars] = no_head_scalars  # the config's client-side scalars
+    # one block's checkpoint tensors -> the names and layout its layer_cls expects (e.g. fusing experts)
+    convert_block_tensors: Callable[[Any, BlockTensors], BlockTensors] = tensors_as_stored
+    # the model builds one rotary per entry of config.layer_types, called rotary(x, positions, layer_type)
+    # (Gemma 3: sliding and full layers have their own theta and scaling)
+    rotary_per_layer_type: bool = False
 
     def num_blocks(self, config) -> int:
         return config.num_hidden_layers
@@ -279,10 +324,12 @@ class DecoderFamily:
         local = {}
         for i in range(start, end):
             prefix = self.block_tensor_prefix(config, i)
-            local.update({f"{i - start}.{k[len(prefix) :]}": v for k, v in state_dict.items() if k.startswith(prefix)})
+            block = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+            local.update({f"{i - start}.{k}": v for k, v in self.convert_block_tensors(config, block).items()})
         _assign(layers, local, f"blocks [{start}, {end})", dtype, device)
         rotary = self.rotary_cls(config=config).to(device)  # inv_freq stays fp32, as it is computed
-        return DecoderSpan(config, start, end, layers, rotary, self.cache_geometry(config, dtype))
+        keys = [config.layer_types[i] for i in range(start, end)] if self.rotary_per_layer_type else None
+        return DecoderSpan(config, start, end, layers, rotary, self.cache_geometry(config, dtype), keys)
 
     def build_client_head(self, config, state_dict, dtype, device) -> DecoderClientHead:
         tied = getattr(config, "tie_word_embeddings", False)

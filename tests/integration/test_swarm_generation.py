@@ -5,9 +5,17 @@ chain ``shoal serve`` runs, on an in-memory network), e.g. for 4 blocks ``[0:2] 
 a client given ``[0:2], [2:4]`` routes over 2 servers, one given ``[0:1], [1:2], [2:4]`` over 3.
 Models: random tiny ``llama`` (GQA), ``mistral`` (GQA, sliding window shorter than the generation)
 and ``qwen2`` (GQA, q/k/v biases, sliding window on the upper layers) from :mod:`testkit.tiny`, whose
-large init keeps greedy choices far from ties; and the real SmolLM2-135M-Instruct (fetched once with
-``shoal models fetch smollm2``). One test runs the tiny llama through 2 ``shoal serve`` processes over
-iroh (:class:`~shoal.launch.LocalSwarm`): the CLI and the cross-process push chain.
+large init keeps greedy choices far from ties; ``qwen3`` (q/k norms, biases, head_dim apart from the
+hidden size, per-layer sliding windows), and the mixtures of experts ``qwen3_moe`` and ``mixtral`` (4
+experts, top-2, written in the Hub's per-expert layout; their seeds keep router choices 1e-2 from
+ties); ``phi3`` (fused projections, rotary on half of each head, sliding window), ``falcon_alibi``
+(alibi, multi-head, sequential, biases) and ``falcon_new_arch`` (grouped kv heads, ``ln_attn`` and
+``ln_mlp``, rotary); ``olmo2`` (norms after attention and MLP, q/k norms) and ``granite`` (every
+multiplier off 1), which have no adapter and go the generic path; ``gemma3`` (sliding and full layers,
+a rotary per layer type, a window shorter than the prompt, scaled embeddings, final soft-capping;
+real Gemma 3 weights: ``test_gemma3``); and the real SmolLM2-135M-Instruct
+(fetched once with ``shoal models fetch smollm2``). One test runs the tiny llama through 2 ``shoal serve``
+processes over iroh (:class:`~shoal.launch.LocalSwarm`): the CLI and the cross-process push chain.
 
 The reference is ``AutoModelForCausalLM.from_pretrained(checkpoint)`` in fp32, one torch thread; its
 outputs are computed once per model and shared by both routes.
@@ -31,18 +39,48 @@ from shoal.launch import InProcessSwarm, LocalSwarm, even_spans
 from shoal.launch.inprocess import LOOPBACK
 from shoal.models import get_family
 from testkit.tiny import char_tokenizer, tiny_checkpoint
+from tests.helpers.moe import min_router_margin
 from tests.helpers.parity import assert_logits_close, greedy_with_gap, left_padded
 
 pytestmark = pytest.mark.timeout(120)
 
-MODEL_ORDER = ("llama", "mistral", "qwen2", "smollm2")
+MODEL_ORDER = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "gemma3",
+    "phi3",
+    "falcon_alibi",
+    "falcon_new_arch",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "olmo2",
+    "granite",
+    "smollm2",
+)
 HOPS = (2, 3)
 # module-scoped parameters: pytest runs each model's tests together, with one swarm alive at a time
 CASES = [pytest.param(name, hops, id=f"{name}-{hops}hops") for name in MODEL_ORDER for hops in HOPS]
 # batch, sampling and session tests: every route for the tiny models, the 3-hop route for SmolLM2 (whose
 # tokens cost ~0.1 s each here; the 2-hop route is covered by its greedy and logits tests)
 FEATURE_CASES = [c for c in CASES if c.values[0] != "smollm2" or c.values[1] == 3]
-TINY_SEEDS = {"llama": 0, "mistral": 1, "qwen2": 2}
+TINY_SEEDS = {
+    "llama": 0,
+    "mistral": 1,
+    "qwen2": 2,
+    "gemma3": 15,
+    "phi3": 25,
+    "falcon_alibi": 23,
+    "falcon_new_arch": 22,
+    "qwen3": 7,
+    "qwen3_moe": 28,
+    "mixtral": 21,
+    "olmo2": 30,
+    "granite": 34,
+}
+MOE_MODELS = ("qwen3_moe", "mixtral")
+ROUTER_MARGIN = 1e-2  # smallest gap between a token's k-th and (k+1)-th router logit in the reference's runs
 MIN_GAP = 1e-3  # smallest top-2 logit gap of the reference's greedy runs: far above fp32 noise (~1e-5)
 ATOL = 1e-4
 COUNTED = (  # server counters whose change over a session the tests check
@@ -102,6 +140,13 @@ class Case:
 
     def greedy64(self) -> tuple[torch.Tensor, float]:
         return self.expected("greedy64", lambda: greedy_with_gap(self.reference, self.prompt, max_new_tokens=64))
+
+    def batch_greedy(self) -> tuple[torch.Tensor, float]:
+        ids, mask = self.batch
+        n = self.new_tokens["batch"]
+        return self.expected(
+            "batch", lambda: greedy_with_gap(self.reference, ids, attention_mask=mask, max_new_tokens=n)
+        )
 
     def client(self, hops: int):
         if hops not in self.clients:
@@ -220,16 +265,26 @@ def test_forward_logits(case, model, hops, parity_findings):
     parity_findings.append(line)
 
 
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_router_margins(case):
+    """In every sparse layer, each token of the greedy run and of the padded batch run (pads aside)
+    ranks its top-2 experts at least 1e-2 above the next in router logits: fp32 noise (~1e-5) cannot
+    send a token to other experts, so the MoE models' equality tests are fair."""
+    greedy64, _ = case.greedy64()
+    batch_run, _ = case.batch_greedy()
+    ids, mask = case.batch
+    batch_mask = torch.cat([mask, torch.ones(mask.shape[0], batch_run.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+    margins = (min_router_margin(case.reference, greedy64), min_router_margin(case.reference, batch_run, batch_mask))
+    assert min(margins) >= ROUTER_MARGIN, f"router near-tie (margins {margins}): choose another seed"
+
+
 @pytest.mark.parametrize(("name", "hops"), FEATURE_CASES)
 def test_left_padded_batch(case, model):
     """3 prompts of different lengths, left-padded: batched greedy generation equals local."""
     ids, mask = case.batch
-    n = case.new_tokens["batch"]
-    expected, gap = case.expected(
-        "batch", lambda: greedy_with_gap(case.reference, ids, attention_mask=mask, max_new_tokens=n)
-    )
+    expected, gap = case.batch_greedy()
     assert gap > MIN_GAP, f"reference batch run has a near-tie (top-2 gap {gap:.2e})"
-    got = model.generate(ids, attention_mask=mask, max_new_tokens=n, **GREEDY)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=case.new_tokens["batch"], **GREEDY)
     assert got.shape == expected.shape
     mismatch = (got != expected).nonzero()
     assert mismatch.numel() == 0, f"first mismatch at (row, col) {mismatch[0].tolist()}"
@@ -266,7 +321,8 @@ def test_two_generates_in_one_session(case, model, hops):
     before = model.blocks.server_infos()
     with model.inference_session(max_length=p + 64) as session:
         first = model.generate(case.prompt, max_new_tokens=32, **GREEDY)
-        second = model.generate(first, max_new_tokens=32, **GREEDY)
+        # a generated pad id (0) must not be masked: the reference is one run that never masks it
+        second = model.generate(first, attention_mask=torch.ones_like(first), max_new_tokens=32, **GREEDY)
         assert session.position == p + 63
     after = model.blocks.server_infos()
     assert torch.equal(second, expected)

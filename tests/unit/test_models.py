@@ -17,11 +17,18 @@ torch.set_num_threads(1)
 
 # testkit.tiny's configs, changed where these tests want it. llama: plain MHA with tied embeddings (as
 # SmolLM2); mistral: GQA, sliding window on all layers; qwen2: GQA, q/k/v biases, sliding window on
-# layers >= 2 only. Windows (6) are shorter than the sequences below, so the sliding path is really run.
+# layers >= 2 only; qwen3, qwen3_moe and mixtral as testkit.tiny makes them (q/k norms; experts, stored
+# per expert as on the Hub); gemma3 as testkit.tiny makes it (sliding and full layers, a rotary per layer
+# type, scaled embeddings, final soft-capping). Windows (6) are shorter than the sequences below, so the sliding
+# path is really run.
 OVERRIDES = {
     "llama": {"num_key_value_heads": 4, "tie_word_embeddings": True},
     "mistral": {"sliding_window": 6},
     "qwen2": {"sliding_window": 6},
+    "qwen3": {"sliding_window": 6},
+    "qwen3_moe": {"sliding_window": 6},
+    "mixtral": {"sliding_window": 6},
+    "gemma3": {"sliding_window": 6},
 }
 # Llama's own init: hidden states ~4 in size, where the tiny default's large init (made for greedy
 # parity) grows them to ~100 and an absolute tolerance would mean 25x less
@@ -197,5 +204,5 @@ def test_span_rejects_bad_calls(checkpoint):
 
 
 def test_unsupported_family_names_supported_ones():
-    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, mixtral"):
         get_family(type("Config", (), {"model_type": "gpt2"})())

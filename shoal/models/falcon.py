@@ -1,0 +1,192 @@
+"""Falcon family: its own layout and layer signature around transformers' ``FalconDecoderLayer``.
+
+Layout: blocks ``transformer.h.N.``, embeddings ``transformer.word_embeddings``, a LayerNorm with bias
+``transformer.ln_f``, an LM head tied to the embeddings unless the config says otherwise. The layer
+takes ``alibi`` and ``layer_past`` and returns a tuple. The config picks the variant, all inside the
+layer: rotary or alibi position bias, multi-query (one kv head), the new decoder architecture (grouped
+kv heads, ``ln_attn``/``ln_mlp``) or plain multi-head, parallel or sequential attention and MLP.
+
+As ``FalconModel`` does, a span always materialises the causal mask and, with alibi, adds the bias to
+it: alibi counts the non-padded positions of each row's attention mask (past and new), so left padding
+and a KV cache shift it exactly as in the full model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import masking_utils
+from transformers.models.falcon.modeling_falcon import FalconDecoderLayer, FalconRotaryEmbedding, build_alibi_tensor
+
+from shoal.models.base import BlockSpan, CacheGeometry
+from shoal.models.decoder import (
+    _MASK_CACHE_KW,
+    DecoderClientHead,
+    SpanKVCache,
+    _assign,
+    _CacheStep,
+    _MaskSizes,
+    checked_step,
+    prepare_config,
+)
+
+PREFIX = "transformer."
+
+
+def kv_heads(config) -> tuple[int, int]:
+    """(key/value heads a block's cache stores, query heads sharing each of them).
+
+    The new decoder architecture has ``num_kv_heads`` groups, which the layer broadcasts to one key per
+    query head before caching; the cache keeps one per group and expands on read (same values).
+    """
+    if config.new_decoder_architecture:
+        return config.num_kv_heads, config.num_attention_heads // config.num_kv_heads
+    return (1 if config.multi_query else config.num_attention_heads), 1
+
+
+class _GroupedCacheStep(_CacheStep):
+    """A cache step storing one key/value per group of ``groups`` query heads, whose keys and values
+    the layer has already repeated (head ``h`` holds group ``h // groups``)."""
+
+    def __init__(self, cache: SpanKVCache, start: int, past_length: int, num_layers: int, groups: int):
+        super().__init__(cache, start, past_length, [0] * num_layers)
+        self.groups = groups
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.groups == 1:
+            return super().update(key_states, value_states, layer_idx)
+        g = self.groups
+        keys, values = super().update(key_states[:, ::g], value_states[:, ::g], layer_idx)
+        return keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+
+
+class FalconSpan(BlockSpan):
+    """Blocks ``[start, end)`` of a Falcon model with its rotary embedding or alibi bias and mask."""
+
+    def __init__(self, config, start: int, end: int, layers: nn.ModuleList, rotary: nn.Module | None, geometry):
+        super().__init__()
+        self.config, self.start, self.end = config, start, end
+        self.layers, self.rotary_emb, self.geometry = layers, rotary, geometry
+        self.dtype = geometry.dtype
+        self.groups = kv_heads(config)[1]
+
+    def allocate_cache(self, batch_size: int, max_length: int) -> SpanKVCache:
+        device = next(self.layers.parameters()).device
+        return SpanKVCache(len(self.layers), batch_size, max_length, self.geometry, device)
+
+    def _mask_and_alibi(self, hidden, attention_mask, position_ids, past_length):
+        """FalconModel's mask, always materialised, and with alibi its bias [batch, heads, 1, kv], which
+        the mask then carries too (masked positions stay at the dtype's lowest value)."""
+        mask = masking_utils.create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            allow_is_causal_skip=False,
+            **{_MASK_CACHE_KW: _MaskSizes(past_length, None)},
+        )
+        if not self.config.alibi:
+            return mask, None
+        batch, n = hidden.shape[:2]
+        keys = attention_mask if attention_mask is not None else torch.ones(batch, past_length + n, dtype=torch.bool)
+        heads = self.config.num_attention_heads
+        alibi = build_alibi_tensor(keys.to(device=hidden.device, dtype=torch.long), heads, hidden.dtype)
+        alibi = alibi.reshape(batch, heads, 1, past_length + n)
+        if mask is None or mask.ndim != 4:
+            return mask, alibi
+        lowest = torch.finfo(hidden.dtype).min
+        if mask.dtype == torch.bool:
+            mask = torch.where(mask, torch.full((), 0.0, device=mask.device, dtype=hidden.dtype), lowest)
+        return torch.masked_fill(alibi / math.sqrt(self.config.hidden_size // heads), mask < -1, lowest), alibi
+
+    @torch.no_grad()
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: SpanKVCache | None = None,
+        past_length: int = 0,
+    ) -> torch.Tensor:
+        n = hidden.shape[1]
+        attention_mask = checked_step(hidden, attention_mask, cache, past_length)
+        hidden = hidden.to(self.dtype)
+        mask, alibi = self._mask_and_alibi(hidden, attention_mask, position_ids, past_length)
+        rotation = None if self.rotary_emb is None else self.rotary_emb(hidden, position_ids)
+        step = None
+        if cache is not None:
+            step = _GroupedCacheStep(cache, self.start, past_length, len(self.layers), self.groups)
+        for layer in self.layers:
+            hidden, _ = layer(
+                hidden,
+                alibi=alibi,
+                attention_mask=mask,
+                position_ids=position_ids,
+                layer_past=step,
+                use_cache=cache is not None,
+                position_embeddings=rotation,
+            )
+        if cache is not None:
+            cache.length = past_length + n
+        return hidden
+
+
+@dataclass(frozen=True)
+class FalconFamily:
+    """Falcon's checkpoint layout and span; ``layer_cls`` lets the server size a block."""
+
+    model_types: tuple[str, ...] = ("falcon",)
+    layer_cls: type[nn.Module] = FalconDecoderLayer  # called as layer_cls(config, global_layer_idx)
+
+    def num_blocks(self, config) -> int:
+        return config.num_hidden_layers
+
+    def block_tensor_prefix(self, config, index: int) -> str:
+        return f"{PREFIX}h.{index}."
+
+    def client_tensor_names(self, config) -> list[str]:
+        names = [f"{PREFIX}word_embeddings.weight", f"{PREFIX}ln_f.weight", f"{PREFIX}ln_f.bias"]
+        if not config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        return names
+
+    def cache_geometry(self, config, dtype: torch.dtype) -> CacheGeometry:
+        return CacheGeometry(kv_heads(config)[0], config.hidden_size // config.num_attention_heads, dtype)
+
+    def build_span(self, config, start, end, state_dict, dtype, device) -> FalconSpan:
+        if not 0 <= start < end <= self.num_blocks(config):
+            raise ValueError(f"bad block range [{start}, {end}) for {self.num_blocks(config)} blocks")
+        config = prepare_config(config)
+        with torch.device("meta"):
+            layers = nn.ModuleList(self.layer_cls(config, i) for i in range(start, end))
+        local = {}
+        for i in range(start, end):
+            prefix = self.block_tensor_prefix(config, i)
+            local.update({f"{i - start}.{k[len(prefix) :]}": v for k, v in state_dict.items() if k.startswith(prefix)})
+        _assign(layers, local, f"blocks [{start}, {end})", dtype, device)
+        rotary = None if config.alibi else FalconRotaryEmbedding(config=config).to(device)  # inv_freq stays fp32
+        return FalconSpan(config, start, end, layers, rotary, self.cache_geometry(config, dtype))
+
+    def build_client_head(self, config, state_dict, dtype, device) -> DecoderClientHead:
+        missing = [name for name in self.client_tensor_names(config) if name not in state_dict]
+        if missing:
+            raise ValueError(f"client head: missing tensors {missing}")
+        with torch.device("meta"):
+            embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+            lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        embeddings = {"weight": state_dict[f"{PREFIX}word_embeddings.weight"]}
+        _assign(embed, embeddings, "embeddings", dtype, device)
+        final_norm = {k: state_dict[f"{PREFIX}ln_f.{k}"] for k in ("weight", "bias")}
+        _assign(norm, final_norm, "final norm", dtype, device)
+        if config.tie_word_embeddings:
+            lm_head.weight = embed.weight
+        else:
+            _assign(lm_head, {"weight": state_dict["lm_head.weight"]}, "lm_head", dtype, device)
+        return DecoderClientHead(embed, norm, lm_head, dtype)
+
+
+FAMILY = FalconFamily()
