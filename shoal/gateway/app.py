@@ -4,7 +4,14 @@
     POST /v1/chat/completions       chat template, ``stream: true`` as SSE chunks ending in [DONE]
     POST /v1/completions            plain prompt continuation
     GET  /dashboard                 live swarm page (HTML + a little JS, polls /api/swarm)
-    GET  /api/swarm[?ticket=T]      the swarm's status as JSON (any swarm, with ``ticket``)
+    GET  /api/swarm[?ticket=T]      the swarm's status as JSON (any swarm, with ``ticket``): servers
+                                    with their latest load, the swarm graph, this gateway's routes
+    GET  /api/swarm/history[?ticket=T&since=S]  1-second load samples of the last 10 minutes
+    GET  /healthz                   200 while the process answers
+    GET  /readyz                    200 when the swarm can serve the model (every block has an online
+                                    server); 503 with the reason (and the uncovered blocks) otherwise
+
+The dashboard, its JSON and the health checks need no API key (probes and browsers send none).
 
 Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``. Generation
 runs in a thread pool (one ``generate`` and one server-side session per request); a streaming client
@@ -32,7 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shoal.errors import BusyError, ShoalError
 from shoal.gateway.engine import Completion, Engine, GatewayError
 from shoal.gateway.schemas import ChatRequest, CompletionRequest, parse
-from shoal.gateway.swarm import Watchers
+from shoal.gateway.swarm import SwarmWatcher, Watchers
+from shoal.gateway.views import readiness, swarm_graph
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +199,8 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if watchers.default is not None:
+            watchers.get(None)  # the gateway's own swarm: its load history starts now
         yield
         gateway.pool.shutdown(wait=False, cancel_futures=True)
         await gateway.watchers.close()
@@ -269,15 +279,37 @@ def build_app(
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(files("shoal.gateway").joinpath("dashboard.html").read_text(encoding="utf-8"))
 
-    @app.get("/api/swarm")
-    async def swarm(ticket: str | None = None) -> JSONResponse:
+    def watcher_of(ticket: str | None) -> SwarmWatcher:
         try:
-            watcher = gateway.watchers.get(ticket)
+            return gateway.watchers.get(ticket)
         except ValueError as exc:
             raise GatewayError(400, str(exc), param="ticket") from None
+
+    @app.get("/api/swarm")
+    async def swarm(ticket: str | None = None) -> JSONResponse:
+        watcher = watcher_of(ticket)
         status = await watcher.status()
+        default = gateway.watchers.default
+        own = default is not None and watcher.table.swarm == default.swarm_id  # the swarm the engine uses
+        routes = engine.routes() if engine is not None and own else []
+        status["graph"] = swarm_graph(status, routes)
         status["gateway_model"] = engine.model_id if engine is not None else None
         return JSONResponse(status, headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/swarm/history")
+    async def swarm_history(ticket: str | None = None, since: float | None = None) -> JSONResponse:
+        history = await watcher_of(ticket).history(since)
+        return JSONResponse(history, headers={"Cache-Control": "no-store"})
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        return JSONResponse({"status": "ok"}, headers={"Cache-Control": "no-store"})
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        status = await watcher_of(None).status()
+        ready, body = readiness(status, engine.model_id if engine is not None else None)
+        return JSONResponse(body, status_code=200 if ready else 503, headers={"Cache-Control": "no-store"})
 
     return app
 

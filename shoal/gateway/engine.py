@@ -6,18 +6,25 @@ session (the model keeps per-thread state), so concurrent requests never share a
 
 Text is produced by :class:`TextStream` from the generated token ids, the same way whether the
 request streams or not: a streamed answer's deltas join to exactly the non-streamed text.
+
+The engine keeps the sessions of the generations running now, so the dashboard can show which
+servers they run on (:meth:`Engine.routes`).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import TopPLogitsWarper
+
+from shoal.client.model import SessionCache
+from shoal.client.session import RemoteSession
 
 __all__ = ["Completion", "Engine", "GatewayError", "Sampling", "TextStream"]
 
@@ -151,6 +158,34 @@ class Engine:
         self.default_max_tokens = default_max_tokens
         eos = model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self._live: set[SessionCache] = set()  # the sessions of the generations running now
+        self._live_lock = threading.Lock()
+
+    @contextmanager
+    def _session(self, positions: int) -> Iterator[SessionCache]:
+        """The session ``generate`` runs in, listed in :meth:`routes` meanwhile: the thread's active
+        one (a chat holds one across its turns), else one of ``positions`` for this call (what
+        ``generate`` would reserve itself: prompt + new tokens)."""
+        held = self.model.active_session
+        with nullcontext(held) if held is not None else self.model.inference_session(positions) as cache:
+            with self._live_lock:
+                self._live.add(cache)
+            try:
+                yield cache
+            finally:
+                with self._live_lock:
+                    self._live.discard(cache)
+
+    def routes(self) -> list[list[dict]]:
+        """The chain of servers each running generation's session uses now: ``[{peer, start, end}]``
+        per session (sessions over in-process blocks have none)."""
+        with self._live_lock:
+            sessions = [cache.session for cache in self._live]
+        return [
+            [{"peer": s.peer_id, "start": s.start, "end": s.end} for s in session.chain]
+            for session in sessions
+            if isinstance(session, RemoteSession)
+        ]
 
     # ---- prompts -------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> list[int]:
@@ -208,7 +243,7 @@ class Engine:
             processors.append(_SeededSample(sampling.temperature, sampling.top_p, sampling.seed))
         watch = _Watch(stream, len(prompt), on_text, cancel)
         input_ids = torch.tensor([list(prompt)], dtype=torch.long)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._session(len(prompt) + sampling.max_tokens):
             out = self.model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),

@@ -5,6 +5,12 @@ into it, so records it saw stay (until they expire) and a stopped server shows a
 pulls through the ticket it was given first, then through any online server of the table, so the
 view survives the loss of that first peer.
 
+Once :meth:`SwarmWatcher.start_sampling` is called it also samples, every second, each online
+server's load through ``info`` (at most ``MAX_SAMPLED`` servers, each given ``INFO_TIMEOUT`` to
+answer) into a :class:`~shoal.gateway.history.LoadHistory`: one small request per server per
+second, whether or not anyone looks at the dashboard, and a pull of the table every
+``TABLE_MAX_AGE`` seconds when no page pulls it more often.
+
 iroh binds its callbacks to one event loop per process; all transport work therefore runs on the
 client's loop thread (:func:`shoal.client.runtime.shared_loop`), which the gateway's model also uses.
 """
@@ -12,17 +18,30 @@ client's loop thread (:func:`shoal.client.runtime.shared_loop`), which the gatew
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.errors import ShoalError
+from shoal.gateway.history import LoadHistory, Reading
+from shoal.gateway.views import with_load
+from shoal.protocols import BLOCKS
 from shoal.swarm.records import State
 from shoal.swarm.service import decode_table, fetch_table
 from shoal.swarm.status import summarize
 from shoal.swarm.table import RecordTable
 from shoal.transport import Node, Ticket, TransportConfig
+from shoal.wire import Message
+from shoal.wire.schema import InfoReply
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SwarmWatcher", "Watchers"]
+
+MAX_SAMPLED = 64  # servers whose load is sampled each second
+INFO_TIMEOUT = 0.8  # seconds a server gets to answer a sample's info
+TABLE_MAX_AGE = 5.0  # seconds: older than this, sampling pulls the table itself (else a page's pulls do)
 
 
 class SwarmWatcher:
@@ -40,11 +59,35 @@ class SwarmWatcher:
         self._lock: asyncio.Lock | None = None
         self._last: tuple[float, dict] | None = None
         self._via: str | None = None  # the peer that answered the last pull
+        self.load = LoadHistory()
+        self._sampling: asyncio.Task | None = None
 
     async def status(self) -> dict:
-        """The swarm's status (see :func:`shoal.swarm.status.summarize`), from any event loop."""
-        future = asyncio.run_coroutine_threadsafe(self._status(), self.runtime.loop)
-        return await asyncio.wrap_future(future)
+        """The swarm's status (see :func:`shoal.swarm.status.summarize`) with each server's latest
+        load (:func:`~shoal.gateway.views.with_load`), from any event loop."""
+        return await self._on_loop(self._status_with_load())
+
+    async def history(self, since: float | None = None) -> dict:
+        """The load samples taken after ``since`` (seconds since the epoch; None: all), as JSON."""
+        return await self._on_loop(self._history(since))
+
+    async def _on_loop(self, coro):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.runtime.loop))
+
+    async def _status_with_load(self) -> dict:
+        return with_load(await self._status(), self.load.latest())
+
+    async def _history(self, since: float | None) -> dict:
+        return self.load.as_json(since)
+
+    def start_sampling(self) -> None:
+        """Sample the servers' load every second from now on (idempotent, from any thread)."""
+
+        def start() -> None:
+            if self._sampling is None:
+                self._sampling = asyncio.get_running_loop().create_task(self._sample_forever())
+
+        self.runtime.loop.call_soon_threadsafe(start)
 
     def _candidates(self) -> list[Ticket]:
         """Whom to ask, in order: the peer that answered last, the online servers, the first ticket."""
@@ -90,15 +133,56 @@ class SwarmWatcher:
         status["time"] = time.time()
         return status
 
+    # ---- load samples ------------------------------------------------------------------------
+    async def _sample_forever(self) -> None:
+        interval = self.load.interval_s
+        due = time.monotonic()
+        while True:
+            try:
+                await self._sample()
+            except Exception:  # a sample that failed is a gap in the chart, never the end of sampling
+                log.exception("sampling the swarm's load failed")
+            due += interval
+            now = time.monotonic()
+            if due < now:  # fell behind (a slow pull): skip the missed ticks
+                due = now + interval
+            await asyncio.sleep(due - now)
+
+    async def _sample(self) -> None:
+        if self._last is None or time.monotonic() - self._last[0] >= TABLE_MAX_AGE:
+            await self._status()  # who is online: the table /api/swarm pulled, or a fresh pull
+        online = [r for r in self.table.servers(include_offline=False) if r.state is State.ONLINE]
+        tickets = [Ticket(r.peer, r.addrs, r.relay, self.table.swarm) for r in online[:MAX_SAMPLED]]
+        t = time.time()
+        replies = await asyncio.gather(*(self._reading(ticket) for ticket in tickets))
+        self.load.add(t, {ticket.peer_id: r for ticket, r in zip(tickets, replies, strict=True) if r is not None})
+
+    async def _reading(self, ticket: Ticket) -> Reading | None:
+        try:
+            reply = await self._node.request(ticket, BLOCKS, Message("info", 1), timeout=INFO_TIMEOUT)
+            counters = reply.reply(InfoReply).counters
+        except (ShoalError, TimeoutError):
+            return None  # not answering now: no point for it in this sample
+        tokens = counters.positions_processed + counters.forward_tokens
+        return Reading(tokens, counters.sessions_active, time.monotonic())
+
     async def close(self) -> None:
-        if self._node is not None:
-            future = asyncio.run_coroutine_threadsafe(self._node.close(), self.runtime.loop)
-            await asyncio.wrap_future(future)
-            self._node = None
+        async def shut() -> None:
+            if self._sampling is not None:
+                self._sampling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._sampling
+                self._sampling = None
+            if self._node is not None:
+                await self._node.close()
+                self._node = None
+
+        await self._on_loop(shut())
 
 
 class Watchers:
-    """One watcher per swarm: the gateway's own, plus those the dashboard's ``?ticket=`` names."""
+    """One watcher per swarm: the gateway's own, plus those the dashboard's ``?ticket=`` names; each
+    samples its swarm's load from its creation on."""
 
     def __init__(self, transport: TransportConfig, default: Ticket | None = None, limit: int = 8):
         self.transport = transport
@@ -116,6 +200,7 @@ class Watchers:
             if len(self._by_swarm) >= self.limit:
                 raise ValueError(f"this dashboard already watches {self.limit} swarms")
             watcher = self._by_swarm[parsed.swarm_id or ""] = SwarmWatcher(parsed, self.transport)
+            watcher.start_sampling()
         return watcher
 
     async def close(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal import __version__
 from shoal.ids import BlockRange
@@ -15,6 +15,9 @@ from shoal.swarm.service import SwarmService
 from shoal.transport import META, Node
 from shoal.wire import Message
 from shoal.wire.schema import CAPABILITIES, Ping
+
+MAX_RTTS = 8  # next hops a record lists at most
+FOLLOW_INTERVAL = 1.0  # seconds between looks at the table for next hops that came or went
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Announcement:
     service: SwarmService | None = None
     _signed: SignedRecord | None = None
     _rtts: dict[str, float] | None = None
+    _tried: set[str] = field(default_factory=set)  # next hops pinged since the last full measurement
 
     def server_record(self, now: float) -> SignedRecord:
         ticket = self.node.ticket()
@@ -84,27 +88,88 @@ class Announcement:
         self.state = state
         return self.server_record(time.time())
 
-    async def measure_next_rtts(self) -> None:
-        """Round-trip times to the servers whose span starts where ours ends (for routing)."""
+    def next_hops(self) -> list[str]:
+        """Servers of our model (not offline) whose span starts where ours ends, in the table's order."""
         if self.service is None:
-            return
-        rtts = {}
-        for record in self.service.table.servers(self.model):
-            if record.start != self.blocks.end or record.peer == self.node.id:
-                continue
-            ticket = self.service.ticket_for(record.peer)
+            return []
+        now = time.time()
+        return [
+            r.peer
+            for r in self.service.table.servers(self.model)
+            if r.start == self.blocks.end and r.peer != self.node.id and r.expires > now
+        ]
+
+    async def _ping_ms(self, peer: str) -> float | None:
+        """The round trip to ``peer`` in ms, the faster of two pings (the first may include dialing
+        a new connection); None if it did not answer within a second."""
+        ticket = self.service.ticket_for(peer)
+        best = None
+        for _ in range(2):
             started = time.perf_counter()
             try:
                 await self.node.request(ticket, META, Message("ping", 1, Ping(echo=False)), timeout=1.0)
             except Exception:  # unreachable: leave it out
+                return None
+            ms = (time.perf_counter() - started) * 1e3
+            best = ms if best is None else min(best, ms)
+        return round(best, 3)
+
+    async def measure_next_rtts(self) -> bool:
+        """Round-trip times to the servers whose span starts where ours ends (for routing), all of
+        them afresh (at most ``MAX_RTTS``); True if they differ from those held."""
+        rtts: dict[str, float] = {}
+        self._tried = set()
+        for peer in self.next_hops():
+            self._tried.add(peer)
+            ms = await self._ping_ms(peer)
+            if ms is not None:
+                rtts[peer] = ms
+                if len(rtts) >= MAX_RTTS:
+                    break
+        changed, self._rtts = rtts != (self._rtts or {}), rtts
+        return changed
+
+    async def follow_next_hops(self) -> bool:
+        """Measure only the next hops that appeared since the last look (each once, until the next
+        full measurement) and drop those that left; True if the RTTs changed. Costs nothing on the
+        network while the next hops stay the same."""
+        hops = self.next_hops()
+        rtts, tried = dict(self._rtts or {}), self._tried
+        changed = False
+        for peer in [p for p in rtts if p not in hops]:
+            del rtts[peer]
+            changed = True
+        for peer in hops:
+            if peer in tried or len(rtts) >= MAX_RTTS:
                 continue
-            rtts[record.peer] = round((time.perf_counter() - started) * 1e3, 3)
-            if len(rtts) >= 8:
-                break
+            tried.add(peer)
+            ms = await self._ping_ms(peer)
+            if ms is not None:
+                rtts[peer] = ms
+                changed = True
+        self._tried = tried & set(hops)
         self._rtts = rtts
+        return changed
+
+    def republish(self) -> None:
+        """Sign and gossip the record now (e.g. with new RTTs), if it is announced at all."""
+        announced = self._signed is not None and len(self.fingerprints) == len(self.blocks)
+        if self.service is not None and announced and self.state is not State.OFFLINE:
+            self.service.publish(self.server_record(time.time()))
 
 
 async def keep_measuring(announcement: Announcement, period: float) -> None:
+    """Every ``period``: measure every next hop afresh. In between, every ``FOLLOW_INTERVAL`` seconds
+    (or the gossip period, if shorter): measure next hops that just appeared, drop those that left,
+    and republish the record at once when that changed its RTTs, so a new swarm shows its RTTs in
+    seconds rather than after the first refresh. A republished record resets the refresh clock,
+    so the periodic re-signing does not add a record on top."""
+    check = min(FOLLOW_INTERVAL, announcement.gossip.period)
     while True:
-        await announcement.measure_next_rtts()
-        await asyncio.sleep(period)
+        if await announcement.measure_next_rtts():
+            announcement.republish()
+        deadline = time.monotonic() + period
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(check, left))
+            if await announcement.follow_next_hops():
+                announcement.republish()

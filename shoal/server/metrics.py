@@ -1,7 +1,12 @@
-"""Prometheus metrics of a server (``shoal serve --metrics-port PORT``), read at scrape time from the
-counters the server keeps anyway: :class:`~shoal.server.handler.Counters`, the
-:class:`~shoal.server.budget.CacheBudget`, the swarm table's rejected records and the node's
+"""Prometheus metrics and health checks of a server (``shoal serve --metrics-port PORT``), read at
+request time from the counters the server keeps anyway: :class:`~shoal.server.handler.Counters`,
+the :class:`~shoal.server.budget.CacheBudget`, the swarm table's rejected records and the node's
 rejected frames. Nothing on the serving path changes when no one scrapes.
+
+    GET /metrics   the samples below (Prometheus text format)
+    GET /healthz   200 ``{"status": "ok"}`` while the process answers
+    GET /readyz    200 when the span is loaded, announced online (in a swarm) and not draining;
+                   503 with ``{"ready": false, "reason": ...}`` otherwise (see :func:`readiness`)
 
 Exposed (all prefixed ``shoal_``)::
 
@@ -17,18 +22,25 @@ Exposed (all prefixed ``shoal_``)::
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from shoal.swarm.records import State
+
 log = logging.getLogger(__name__)
 
-__all__ = ["MetricsServer", "ServerCollector", "start_metrics"]
+__all__ = ["MetricsServer", "ServerCollector", "readiness", "start_metrics"]
 
 
 class ServerCollector(Collector):
@@ -108,6 +120,56 @@ class ServerCollector(Collector):
         yield pushes
 
 
+def readiness(server: Any, table: Any, peer: str) -> tuple[bool, dict]:
+    """Whether this server takes new sessions, and why not: ``server`` is the loaded span server
+    (None while loading or moving), ``table`` the swarm's record table (None outside a swarm, where
+    loaded and not draining is enough), ``peer`` this server's peer id."""
+    if server is None:
+        return False, {"ready": False, "reason": "no span loaded (the server is loading or moving its blocks)"}
+    blocks = server.info.blocks
+    span = {"model": server.info.model, "blocks": str(blocks)}
+    if server.draining:
+        return False, {"ready": False, "reason": "draining: the server is leaving the swarm or moving", **span}
+    if table is not None:
+        own = table.get(f"s:{peer}")
+        record = own.record if own is not None else None
+        if record is None or record.state is not State.ONLINE or record.blocks != blocks:
+            state = "not announced" if record is None else f"{record.state} for blocks {record.blocks}"
+            return False, {"ready": False, "reason": f"not announced online yet (record: {state})", **span}
+    return True, {"ready": True, **span}
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args):  # a probe every few seconds is not worth a log line
+        pass
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in flight never holds up the exit
+
+
+def _json(start_response, status: str, body: dict) -> list[bytes]:
+    payload = json.dumps(body).encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
+    return [payload]
+
+
+def _app(registry: CollectorRegistry, ready: Callable[[], tuple[bool, dict]]):
+    """``/healthz`` and ``/readyz`` as JSON; every other path is prometheus_client's (``/metrics``)."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            return _json(start_response, "200 OK", {"status": "ok"})
+        if path == "/readyz":
+            ok, body = ready()
+            return _json(start_response, "200 OK" if ok else "503 Service Unavailable", body)
+        return metrics(environ, start_response)
+
+    return app
+
+
 @dataclass
 class MetricsServer:
     """The running exporter; ``port`` is the bound one (useful with port 0)."""
@@ -129,11 +191,22 @@ class MetricsServer:
 def start_metrics(
     host: str, port: int, server: Callable[[], Any], node: Any = None, table: Callable[[], Any] | None = None
 ) -> MetricsServer:
-    """Serve ``/metrics`` on ``host:port`` from a daemon thread (see :class:`ServerCollector`)."""
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on ``host:port`` from a daemon thread (see
+    :class:`ServerCollector` and :func:`readiness`)."""
+    collector = ServerCollector(server, node, table)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServerCollector(server, node, table))
+    registry.register(collector)
     ProcessCollector(registry=registry)  # CPU, memory, open files of the server process
-    httpd, thread = start_http_server(port, host, registry=registry)
+
+    def ready() -> tuple[bool, dict]:
+        return readiness(collector.server(), collector.table(), node.id if node is not None else "")
+
+    class HTTPServer(_ThreadingServer):
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    httpd = make_server(host, port, _app(registry, ready), HTTPServer, handler_class=_Quiet)
+    thread = threading.Thread(target=httpd.serve_forever, name="shoal-metrics", daemon=True)
+    thread.start()
     bound = httpd.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", host, bound)
+    log.info("metrics on http://%s:%d/metrics (health: /healthz, /readyz)", host, bound)
     return MetricsServer(httpd, thread, host, bound)
