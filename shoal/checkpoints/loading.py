@@ -7,6 +7,7 @@ check that they run the same weights without exchanging them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -16,6 +17,8 @@ import torch
 from safetensors import safe_open
 
 from shoal.models import BlockSpan, ClientHead, get_family
+from shoal.quantization import Quantization, parse_quantization
+from shoal.quantization.weights import block_quantizer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -123,14 +126,70 @@ def span_fingerprints(config, start: int, end: int, tensors: dict[str, torch.Ten
 
 
 def load_span(
-    model_dir: str | Path, start: int, end: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    model_dir: str | Path,
+    start: int,
+    end: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    quantization: Quantization | str = Quantization.NONE,
+    progress: bool | None = None,
 ) -> tuple[BlockSpan, dict[int, str]]:
-    """Build blocks ``[start, end)`` from their shards only; also return their fingerprints."""
+    """Build blocks ``[start, end)`` from their shards only; also return their fingerprints (of the
+    checkpoint's tensors, whatever ``quantization``). One block at a time: read, fingerprint, build
+    in ``dtype`` on ``device``, quantise (:mod:`shoal.quantization.weights`), drop the tensors read;
+    so loading holds the span as served plus one block in full precision, never the whole span.
+    ``progress``: a bar on a terminal (as :func:`load_tensors`)."""
+    quantization = parse_quantization(quantization)
+    quantize = block_quantizer(quantization)  # a missing library fails before any read
     config = load_config(model_dir)
-    tensors = load_tensors(model_dir, span_tensor_filter(config, start, end))
-    prints = span_fingerprints(config, start, end, tensors)
-    span = get_family(config).build_span(config, start, end, tensors, dtype, device)
-    return span, prints
+    family = get_family(config)
+    if not 0 <= start < end <= family.num_blocks(config):
+        raise ValueError(f"bad block range [{start}, {end}) for {family.num_blocks(config)} blocks")
+    prints: dict[int, str] = {}
+    blocks = []
+    for i in progress_bar(progress, iterable=range(start, end), unit="block", desc="load blocks"):
+        prefix = family.block_tensor_prefix(config, i)
+        tensors = load_tensors(model_dir, lambda name, p=prefix: name.startswith(p), progress=False)
+        if not tensors:
+            raise CheckpointError(f"no tensors for block {i} (prefix {prefix!r})")
+        prints[i] = block_fingerprint(tensors, prefix)
+        block = family.build_block(config, i, {k[len(prefix) :]: v for k, v in tensors.items()}, dtype, device)
+        del tensors
+        if quantization is not Quantization.NONE:
+            block = _owning_storage(quantize(block))
+            release_freed_memory()
+        blocks.append(block)
+    return family.assemble_span(config, start, end, blocks, dtype, device), prints
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed inside the heap back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). Quantising frees a full-precision block while the quantised tensors made meanwhile
+    stay, scattered over the heap; glibc would keep the freed pages between them resident and grow
+    the heap for the next block instead."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None)
+
+
+def _owning_storage(block: torch.nn.Module) -> torch.nn.Module:
+    """``block`` with its plain tensors (norms, biases: what quantisation leaves) copied out of the
+    checkpoint. safetensors maps shard files into memory, and a tensor kept in the stored dtype is a
+    view of that mapping: it would keep every page of its shard that fingerprinting read resident,
+    the full-precision block that quantisation just replaced included."""
+    for module in block.modules():
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if tensor is not None and type(tensor) in (torch.Tensor, torch.nn.Parameter):
+                    tensor.data = tensor.data.clone()
+    return block
 
 
 def load_client_head(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> ClientHead:

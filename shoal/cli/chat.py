@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from shoal.transport import Ticket, TransportConfig
+from shoal.wire import Codec
 
 __all__ = ["ChatOptions", "run_chat"]
 
@@ -32,6 +33,7 @@ class ChatOptions:
     top_p: float = 1.0
     seed: int | None = None
     num_threads: int | None = None
+    compression: Codec = Codec.RAW  # codec of the hidden states on every hop whose server has it
 
 
 def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
@@ -45,7 +47,7 @@ def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = s
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        options.model, initial_peers=list(options.join), transport=options.transport
+        options.model, initial_peers=list(options.join), transport=options.transport, compression=options.compression
     )
     freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
     try:

@@ -112,9 +112,10 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.heap import freeze_startup_heap
+    from shoal.quantization import parse_quantization
     from shoal.server.app import serve
     from shoal.server.config import ServerConfig, parse_blocks, parse_dtype
-    from shoal.server.preflight import check_blocks, check_model
+    from shoal.server.preflight import check_blocks, check_model, check_quantization
     from shoal.swarm.gossip import GossipConfig
     from shoal.transport import Ticket
     from shoal.transport.loop import run as run_loop
@@ -123,11 +124,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     join = tuple(Ticket.parse(t) for t in args.join)
     model = check_model(args.model)  # before the flags that depend on it, and before any weight is read
     check_blocks(blocks, model)
+    quant = check_quantization(parse_quantization(args.quant), model)  # e.g. a missing library, before anything starts
     config = ServerConfig(
         model=args.model,
         blocks=blocks,
         dtype=parse_dtype(args.dtype),
         device=args.device,
+        quant=quant,
         cache_tokens=args.cache_tokens,
         max_sessions_per_peer=args.max_sessions_per_peer,
         session_idle_timeout=args.session_timeout,
@@ -204,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     serve.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    serve.add_argument(
+        "--quant",
+        default="none",
+        choices=["none", "int8", "nf4"],
+        help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients accept "
+        "int8 and better by default",
+    )
     serve.add_argument("--cache-tokens", type=positive_int, default=8192, help="KV cache budget per block, in tokens")
     serve.add_argument(
         "--max-sessions-per-peer",
@@ -310,6 +320,7 @@ def _wants_verbose(argv: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     from shoal.cli.failures import report
     from shoal.omp import apply_defaults
+    from shoal.quantization.libraries import quiet_import_warnings
 
     apply_defaults()  # before any subcommand imports torch
     argv = sys.argv[1:] if argv is None else argv
@@ -319,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not verbose:
+        quiet_import_warnings()  # before anything imports transformers (which imports torchao when installed)
     try:
         args = build_parser().parse_args(argv)
         code = args.func(args)

@@ -14,8 +14,11 @@ from transformers import AutoTokenizer, GenerationConfig
 from shoal.checkpoints import load_config, load_tensors, model_name, resolve_model
 from shoal.client.model import DistributedModelForCausalLM
 from shoal.client.remote import RemoteSequence
+from shoal.errors import UsageError
 from shoal.models import get_family
+from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization, parse_min_quality
 from shoal.transport import Node, StartNode, Ticket, TransportConfig
+from shoal.wire import Codec
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +34,29 @@ class AutoDistributedModelForCausalLM:
         transport: TransportConfig | None = None,
         revision: str | None = None,
         push: bool = True,
+        compression: str | Codec | None = None,
         refresh_period: float = 30.0,
         routing_seed: int | None = None,
         start_node: StartNode = Node.start,
+        min_quality: str | Quantization = DEFAULT_MIN_QUALITY,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
         ``initial_peers``: tickets of servers; their spans must chain over every block (or one
         ticket of a swarm member). ``push``: servers hand a step's output straight to the next
-        server (else the client drives every hop). ``refresh_period``: seconds between background
-        refreshes of the server list and measured latencies. ``routing_seed``: seeds the random
+        server (else the client drives every hop). ``compression``: how hidden states travel to
+        and from every server that announced the codec (the others get raw float32): None or
+        ``"raw"`` (float32, exact), ``"bf16"``, ``"fp16"`` (2 bytes a value) or ``"q8"`` (8-bit
+        blocks of 64 values, ~1.06 bytes a value; see :mod:`shoal.wire.codecs`).
+        ``refresh_period``: seconds between background refreshes of the server list and measured
+        latencies. ``routing_seed``: seeds the random
         choices of routes (stateless forward spreads load by drawing servers). ``start_node``: how
         the client's node starts (iroh by default; ``MemoryNetwork.start`` reaches a swarm of
-        servers inside this process, see :mod:`shoal.launch`)."""
+        servers inside this process, see :mod:`shoal.launch`). ``min_quality``: the lowest weight format
+        of a server to route over: ``"int8"`` (the default: full precision and int8), ``"nf4"``
+        (anything), or ``"fp32"`` (``"bf16"``, ``"fp16"``: full precision only)."""
+        min_quality = parse_min_quality(min_quality)
+        codec = _compression(compression)
         model_dir = resolve_model(model, client=True, revision=revision)
         config = load_config(model_dir)
         family = get_family(config)
@@ -57,15 +70,27 @@ class AutoDistributedModelForCausalLM:
             transport,
             model=model_name(model),
             push=push,
+            compression=codec,
             refresh_period=refresh_period,
             seed=routing_seed,
             start_node=start_node,
+            min_quality=min_quality,
         )
         distributed = DistributedModelForCausalLM(config, head, blocks)
         if (Path(model_dir) / "generation_config.json").is_file():
             distributed.generation_config = GenerationConfig.from_pretrained(model_dir)
         distributed.tokenizer = _tokenizer(model_dir)
         return distributed
+
+
+def _compression(value: str | Codec | None) -> Codec:
+    if value is None:
+        return Codec.RAW
+    try:
+        return Codec(value)
+    except ValueError:
+        names = ", ".join(repr(c.value) for c in Codec)
+        raise UsageError(f"compression must be None or one of {names}, not {value!r}") from None
 
 
 def _tokenizer(model_dir: Path):

@@ -19,12 +19,14 @@ from dataclasses import replace
 from shoal.errors import ShoalError
 from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
+from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import (
     BanList,
     LatencyModel,
     RouteInfo,
     ServerSpan,
     forward_cost,
+    meeting,
     route_with_bans,
     uncovered_blocks,
 )
@@ -58,6 +60,7 @@ async def fetch_infos(node: BaseNode, tickets: Sequence[Ticket], timeout: float)
             free_cache_tokens=reply.free_cache_tokens,
             draining=reply.draining,
             capabilities=span.capabilities,
+            quantization=span.quantization,
         )
         return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
 
@@ -91,6 +94,7 @@ async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
                 rtts=dict(record.rtts),
                 free_cache_tokens=record.cache_tokens_free,
                 capabilities=frozenset(record.capabilities),
+                quantization=record.quantization,
             )
             spans.append(ServerSpan(PeerId(record.peer), record.blocks, ticket, info))
     return spans
@@ -129,8 +133,10 @@ class ServerDirectory:
         timeout: float,
         refresh_period: float = 30.0,
         seed: int | None = None,
+        min_quality: Quantization = DEFAULT_MIN_QUALITY,
     ):
         self.node = node
+        self.min_quality = min_quality  # servers with weights below it are never routed over
         self.tickets = list(tickets)
         self.model = model
         self.num_blocks = num_blocks
@@ -220,14 +226,15 @@ class ServerDirectory:
             price = latency.inference_cost(span, previous, push=push, cache_tokens=cache_tokens)
             return price if (span.peer_id, span.start, span.end) in reuse else price + replay_ms
 
-        return route_with_bans(self.usable(), start, self.num_blocks, cost, self.bans, exclude)
+        return route_with_bans(self.usable(), start, self.num_blocks, cost, self.bans, exclude, self.min_quality)
 
     def route_forward(self, start: int, exclude: Collection[str] = ()) -> list[ServerSpan]:
         """A route for one stateless forward, drawn so load spreads by capacity."""
-        return route_with_bans(self.usable(), start, self.num_blocks, forward_cost(self.rng), self.bans, exclude)
+        cost = forward_cost(self.rng)
+        return route_with_bans(self.usable(), start, self.num_blocks, cost, self.bans, exclude, self.min_quality)
 
     def missing_blocks(self, start: int, exclude: Collection[str] = ()) -> list[int]:
-        live = [s for s in self.spans if s.peer_id not in exclude]
+        live = [s for s in meeting(self.spans, self.min_quality) if s.peer_id not in exclude]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
 
     # ---- RouteFeedback (shoal.client.feedback): what sessions report and expect ----------------

@@ -15,15 +15,18 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from shoal.client.directory import ServerDirectory
+from shoal.client.driver import codec_for
 from shoal.client.history import step_inputs
 from shoal.client.recovery import MAX_RECOVERIES, gave_up
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.client.session import RemoteSession
 from shoal.errors import BadRequest, ShoalError
 from shoal.protocols import BLOCKS
+from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import ServerSpan
 from shoal.transport import BaseNode, Node, StartNode, Ticket, TransportConfig
-from shoal.wire import Message
+from shoal.wire import Codec, Message
+from shoal.wire.codecs import carried
 from shoal.wire.schema import InfoReply
 
 log = logging.getLogger(__name__)
@@ -31,16 +34,25 @@ log = logging.getLogger(__name__)
 
 class RemoteSequence:
     """Blocks ``[0, num_blocks)`` served by the servers a :class:`ServerDirectory` knows.
-    ``push``: sessions let servers hand a step's output straight to the next (where both can)."""
+    ``push``: sessions let servers hand a step's output straight to the next (where both can).
+    ``compression``: the codec of the hidden states sent to every server that announced it."""
 
     def __init__(
-        self, node: BaseNode, runtime: LoopThread, directory: ServerDirectory, num_blocks: int, *, push: bool = True
+        self,
+        node: BaseNode,
+        runtime: LoopThread,
+        directory: ServerDirectory,
+        num_blocks: int,
+        *,
+        push: bool = True,
+        compression: Codec = Codec.RAW,
     ):
         self.node = node
         self.runtime = runtime
         self.directory = directory
         self.num_blocks = num_blocks
         self.push = push
+        self.compression = compression
         self._route = directory.route_inference(0, cache_tokens=0, push=push)  # until a session opens
         self._session: RemoteSession | None = None  # the latest one opened
 
@@ -55,15 +67,18 @@ class RemoteSequence:
         model: str | None = None,
         *,
         push: bool = True,
+        compression: Codec = Codec.RAW,
         refresh_period: float = 30.0,
         seed: int | None = None,
         start_node: StartNode = Node.start,
+        min_quality: Quantization = DEFAULT_MIN_QUALITY,
     ) -> RemoteSequence:
         """Tickets with a swarm id: join the swarm through any of them and route over its table
         (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets:
         ask each peer what it hosts. ``refresh_period``: seconds between background refreshes of
         the server list and latencies (0: never). ``start_node``: how the client's node starts
-        (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside this process)."""
+        (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside this process).
+        ``min_quality``: route only over servers whose weights are at least this good."""
         runtime = runtime or shared_loop()
         tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
         if not tickets:
@@ -75,10 +90,11 @@ class RemoteSequence:
             node = await start_node(transport)
             try:
                 directory = ServerDirectory(
-                    node, tickets, model, num_blocks, hidden_size, timeout, refresh_period=refresh_period, seed=seed
-                )
+                    node, tickets, model, num_blocks, hidden_size, timeout, refresh_period=refresh_period, seed=seed,
+                    min_quality=min_quality,
+                )  # fmt: skip
                 await directory.refresh()
-                sequence = cls(node, runtime, directory, num_blocks, push=push)
+                sequence = cls(node, runtime, directory, num_blocks, push=push, compression=compression)
                 directory.start()
                 return sequence
             except BaseException:
@@ -110,7 +126,8 @@ class RemoteSequence:
         while block < self.num_blocks:
             route = directory.route_forward(block, exclude=failed)
             for span in route:
-                message = Message("forward", 1, tensors=step_inputs(hidden, position_ids, mask))
+                codec = carried(codec_for(span, self.compression), hidden.dtype)
+                message = Message("forward", 1, tensors=step_inputs(hidden, position_ids, mask), codecs=(codec,))
                 try:
                     # the node's deadlines: connect for the dial (a dead server costs that much), request for the reply
                     reply = await self.node.request(span.ticket, BLOCKS, message)

@@ -40,7 +40,9 @@ class RemoteSession(SessionPositions):
         self.runtime = sequence.runtime
         self.num_blocks = sequence.num_blocks
         directory = sequence.directory
-        self._driver = ChainDriver(directory, sequence.node.config.deadlines.request, push=sequence.push)
+        self._driver = ChainDriver(
+            directory, sequence.node.config.deadlines.request, push=sequence.push, compression=sequence.compression
+        )
         request = OpenRequest(max_length=max_length, batch_size=batch_size)
         self._recovery = ChainRecovery(sequence.node, directory, directory, request, push=sequence.push)
         self._history = SpanHistory(batch_size)

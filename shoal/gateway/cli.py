@@ -10,6 +10,7 @@ import os
 
 from shoal.cli.main import port_number, positive_float, positive_int
 from shoal.transport import Deadlines, NetworkProfile, Ticket, TransportConfig
+from shoal.wire import Codec
 
 
 def _client_network(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,16 @@ def _client_network(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bind", default="0.0.0.0:0", metavar="ADDR:PORT", help="UDP address of the iroh endpoint")
     group.add_argument("--connect-timeout", type=positive_float, default=5.0, help="seconds to reach a peer")
     group.add_argument("--request-timeout", type=positive_float, default=60.0, help="seconds for one request or step")
+
+
+def _compression(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compression",
+        choices=[codec.value for codec in Codec],
+        default=Codec.RAW.value,
+        help="how hidden states travel to and from each server that supports it: raw float32 (exact), bf16 or "
+        "fp16 (half the bytes), q8 (8-bit blocks of 64 values: about a quarter)",
+    )
 
 
 def _transport(args: argparse.Namespace) -> TransportConfig:
@@ -52,6 +63,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         default_max_tokens=args.max_tokens,
         num_threads=args.num_threads,
+        compression=Codec(args.compression),
     )
     return serve_gateway(options)
 
@@ -77,6 +89,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         num_threads=args.num_threads,
+        compression=Codec(args.compression),
     )
     return run_chat(options)
 
@@ -91,6 +104,7 @@ def add_commands(sub) -> None:
     api.add_argument("--max-concurrency", type=positive_int, default=16, help="generations running at once")
     api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
     api.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
+    _compression(api)
     _client_network(api)
     api.set_defaults(func=cmd_api)
 
@@ -114,5 +128,6 @@ def add_commands(sub) -> None:
     )
     chat.add_argument("--seed", type=int, help="seed of the sampling (default: random)")
     chat.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
+    _compression(chat)
     _client_network(chat)
     chat.set_defaults(func=cmd_chat)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from shoal.errors import BindError
 from shoal.transport import Ticket, TransportConfig
+from shoal.wire import Codec
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class GatewayOptions:
     max_concurrency: int = 16  # generations running at once (each holds one server-side session)
     default_max_tokens: int = 512
     num_threads: int | None = None  # torch threads (embeddings, LM head, sampling)
+    compression: Codec = Codec.RAW  # codec of the hidden states on every hop whose server has it
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -72,7 +74,10 @@ def serve_gateway(options: GatewayOptions) -> int:
             if options.num_threads:
                 torch.set_num_threads(options.num_threads)
             model = AutoDistributedModelForCausalLM.from_pretrained(
-                options.model, initial_peers=[options.join], transport=options.transport
+                options.model,
+                initial_peers=[options.join],
+                transport=options.transport,
+                compression=options.compression,
             )
             engine = Engine(model, model_name(options.model), options.default_max_tokens)
         app = build_app(engine, Watchers(options.transport, options.join), options.api_key, options.max_concurrency)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.ids import BlockRange
@@ -87,9 +88,10 @@ class InProcessSwarm:
             self.close()
             raise
 
-    def add(self, span: BlockRange, prepare: Prepare | None = None, **settings: float) -> LocalServer:
+    def add(self, span: BlockRange, prepare: Prepare | None = None, **settings: Any) -> LocalServer:
         """Load one more server for ``span`` and start serving it; ``settings`` (``cache_tokens``,
-        ``max_sessions_per_peer``, ``session_idle_timeout``, ``num_threads``) override the swarm's."""
+        ``max_sessions_per_peer``, ``session_idle_timeout``, ``num_threads``, and any other
+        :class:`~shoal.server.config.ServerConfig` field, e.g. ``quant``) override the swarm's."""
         settings = {**self._settings, **settings}
         config = ServerConfig(model=str(self.model_dir), blocks=span, transport=self.transport, **settings)
         compute = compute_thread(config.num_threads)

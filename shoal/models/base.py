@@ -100,6 +100,19 @@ class Family(Protocol):
         self, config, start: int, end: int, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: str
     ) -> BlockSpan: ...
 
+    def build_block(
+        self, config, index: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+    ) -> nn.Module:
+        """Block ``index`` alone, from its checkpoint tensors named relative to its block prefix
+        (what a server loading one block at a time builds, then quantises)."""
+        ...
+
+    def assemble_span(
+        self, config, start: int, end: int, blocks: list[nn.Module], dtype: torch.dtype, device: str
+    ) -> BlockSpan:
+        """The span of blocks ``[start, end)``, each built by :meth:`build_block`."""
+        ...
+
     def build_client_head(
         self, config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: str
     ) -> ClientHead: ...

@@ -257,6 +257,19 @@ class DecoderClientHead(ClientHead):
         return logits
 
 
+def block_tensors(state_dict: dict[str, torch.Tensor], prefix: str) -> BlockTensors:
+    """The tensors of ``state_dict`` under ``prefix`` (one block's), named relative to it."""
+    return {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def check_range(family, config, start: int, end: int, built: int | None = None) -> None:
+    """Refuse a block range outside the model (or one that does not match the ``built`` blocks)."""
+    if not 0 <= start < end <= family.num_blocks(config):
+        raise ValueError(f"bad block range [{start}, {end}) for {family.num_blocks(config)} blocks")
+    if built is not None and built != end - start:
+        raise ValueError(f"blocks [{start}, {end}) need {end - start} built blocks, got {built}")
+
+
 def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, dtype, device) -> nn.Module:
     """Give a meta-device ``module`` its checkpoint tensors, then cast and move it."""
     expected = set(module.state_dict())
@@ -316,20 +329,28 @@ class DecoderFamily:
         return CacheGeometry(config.num_key_value_heads, head_dim, dtype)
 
     def build_span(self, config, start, end, state_dict, dtype, device) -> DecoderSpan:
-        if not 0 <= start < end <= self.num_blocks(config):
-            raise ValueError(f"bad block range [{start}, {end}) for {self.num_blocks(config)} blocks")
+        check_range(self, config, start, end)
+        blocks = [
+            self.build_block(config, i, block_tensors(state_dict, self.block_tensor_prefix(config, i)), dtype, device)
+            for i in range(start, end)
+        ]
+        return self.assemble_span(config, start, end, blocks, dtype, device)
+
+    def build_block(self, config, index: int, tensors: BlockTensors, dtype, device) -> nn.Module:
+        """Block ``index`` from its checkpoint tensors (named relative to its block prefix), cast and
+        moved: a server builds its span one block at a time, quantising each as it comes."""
         config = prepare_config(config)
         with torch.device("meta"):
-            layers = nn.ModuleList(self.layer_cls(config, i) for i in range(start, end))
-        local = {}
-        for i in range(start, end):
-            prefix = self.block_tensor_prefix(config, i)
-            block = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-            local.update({f"{i - start}.{k}": v for k, v in self.convert_block_tensors(config, block).items()})
-        _assign(layers, local, f"blocks [{start}, {end})", dtype, device)
+            layer = self.layer_cls(config, index)
+        return _assign(layer, self.convert_block_tensors(config, tensors), f"block {index}", dtype, device)
+
+    def assemble_span(self, config, start, end, blocks: list[nn.Module], dtype, device) -> DecoderSpan:
+        """The span of blocks ``[start, end)`` built by :meth:`build_block`."""
+        check_range(self, config, start, end, len(blocks))
+        config = prepare_config(config)
         rotary = self.rotary_cls(config=config).to(device)  # inv_freq stays fp32, as it is computed
         keys = [config.layer_types[i] for i in range(start, end)] if self.rotary_per_layer_type else None
-        return DecoderSpan(config, start, end, layers, rotary, self.cache_geometry(config, dtype), keys)
+        return DecoderSpan(config, start, end, nn.ModuleList(blocks), rotary, self.cache_geometry(config, dtype), keys)
 
     def build_client_head(self, config, state_dict, dtype, device) -> DecoderClientHead:
         tied = getattr(config, "tie_word_embeddings", False)

@@ -24,11 +24,14 @@ from transformers.models.falcon.modeling_falcon import FalconDecoderLayer, Falco
 from shoal.models.base import BlockSpan, CacheGeometry
 from shoal.models.decoder import (
     _MASK_CACHE_KW,
+    BlockTensors,
     DecoderClientHead,
     SpanKVCache,
     _assign,
     _CacheStep,
     _MaskSizes,
+    block_tensors,
+    check_range,
     checked_step,
     prepare_config,
 )
@@ -157,18 +160,25 @@ class FalconFamily:
         return CacheGeometry(kv_heads(config)[0], config.hidden_size // config.num_attention_heads, dtype)
 
     def build_span(self, config, start, end, state_dict, dtype, device) -> FalconSpan:
-        if not 0 <= start < end <= self.num_blocks(config):
-            raise ValueError(f"bad block range [{start}, {end}) for {self.num_blocks(config)} blocks")
+        check_range(self, config, start, end)
+        blocks = [
+            self.build_block(config, i, block_tensors(state_dict, self.block_tensor_prefix(config, i)), dtype, device)
+            for i in range(start, end)
+        ]
+        return self.assemble_span(config, start, end, blocks, dtype, device)
+
+    def build_block(self, config, index: int, tensors: BlockTensors, dtype, device) -> nn.Module:
+        """Block ``index`` from its checkpoint tensors (named relative to its block prefix)."""
         config = prepare_config(config)
         with torch.device("meta"):
-            layers = nn.ModuleList(self.layer_cls(config, i) for i in range(start, end))
-        local = {}
-        for i in range(start, end):
-            prefix = self.block_tensor_prefix(config, i)
-            local.update({f"{i - start}.{k[len(prefix) :]}": v for k, v in state_dict.items() if k.startswith(prefix)})
-        _assign(layers, local, f"blocks [{start}, {end})", dtype, device)
+            layer = self.layer_cls(config, index)
+        return _assign(layer, tensors, f"block {index}", dtype, device)
+
+    def assemble_span(self, config, start, end, blocks: list[nn.Module], dtype, device) -> FalconSpan:
+        check_range(self, config, start, end, len(blocks))
+        config = prepare_config(config)
         rotary = None if config.alibi else FalconRotaryEmbedding(config=config).to(device)  # inv_freq stays fp32
-        return FalconSpan(config, start, end, layers, rotary, self.cache_geometry(config, dtype))
+        return FalconSpan(config, start, end, nn.ModuleList(blocks), rotary, self.cache_geometry(config, dtype))
 
     def build_client_head(self, config, state_dict, dtype, device) -> DecoderClientHead:
         missing = [name for name in self.client_tensor_names(config) if name not in state_dict]

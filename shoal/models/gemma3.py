@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RMSNorm, Gemma3RotaryEmbedding
 
-from shoal.models.decoder import DecoderFamily, DecoderSpan, HeadScalars
+from shoal.models.decoder import BlockTensors, DecoderFamily, HeadScalars
 
 
 def gemma3_head_scalars(config) -> HeadScalars:
@@ -24,10 +25,10 @@ class Gemma3Family(DecoderFamily):
     """Refuses bidirectional configs (EmbeddingGemma shares the ``gemma3_text`` type): their masks
     are not causal, and a span builds causal ones."""
 
-    def build_span(self, config, start, end, state_dict, dtype, device) -> DecoderSpan:
+    def build_block(self, config, index: int, tensors: BlockTensors, dtype, device) -> nn.Module:
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("gemma3_text with use_bidirectional_attention (an embedding model) is not a causal LM")
-        return super().build_span(config, start, end, state_dict, dtype, device)
+        return super().build_block(config, index, tensors, dtype, device)
 
 
 FAMILY = Gemma3Family(

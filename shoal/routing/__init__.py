@@ -3,6 +3,7 @@
 from shoal.routing.bans import BanList
 from shoal.routing.chain import NoRouteError, RouteInfo, ServerSpan, format_blocks, plan_route, uncovered_blocks
 from shoal.routing.costs import LatencyModel, forward_cost, route_with_bans
+from shoal.routing.quality import meeting, with_quality_hint
 
 __all__ = [
     "BanList",
@@ -12,7 +13,9 @@ __all__ = [
     "ServerSpan",
     "format_blocks",
     "forward_cost",
+    "meeting",
     "plan_route",
     "route_with_bans",
     "uncovered_blocks",
+    "with_quality_hint",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, OnBlocks, PeerId
+from shoal.quantization.formats import Quantization
 
 
 class NoRouteError(ShoalError):
@@ -33,6 +34,7 @@ class RouteInfo:
     free_cache_tokens: int | None = None
     draining: bool = False
     capabilities: frozenset[str] = frozenset()
+    quantization: Quantization = Quantization.NONE  # how the server holds its weights (clients set a minimum)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,10 @@ import random
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from shoal.quantization.formats import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing.bans import BanList
 from shoal.routing.chain import NoRouteError, ServerSpan, plan_route
+from shoal.routing.quality import meeting, with_quality_hint
 
 HOP_MS = 1.0
 UNKNOWN_RTT_MS = 5.0
@@ -95,14 +97,20 @@ def route_with_bans(
     cost: Callable[[ServerSpan, ServerSpan | None], float],
     bans: BanList,
     exclude: Collection[str] = (),
+    min_quality: Quantization = DEFAULT_MIN_QUALITY,
 ) -> list[ServerSpan]:
-    """The cheapest route avoiding banned servers, or, if bans leave a block uncovered, ignoring
-    bans (never ``exclude``: servers known dead right now)."""
+    """The cheapest route over servers with weights of at least ``min_quality``, avoiding banned
+    ones, or, if bans leave a block uncovered, ignoring bans (never ``exclude``: servers known dead
+    right now, nor the quality bar)."""
     alive = [s for s in spans if s.peer_id not in exclude]
-    allowed = [s for s in alive if not bans.banned(s.peer_id)]
+    good = meeting(alive, min_quality)
+    allowed = [s for s in good if not bans.banned(s.peer_id)]
     try:
-        return plan_route(allowed, start, end, cost)
-    except NoRouteError:
-        if len(allowed) == len(alive):
-            raise
-    return plan_route(alive, start, end, cost)
+        try:
+            return plan_route(allowed, start, end, cost)
+        except NoRouteError:
+            if len(allowed) == len(good):
+                raise
+        return plan_route(good, start, end, cost)
+    except NoRouteError as error:
+        raise with_quality_hint(error, alive, min_quality) from None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from shoal import __version__
 from shoal.ids import BlockRange
+from shoal.quantization import Quantization
 from shoal.swarm.gossip import GossipConfig
 from shoal.swarm.records import ModelRecord, ServerRecord, SignedRecord, State, sign
 from shoal.swarm.service import SwarmService
@@ -36,6 +37,7 @@ class Announcement:
     state: State = State.JOINING
     cache_tokens_free: int = 0
     step_ms: float = 0.0  # one-token step latency per block
+    quantization: Quantization = Quantization.NONE  # how the span's weights are held
     service: SwarmService | None = None
     _signed: SignedRecord | None = None
     _rtts: dict[str, float] | None = None
@@ -60,6 +62,7 @@ class Announcement:
             expires=now + self.gossip.expiry,
             step_ms=self.step_ms,
             capabilities=tuple(sorted(CAPABILITIES)),
+            quantization=self.quantization,
         )
         self._signed = sign(record, self.secret_key)
         return self._signed

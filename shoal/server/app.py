@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import secrets
@@ -23,25 +24,18 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shoal import __version__
-from shoal.checkpoints import (
-    load_config,
-    load_tensors,
-    model_fingerprints,
-    model_name,
-    resolve_model,
-    span_fingerprints,
-    span_tensor_filter,
-)
+from shoal.checkpoints import load_config, load_span, model_fingerprints, model_name, resolve_model
 from shoal.ids import BlockRange
 from shoal.models import get_family
 from shoal.protocols import BLOCKS
+from shoal.quantization import Quantization
 from shoal.server.announce import Announcement, keep_measuring
 from shoal.server.backend import SpanBackend, compute_thread
 from shoal.server.budget import CacheBudget
 from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer
 from shoal.server.placement import Balance, Placed, choose_span, plan_move
-from shoal.server.preflight import CheckedModel, check_blocks, check_model
+from shoal.server.preflight import CheckedModel, check_blocks, check_model, check_quantization
 from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
 from shoal.swarm.records import State
 from shoal.swarm.service import SWARM, SwarmService
@@ -62,33 +56,35 @@ def load_block_server(
     on_fingerprints: Callable[[list[str]], None] | None = None,
     executor: ThreadPoolExecutor | None = None,
 ) -> BlockServer:
-    """Load blocks ``span`` (and nothing else) and wrap them for serving.
-    ``on_fingerprints`` hears the span's fingerprints as soon as they are known (before the
-    blocks are built and warmed up), so the server can announce itself as joining. Call it on
-    ``executor``, the thread that will compute (see :func:`shoal.server.backend.compute_thread`)."""
+    """Load blocks ``span`` (and nothing else), one block at a time and each quantised as it comes
+    (``config.quant``), and wrap them for serving. ``on_fingerprints`` hears the span's fingerprints
+    (of the checkpoint's tensors) once every block is read, before warm-up, so the server can
+    announce itself as joining. Call it on ``executor``, the thread that will compute (see
+    :func:`shoal.server.backend.compute_thread`)."""
     started = time.perf_counter()
     model_dir = resolve_model(config.model, blocks=span)
     hf_config = load_config(model_dir)
-    family = get_family(hf_config)
-    total = family.num_blocks(hf_config)
+    total = get_family(hf_config).num_blocks(hf_config)
     start, end = span.start, span.end
     check_blocks(span, CheckedModel(model_dir, hf_config.model_type, total))
-    tensors = load_tensors(model_dir, span_tensor_filter(hf_config, start, end))
-    fingerprints = span_fingerprints(hf_config, start, end, tensors)
+    built, prints = load_span(model_dir, start, end, config.dtype, config.device, config.quant)
+    fingerprints = [prints[i] for i in range(start, end)]
     if on_fingerprints is not None:
-        on_fingerprints([fingerprints[i] for i in range(start, end)])
-    built = family.build_span(hf_config, start, end, tensors, config.dtype, config.device)
-    del tensors
+        on_fingerprints(fingerprints)
     info = SpanInfo(
         model=model_name(config.model),
         num_blocks=total,
         blocks=span,
-        fingerprints=[fingerprints[i] for i in range(start, end)],
+        fingerprints=fingerprints,
         dtype=str(config.dtype).removeprefix("torch."),
         hidden_size=hf_config.hidden_size,
         version=__version__,
+        quantization=config.quant,
     )
-    log.info("loaded blocks %d:%d of %s in %.1f s", start, end, info.model, time.perf_counter() - started)
+    log.info(
+        "loaded blocks %d:%d of %s (%s weights) in %.1f s", start, end, info.model,
+        "full-precision" if config.quant is Quantization.NONE else config.quant, time.perf_counter() - started,
+    )  # fmt: skip
     backend = SpanBackend(built, hf_config.hidden_size, config.device, executor)
     backend.warm_up()
     return BlockServer(
@@ -137,8 +133,9 @@ class _Presence:
         self.leaving = False
         blocks = config.blocks or BlockRange(0, 1)  # until placed: nothing is announced without fingerprints
         self.announcement = Announcement(
-            node, key, swarm_id, self.model, blocks, fingerprints=[], throughput=0.0, gossip=config.gossip
-        )
+            node, key, swarm_id, self.model, blocks, fingerprints=[], throughput=0.0, gossip=config.gossip,
+            quantization=config.quant,
+        )  # fmt: skip
         table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
         self.service = SwarmService(node, table, config.gossip, list(config.join), self.announcement.records)
         self.announcement.service = self.service
@@ -175,9 +172,8 @@ class _Presence:
             a.step_ms = 1000.0 / config.throughput if config.throughput > 0 else 0.0
             return
         loop = asyncio.get_running_loop()
-        compute, cached = await loop.run_in_executor(
-            self.compute, cached_compute, self.hf_config, config.dtype, config.device
-        )
+        measure = functools.partial(cached_compute, quantization=config.quant)
+        compute, cached = await loop.run_in_executor(self.compute, measure, self.hf_config, config.dtype, config.device)
         network = None
         peers = [t for t in config.join if t.peer_id != self.node.id]
         if peers:
@@ -204,7 +200,9 @@ class _Presence:
         config = self.config
         n = config.num_blocks
         if n is None:
-            n = default_num_blocks(self.hf_config, config.dtype, config.device, config.cache_tokens)
+            n = default_num_blocks(
+                self.hf_config, config.dtype, config.device, config.cache_tokens, quantization=config.quant
+            )
         n = min(n, self.total)
         if not config.new_swarm:  # let servers starting at the same time see each other's choices
             await asyncio.sleep(config.gossip.period * self.rng.uniform(1.0, 2.0))
@@ -292,7 +290,9 @@ async def serve(
 ) -> None:
     """Join (or create) the swarm, load the blocks, serve until ``stop`` is set or SIGINT/SIGTERM.
     The model and the span are checked first (:mod:`shoal.server.preflight`), before anything binds."""
-    check_blocks(config.blocks, check_model(config.model))
+    model = check_model(config.model)
+    check_blocks(config.blocks, model)
+    check_quantization(config.quant, model)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     compute = compute_thread(config.num_threads)

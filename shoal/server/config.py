@@ -9,6 +9,7 @@ import torch
 
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
+from shoal.quantization import Quantization
 from shoal.swarm.gossip import GossipConfig
 from shoal.transport import Ticket, TransportConfig
 
@@ -46,6 +47,7 @@ class ServerConfig:
     blocks: BlockRange | None = None  # half-open [start, end); None: placed automatically (needs a swarm)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    quant: Quantization = Quantization.NONE  # how the span's weight matrices are held (shoal.quantization)
     cache_tokens: int = 8192  # KV cache budget per hosted block, in tokens (all sessions together)
     max_sessions_per_peer: int = 16
     session_idle_timeout: float = 300.0  # a session with no message for this long is closed

@@ -16,6 +16,11 @@ server fails.
 Drain (the server is leaving): new sessions and forwards get ``unavailable``; steps of open sessions
 are still served, flagged ``draining`` so their clients move to other servers at their next step;
 whatever is left when the drain times out is closed.
+
+Codecs: a server answers in kind. Its output travels in the codec the step's hidden states came in
+(:mod:`shoal.wire.codecs`), to the client and, pushed, to the next server, so both decode the very
+same tensor (the client's replay history holds what the next server computed on). The client sends
+a codec only to a server that announced it, and pushes only between servers that use the same one.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import torch
 
 from shoal.errors import (
     BadRequest,
@@ -40,13 +46,14 @@ from shoal.errors import (
     RequestTimeout,
     ShoalError,
     Unavailable,
+    WireError,
 )
 from shoal.ids import PeerId, SessionId
 from shoal.protocols import BLOCKS
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
 from shoal.transport import MessageStream, Node, Ticket
-from shoal.wire import InvalidMessage, Message, error_message
+from shoal.wire import Codec, InvalidMessage, Message, codecs, error_message
 from shoal.wire.schema import (
     InfoReply,
     OpenReply,
@@ -171,7 +178,7 @@ class BlockServer:
         out = await self.backend.run(hidden, position_ids, mask)
         self.counters.forward_requests += 1
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
-        return Message("result", request.id, tensors=[out])
+        return Message("result", request.id, tensors=[out], codecs=_in_kind(out, request))
 
     async def _open(self, peer_id: PeerId, meta: OpenRequest, stream: MessageStream) -> _Session:
         if self.draining:
@@ -326,7 +333,8 @@ class BlockServer:
                     stream = await self.node.open_stream(ticket, BLOCKS, timeout=2.0)
                     self._push_streams[ticket_text] = stream
                 try:
-                    await stream.send(Message("push", stream.next_id(), meta, tensors))
+                    # in the codec of the client's reply: the next server decodes what the client does
+                    await stream.send(Message("push", stream.next_id(), meta, tensors, reply.codecs))
                 except ShoalError:
                     self._push_streams.pop(ticket_text, None)
                     raise
@@ -366,7 +374,7 @@ class BlockServer:
         session.last_active = asyncio.get_running_loop().time()
         step = StepRequest(session=session.id, position=meta.position, push=meta.push)
         try:
-            await self._serve_step(session, Message("step", meta.step, step, message.tensors))
+            await self._serve_step(session, Message("step", meta.step, step, message.tensors, message.codecs))
         except Exception:
             log.exception("pushed step for session %s failed", session.id)
 
@@ -385,4 +393,18 @@ class BlockServer:
         self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1
         self.counters.positions_processed += hidden.shape[1]
-        return Message("result", message.id, StepReply(position=position + hidden.shape[1]), [out])
+        reply = StepReply(position=position + hidden.shape[1])
+        return Message("result", message.id, reply, [out], _in_kind(out, message))
+
+
+def _in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:
+    """The codecs of the reply to ``request``: ``out`` travels in the codec the hidden states came
+    in. An output that codec cannot carry (q8: NaN or infinity) is the request's error."""
+    codec = request.codec_of(0)
+    if codec is Codec.RAW:
+        return ()
+    try:
+        codecs.check(codec, out)
+    except WireError as exc:
+        raise BadRequest(f"the output cannot travel in codec {codec}: {exc}") from None
+    return (codec,)

@@ -1,13 +1,15 @@
 """What a server checks before it binds a port or reads a weight: the model (see
-:mod:`shoal.checkpoints.check`) and that the blocks asked for are inside it."""
+:mod:`shoal.checkpoints.check`), that the blocks asked for are inside it, and that its weights can
+be quantised as asked."""
 
 from __future__ import annotations
 
 from shoal.checkpoints.check import CheckedModel, check_model
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
+from shoal.quantization import Quantization
 
-__all__ = ["CheckedModel", "check_blocks", "check_model"]
+__all__ = ["CheckedModel", "check_blocks", "check_model", "check_quantization"]
 
 
 def check_blocks(blocks: BlockRange | None, model: CheckedModel) -> None:
@@ -17,3 +19,20 @@ def check_blocks(blocks: BlockRange | None, model: CheckedModel) -> None:
             f"--blocks {blocks.start}:{blocks.end} is outside the model's {model.num_blocks} blocks "
             f"(choose START:END within 0:{model.num_blocks})"
         )
+
+
+def check_quantization(quantization: Quantization, model: CheckedModel) -> Quantization:
+    """Refuse a format whose library is missing, or that cannot hold the model's weights (nf4 and
+    MoE expert tensors); from the config alone (every block, with the model's shapes, on the meta
+    device: a MoE model may have dense blocks too)."""
+    from shoal.checkpoints import load_config
+    from shoal.quantization.libraries import require_library
+    from shoal.quantization.weights import check_quantizable
+    from shoal.server.throughput import meta_block
+
+    require_library(quantization)
+    if quantization is not Quantization.NONE:
+        config = load_config(model.model_dir)
+        for index in range(model.num_blocks):
+            check_quantizable(meta_block(config, index), quantization)
+    return quantization

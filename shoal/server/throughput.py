@@ -34,6 +34,8 @@ import torch
 
 from shoal.checkpoints.fetch import shoal_home
 from shoal.models import get_family
+from shoal.quantization import Quantization
+from shoal.quantization.weights import block_quantizer, planned_bytes
 from shoal.transport import META, Node, Ticket
 from shoal.wire import Message
 from shoal.wire.schema import Ping
@@ -72,8 +74,8 @@ def announced_throughput(compute: ComputeMeasurement, network_bytes_per_s: float
 
 
 # ---- one block of the family, with random weights ---------------------------------------------------
-def _meta_block(hf_config):
-    """Block 0 of the family on the meta device (shapes only)."""
+def meta_block(hf_config, index: int = 0):
+    """Block ``index`` of the family on the meta device (shapes only)."""
     from shoal.models.decoder import prepare_config
 
     family = get_family(hf_config)
@@ -81,28 +83,30 @@ def _meta_block(hf_config):
     if layer_cls is None:
         raise ValueError(f"cannot size or measure blocks of {hf_config.model_type!r}: pass --throughput/--num-blocks")
     with torch.device("meta"):
-        return layer_cls(prepare_config(hf_config), 0)
+        return layer_cls(prepare_config(hf_config), index)
 
 
-def block_bytes(hf_config, dtype: torch.dtype) -> int:
-    """Bytes of one block's weights in ``dtype``."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(t.numel() for t in _meta_block(hf_config).state_dict().values()) * size
+def block_bytes(
+    hf_config, dtype: torch.dtype, quantization: Quantization = Quantization.NONE, device: str = "cpu"
+) -> int:
+    """Bytes of one block's weights in ``dtype`` on ``device``, its weight matrices held as
+    ``quantization`` says."""
+    return planned_bytes(meta_block(hf_config), dtype, quantization, device)
 
 
-def _random_span(hf_config, dtype: torch.dtype, device: str):
+def _random_span(hf_config, dtype: torch.dtype, device: str, quantization: Quantization = Quantization.NONE):
     family = get_family(hf_config)
-    prefix = family.block_tensor_prefix(hf_config, 0)
     generator = torch.Generator(device=device).manual_seed(0)
-    tensors = {}
-    for name, meta in _meta_block(hf_config).state_dict().items():
+    tensors = {}  # named as the layer holds them (relative to the block, experts already fused)
+    for name, meta in meta_block(hf_config).state_dict().items():
         tensor = torch.empty(meta.shape, dtype=dtype, device=device)
         if meta.dim() >= 2:
             tensor.normal_(0.0, 0.02, generator=generator)
         else:
             tensor.fill_(1.0)
-        tensors[prefix + name] = tensor
-    return family.build_span(hf_config, 0, 1, tensors, dtype, device)
+        tensors[name] = tensor
+    block = block_quantizer(quantization)(family.build_block(hf_config, 0, tensors, dtype, device))
+    return family.assemble_span(hf_config, 0, 1, [block], dtype, device)
 
 
 # ---- compute -----------------------------------------------------------------------------------
@@ -122,15 +126,20 @@ def _progress(total: int):
 
 
 def measure_compute(
-    hf_config, dtype: torch.dtype, device: str, time_budget: float = TIME_BUDGET_S
+    hf_config,
+    dtype: torch.dtype,
+    device: str,
+    time_budget: float = TIME_BUDGET_S,
+    quantization: Quantization = Quantization.NONE,
 ) -> ComputeMeasurement:
-    """Time one block: a prompt of up to ``PROMPT_TOKENS`` and ``DECODE_STEPS`` cached steps after it.
-    Runs on the calling thread: call it on the server's compute thread."""
+    """Time one block (its weight matrices held as ``quantization`` says): a prompt of up to
+    ``PROMPT_TOKENS`` and ``DECODE_STEPS`` cached steps after it. Runs on the calling thread: call
+    it on the server's compute thread."""
     started = time.perf_counter()
     bar = _progress(3 + DECODE_STEPS)
     try:
         with torch.inference_mode():
-            span = _random_span(hf_config, dtype, device)
+            span = _random_span(hf_config, dtype, device, quantization)
             hidden_size = hf_config.hidden_size
             cache = span.allocate_cache(1, PROMPT_TOKENS + DECODE_STEPS + 1)
 
@@ -173,11 +182,15 @@ def _config_hash(hf_config) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def cache_key(hf_config, dtype: torch.dtype, device: str, threads: int) -> str:
+def cache_key(
+    hf_config, dtype: torch.dtype, device: str, threads: int, quantization: Quantization = Quantization.NONE
+) -> str:
     where = device
     if device.startswith("cuda"):
         where = f"{device} {torch.cuda.get_device_name(device)}"
     dtype_name = str(dtype).removeprefix("torch.")
+    if quantization is not Quantization.NONE:
+        dtype_name += f"+{quantization}"
     return f"{_config_hash(hf_config)}|{where}|{dtype_name}|threads={threads}|torch={torch.__version__}"
 
 
@@ -208,19 +221,26 @@ def _locked(path: Path):
 
 
 def cached_compute(
-    hf_config, dtype: torch.dtype, device: str, path: Path | None = None, time_budget: float = TIME_BUDGET_S
+    hf_config,
+    dtype: torch.dtype,
+    device: str,
+    path: Path | None = None,
+    time_budget: float = TIME_BUDGET_S,
+    *,
+    quantization: Quantization = Quantization.NONE,
 ) -> tuple[ComputeMeasurement, bool]:
-    """The compute measurement for this config on this machine: from the cache, or measured now
-    (and cached). Returns it and whether it came from the cache. Call on the compute thread."""
+    """The compute measurement for this config (and weight format) on this machine: from the cache,
+    or measured now (and cached). Returns it and whether it came from the cache. Call on the compute
+    thread."""
     path = path or cache_path()
-    key = cache_key(hf_config, dtype, device, torch.get_num_threads())
+    key = cache_key(hf_config, dtype, device, torch.get_num_threads(), quantization)
     saved = _read_cache(path).get(key)
     if isinstance(saved, dict):
         try:
             return ComputeMeasurement(**saved), True
         except TypeError:
             pass
-    measured = measure_compute(hf_config, dtype, device, time_budget)
+    measured = measure_compute(hf_config, dtype, device, time_budget, quantization)
     try:
         with _locked(path):
             data = _read_cache(path)
@@ -263,15 +283,23 @@ def free_memory(device: str) -> int:
 
 
 def default_num_blocks(
-    hf_config, dtype: torch.dtype, device: str, cache_tokens: int, free_bytes: int | None = None
+    hf_config,
+    dtype: torch.dtype,
+    device: str,
+    cache_tokens: int,
+    free_bytes: int | None = None,
+    quantization: Quantization = Quantization.NONE,
 ) -> int:
-    """How many blocks fit in the free memory (less a margin): weights plus the per-block KV cache
-    budget of ``cache_tokens`` tokens; at most the model's blocks. Raises when not even one fits."""
+    """How many blocks fit in the free memory (less a margin): weights (quantised ones at their
+    quantised size) plus the per-block KV cache budget of ``cache_tokens`` tokens, and room to load
+    one more block in full precision; at most the model's blocks. Raises when not even one fits."""
     family = get_family(hf_config)
     total = family.num_blocks(hf_config)
     free = free_memory(device) if free_bytes is None else free_bytes
     usable = free - max(MIN_MARGIN_BYTES, int(MEMORY_MARGIN * free))
-    per_block = block_bytes(hf_config, dtype)
+    if quantization is not Quantization.NONE:
+        usable -= block_bytes(hf_config, dtype)  # the block being loaded, before it is quantised
+    per_block = block_bytes(hf_config, dtype, quantization, device)
     per_block += cache_tokens * family.cache_geometry(hf_config, dtype).bytes_per_token_per_block()
     fits = usable // per_block
     if fits < 1:

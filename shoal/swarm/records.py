@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, OnBlocks
+from shoal.quantization.formats import Quantization
 
 SIGNING_CONTEXT = b"shoal/record/1\0"
 MAX_RECORD_BYTES = 8192
@@ -59,6 +60,10 @@ class ServerRecord(OnBlocks):
     expires: float
     step_ms: float = 0.0  # measured latency of a one-token step through one block (0: unknown); routing uses it
     capabilities: tuple[str, ...] = ()  # what the server's protocol supports (shoal.wire.schema), sorted
+    # how the server holds the weights the fingerprints name (those of the checkpoint it quantised);
+    # sent only when quantised, so a full-precision record reads as before and a peer that predates
+    # the field refuses a quantised one rather than route over it unaware
+    quantization: Quantization = Quantization.NONE
 
     TAG = "srv"
 
@@ -76,14 +81,19 @@ class ServerRecord(OnBlocks):
             list(self.fingerprints), str(self.state), self.throughput, self.cache_tokens_free,
             [list(r) for r in self.rtts], self.version, self.timestamp, self.expires, self.step_ms,
             list(self.capabilities),
+            *([] if self.quantization is Quantization.NONE else [str(self.quantization)]),
         ]  # fmt: skip
 
     @classmethod
     def from_fields(cls, f: list) -> ServerRecord:
-        _expect(len(f) in (15, 16, 17), "field count")  # 15: before step_ms existed, 16: before capabilities
+        # 15: before step_ms existed, 16: before capabilities, 17: full precision (or before quantization)
+        _expect(len(f) in (15, 16, 17, 18), "field count")
         swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f[:15]
         step_ms = f[15] if len(f) >= 16 else 0.0
-        capabilities = f[16] if len(f) == 17 else []
+        capabilities = f[16] if len(f) >= 17 else []
+        quantization = f[17] if len(f) == 18 else str(Quantization.NONE)
+        _expect(_is_str(quantization) and quantization in Quantization.__members__.values(), "quantization")
+        _expect(len(f) < 18 or quantization != Quantization.NONE, "quantization")  # "none" is never sent
         _expect(_is_num(step_ms) and 0 <= step_ms < 1e7, "step_ms")
         _expect(isinstance(capabilities, list) and len(capabilities) <= 64, "capabilities")
         _expect(all(_is_str(c) and len(c) <= 64 for c in capabilities), "capabilities")
@@ -100,7 +110,7 @@ class ServerRecord(OnBlocks):
         return cls(
             _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), BlockRange(start, end), tuple(fps),
             State(state), float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp),
-            float(step_ms), tuple(sorted(set(capabilities))),
+            float(step_ms), tuple(sorted(set(capabilities))), Quantization(quantization),
         )  # fmt: skip
 
 

@@ -7,7 +7,7 @@ from shoal.transport.config import Deadlines, NetworkProfile, TransportConfig
 from shoal.transport.identity import load_or_create_identity
 from shoal.transport.memory import MemoryNetwork, MemoryNode
 from shoal.transport.node import EndpointPlan, Node, endpoint_options, endpoint_plan
-from shoal.transport.stream import ByteChannel, MessageStream
+from shoal.transport.stream import ByteChannel, MessageStream, ReceivedBytes
 from shoal.transport.ticket import Ticket
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "NetworkProfile",
     "Node",
     "Protocol",
+    "ReceivedBytes",
     "StartNode",
     "Ticket",
     "TransportConfig",

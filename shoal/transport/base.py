@@ -21,7 +21,7 @@ from typing import Self
 
 from shoal.errors import ClosedError, RequestTimeout, ShoalError, WireError
 from shoal.transport.config import TransportConfig
-from shoal.transport.stream import ByteChannel, MessageStream
+from shoal.transport.stream import ByteChannel, MessageStream, ReceivedBytes
 from shoal.transport.ticket import Ticket
 from shoal.wire import CAPABILITIES, InvalidMessage, Message, error_message
 from shoal.wire.schema import HelloReply
@@ -79,6 +79,7 @@ class BaseNode:
         self._tasks: set[asyncio.Task] = set()
         self.closed = False
         self.rejected_frames: Counter[str] = Counter()  # malformed frames answered with a wire error, by reason
+        self.received = ReceivedBytes()  # frame bytes read by every stream of this node, dialled or accepted
 
     @property
     def protocols(self) -> list[str]:
@@ -193,7 +194,9 @@ class BaseNode:
                 if attempt:
                     raise
                 continue
-            return MessageStream(channel, ticket.peer_id, self.config.limits, self.config.deadlines.request)
+            return MessageStream(
+                channel, ticket.peer_id, self.config.limits, self.config.deadlines.request, self.received
+            )
         raise AssertionError("unreachable")
 
     async def request(

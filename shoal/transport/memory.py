@@ -235,7 +235,8 @@ class _Link:
         self._pipes.add(down)
         acceptor = self._acceptor
         config = acceptor.config
-        stream = MessageStream(_PipeChannel(down, up), self._dialler.id, config.limits, config.deadlines.request)
+        channel = _PipeChannel(down, up)
+        stream = MessageStream(channel, self._dialler.id, config.limits, config.deadlines.request, acceptor.received)
         acceptor._serve_stream(acceptor._handlers[self._alpn], stream)
         return _PipeChannel(up, down)
 

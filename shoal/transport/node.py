@@ -203,7 +203,8 @@ class Node(BaseNode):
                 bi = await conn.accept_bi()
             except iroh.IrohError:
                 return  # the connection closed
-            self._serve_stream(handler, MessageStream(_QuicChannel(bi), peer_id, limits, request_timeout))
+            stream = MessageStream(_QuicChannel(bi), peer_id, limits, request_timeout, self.received)
+            self._serve_stream(handler, stream)
 
     # ---- dialling --------------------------------------------------------------------------
     async def _dial(self, ticket: Ticket, protocol: Protocol, timeout: float | None) -> _QuicConnection:

@@ -41,16 +41,37 @@ class ByteChannel(Protocol):
     def translate(self, exc: BaseException, what: str) -> ShoalError: ...
 
 
-class MessageStream:
-    """Shoal messages over one byte channel. Sends are serialised by a lock."""
+class ReceivedBytes:
+    """Bytes of the frames streams received: ``total`` (prefixes and headers included) and
+    ``data`` (tensor bytes: DATA frames' payloads, as the codecs encoded them). A node's streams
+    share one (:attr:`shoal.transport.BaseNode.received`)."""
 
-    def __init__(self, channel: ByteChannel, peer_id: str, limits: Limits, request_timeout: float):
+    __slots__ = ("data", "total")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.data = 0
+
+
+class MessageStream:
+    """Shoal messages over one byte channel. Sends are serialised by a lock. ``received`` counts
+    the bytes of every frame read (a node passes its own, shared by its streams)."""
+
+    def __init__(
+        self,
+        channel: ByteChannel,
+        peer_id: str,
+        limits: Limits,
+        request_timeout: float,
+        received: ReceivedBytes | None = None,
+    ):
         self._channel = channel
         self._errors = channel.errors
         self._write_all, self._read, self._read_exactly = channel.write_all, channel.read, channel.read_exact
         self.peer_id = peer_id
         self.limits = limits
         self.request_timeout = request_timeout
+        self.received = received if received is not None else ReceivedBytes()
         self._assembler = Assembler(limits)
         self._buffer = b""  # bytes read from the stream but not consumed yet
         self._send_lock = asyncio.Lock()
@@ -129,9 +150,14 @@ class MessageStream:
             end = prefix + size
             if len(self._buffer) >= end:  # a whole frame is already read: no await (the common path)
                 payload, self._buffer = self._buffer[prefix:end], self._buffer[end:]
+                self.received.total += end
+                if frame_type == FRAME_DATA:
+                    self.received.data += size
                 message = self._assembler.feed(frame_type, payload)
             elif frame_type == FRAME_DATA and size >= READ_CHUNK:  # large: the rest read exactly
                 self._buffer = self._buffer[prefix:]
+                self.received.total += end
+                self.received.data += size
                 message = await self._recv_large_data(size)
             else:
                 await self._read_more()

@@ -1,5 +1,6 @@
 """shoal's wire format: typed messages carrying tensors, as validated frames. No I/O."""
 
+from shoal.wire.codecs import Codec
 from shoal.wire.messages import (
     FRAME_DATA,
     FRAME_HEAD,
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_FRAME_PAYLOAD",
     "WIRE_VERSION",
     "Assembler",
+    "Codec",
     "InvalidMessage",
     "Limits",
     "Message",

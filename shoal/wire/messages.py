@@ -4,7 +4,8 @@ A message travels as frames. Every frame is ``u32 length (big endian) | u8 type 
 
     HEAD  (type 1)  msgpack map {"v": 2, "k": kind, "id": request id, "m": metadata, "t": tensors,
                     "n": total tensor bytes}; metadata is the kind's struct (:mod:`shoal.wire.schema`),
-                    tensors are ``[dtype, shape, codec]`` entries (:mod:`shoal.wire.tensors`)
+                    tensors are ``[dtype, shape, codec]`` entries (:mod:`shoal.wire.tensors`;
+                    the codecs: :mod:`shoal.wire.codecs`)
     DATA  (type 2)  the next bytes of the tensors, concatenated in order
 
 A HEAD is followed by DATA frames until ``n`` bytes arrived (none when ``n == 0``). Frames carry at
@@ -24,10 +25,12 @@ import torch
 
 from shoal.errors import BadRequest, MessageTooLarge, WireError
 from shoal.wire import tensors as tw
+from shoal.wire.codecs import Codec
 from shoal.wire.schema import KINDS, Empty, ErrorReply, Meta, decode_meta, decode_reply
 
 M = TypeVar("M", bound=Meta)
 EMPTY = Empty()
+_RAW = Codec.RAW
 
 WIRE_VERSION = 2
 FRAME_HEAD = 1
@@ -71,13 +74,20 @@ _ENCODER = msgspec.msgpack.Encoder()
 class Message:
     """One message: a kind, the request id it belongs to, typed metadata and tensors.
 
-    A received ``result`` keeps its metadata as msgpack until the requester, which knows what it
-    asked, decodes it with :meth:`reply`."""
+    ``codecs``: how each tensor travels, in order; tensors past its end (all of them when it is
+    empty) travel raw. A received message's tensors are decoded already; its ``codecs`` says what
+    they came in (empty: all raw). A received ``result`` keeps its metadata as msgpack until the
+    requester, which knows what it asked, decodes it with :meth:`reply`."""
 
     kind: str
     id: int = 0
     meta: Meta | msgspec.Raw = EMPTY
     tensors: list[torch.Tensor] = field(default_factory=list)
+    codecs: tuple[Codec, ...] = ()
+
+    def codec_of(self, index: int) -> Codec:
+        """The codec tensor ``index`` travels (or came) in."""
+        return self.codecs[index] if index < len(self.codecs) else _RAW
 
     def reply(self, type_: type[M]) -> M:
         """This result's metadata as ``type_``; a reply that does not fit is the peer's fault:
@@ -125,17 +135,14 @@ def frames(message: Message, limits: Limits = Limits()) -> list[list[bytes | mem
     memoryviews of the tensors themselves, so a sender can write it without copying."""
     if message.kind not in KINDS:
         raise WireError("unknown_kind", message.kind)
-    buffers = [tw.tensor_bytes(t) for t in message.tensors]
+    if message.codecs and any(codec is not _RAW for codec in message.codecs):
+        encoded = [tw.encode_tensor(t, message.codec_of(i)) for i, t in enumerate(message.tensors)]
+        entries, buffers = [entry for entry, _ in encoded], [data for _, data in encoded]
+    else:  # all raw: the common case, the fewest calls
+        entries, buffers = [tw.describe(t) for t in message.tensors], [tw.tensor_bytes(t) for t in message.tensors]
     total = sum(b.nbytes for b in buffers)
     header = _ENCODER.encode(
-        {
-            "v": WIRE_VERSION,
-            "k": message.kind,
-            "id": message.id,
-            "m": message.meta,
-            "t": [tw.describe(t) for t in message.tensors],
-            "n": total,
-        }
+        {"v": WIRE_VERSION, "k": message.kind, "id": message.id, "m": message.meta, "t": entries, "n": total}
     )
     if len(header) > limits.max_header_bytes:
         raise MessageTooLarge("header_too_large", f"{len(header)} > {limits.max_header_bytes} bytes")
@@ -256,17 +263,19 @@ class Assembler:
 
     @staticmethod
     def _finish(header: _Header, body: bytearray) -> Message:
-        tensors, offset = [], 0
+        tensors, offset, lossy = [], 0, False
         for desc in header.t:
             tensors.append(tw.decode_tensor(body, offset, desc))
             offset += desc.nbytes
+            lossy = lossy or desc.codec is not _RAW
+        codecs = tuple(d.codec for d in header.t) if lossy else ()
         if header.k == "result":
-            return Message("result", header.id, header.m, tensors)
+            return Message("result", header.id, header.m, tensors, codecs)
         try:
             meta = decode_meta(header.k, header.m)
         except BadRequest as exc:
             raise InvalidMessage(header.id, header.k, exc) from None
-        return Message(header.k, header.id, meta, tensors)
+        return Message(header.k, header.id, meta, tensors, codecs)
 
 
 def _header_error(payload: bytes, exc: msgspec.ValidationError) -> WireError:

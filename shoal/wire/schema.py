@@ -21,6 +21,8 @@ import msgspec
 
 from shoal.errors import BadRequest
 from shoal.ids import BlockRange, PeerId, SessionId
+from shoal.quantization.formats import Quantization
+from shoal.wire.codecs import Codec
 
 MAX_SESSION_LENGTH = 1 << 20
 MAX_BATCH = 1024
@@ -30,8 +32,11 @@ MAX_STEP_ID = 1 << 32
 #: Every capability this version of shoal knows, announced by servers (``info``, records) and by
 #: every node (``hello``). Gate each new optional field or kind on one of these.
 PUSH = "push"  # step.push / the push kind: server-to-server hand-off of step outputs
-CODEC_RAW = "codec/raw"  # tensors as their raw bytes (every v2 peer)
-CAPABILITIES = frozenset({PUSH, CODEC_RAW})
+CODEC_RAW = Codec.RAW.capability  # tensors as their raw bytes (every v2 peer)
+CODEC_BF16 = Codec.BF16.capability  # float32 tensors as bfloat16 (shoal.wire.codecs)
+CODEC_FP16 = Codec.FP16.capability  # float32 tensors as float16
+CODEC_Q8 = Codec.Q8.capability  # float32 tensors as int8 blocks of 64 with a scale each
+CAPABILITIES = frozenset({PUSH, *(codec.capability for codec in Codec)})
 
 Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
 StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
@@ -100,6 +105,8 @@ class SpanInfo(Meta):
     hidden_size: Annotated[int, msgspec.Meta(ge=1)]
     version: Text
     capabilities: Capabilities = CAPABILITIES
+    # how the weights the fingerprints name are held (left out at full precision, as in records)
+    quantization: Quantization = Quantization.NONE
 
 
 class InfoReply(Meta):
@@ -209,6 +216,9 @@ def decode_reply(raw: bytes | msgspec.Raw, type_: type[Meta]) -> Meta:
 
 __all__ = [
     "CAPABILITIES",
+    "CODEC_BF16",
+    "CODEC_FP16",
+    "CODEC_Q8",
     "CODEC_RAW",
     "KINDS",
     "KIND_META",

@@ -1,9 +1,10 @@
 """Tensor <-> bytes: the dtype table and tensor codecs of wire version 2. No I/O here.
 
 A tensor's header entry is ``[dtype, shape, codec]``. ``dtype`` and ``shape`` are what the receiver
-gets; the codec says how its bytes travel. Wire version 2 defines ``raw`` (the tensor's own bytes,
-little endian, C order); a codec a receiver does not know is refused (``unknown_codec``), and a
-sender uses another codec only with a peer that announced it (capability ``codec/<name>``).
+gets; the codec says how its bytes travel: ``raw`` (the tensor's own bytes, little endian, C order)
+or one of the lossy float32 codecs of :mod:`shoal.wire.codecs` (``bf16``, ``fp16``, ``q8``). A codec
+a receiver does not know is refused (``unknown_codec``), and a sender uses a codec other than raw
+only with a peer that announced it (capability ``codec/<name>``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import numpy as np
 import torch
 
 from shoal.errors import WireError
+from shoal.wire import codecs
+from shoal.wire.codecs import Codec
 
 #: Wire name -> torch dtype. The names are part of the protocol: never rename one.
 DTYPES: dict[str, torch.dtype] = {
@@ -31,9 +34,9 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ITEMSIZE: dict[str, int] = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 MAX_RANK = 8
-RAW = "raw"
-#: Codec name -> bytes per element of each dtype (None: the codec cannot carry that dtype).
-CODECS: dict[str, dict[str, int]] = {RAW: ITEMSIZE}
+RAW = Codec.RAW
+#: Wire name -> codec: every codec this peer decodes.
+CODECS: dict[str, Codec] = {codec.value: codec for codec in Codec}
 _NO_NUMPY = frozenset({torch.bfloat16})  # dtypes numpy cannot view: sent as their bytes
 #: Wire name -> the numpy dtype a received buffer is viewed as (bf16 as int16, then viewed by torch).
 _NUMPY_VIEW: dict[str, np.dtype] = {
@@ -62,9 +65,29 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def describe(tensor: torch.Tensor, codec: str = RAW) -> tuple[str, list[int], str]:
-    """Header entry of one tensor: ``[dtype name, shape, codec]``."""
+def describe(tensor: torch.Tensor, codec: Codec = RAW) -> tuple[str, list[int], str]:
+    """Header entry of one tensor: ``[dtype name, shape, codec]`` (a codec is its name: a str)."""
     return (dtype_name(tensor.dtype), list(tensor.shape), codec)
+
+
+def encode_tensor(tensor: torch.Tensor, codec: Codec) -> tuple[tuple[str, list[int], str], memoryview]:
+    """Header entry and bytes of ``tensor`` sent in ``codec``; :class:`WireError` (``bad_tensor``)
+    if the codec cannot carry it (see :func:`shoal.wire.codecs.check`)."""
+    if codec is RAW:
+        return describe(tensor), tensor_bytes(tensor)
+    if tensor.dtype != torch.float32:
+        raise WireError("bad_tensor", f"codec {codec} carries float32 tensors, not {tensor.dtype}")
+    if tensor.requires_grad or not tensor.is_cpu or not tensor.is_contiguous():
+        tensor = tensor.detach().to("cpu").contiguous()
+    return describe(tensor, codec), memoryview(codecs.encode(codec, tensor).numpy()).cast("B")
+
+
+def roundtrip(tensor: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """What a receiver decodes of ``tensor`` sent in ``codec`` (raw: ``tensor`` itself)."""
+    if codec is RAW:
+        return tensor
+    _, data = encode_tensor(tensor, codec)
+    return codecs.decode(codec, np.frombuffer(data, dtype=np.uint8), tuple(tensor.shape))
 
 
 class TensorDesc(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -72,7 +95,7 @@ class TensorDesc(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fi
 
     dtype: str
     shape: tuple[int, ...]
-    codec: str
+    codec: Codec
     nbytes: int = 0
 
 
@@ -94,18 +117,27 @@ def validate_descriptor(entry: tuple[str, list[int], str]) -> TensorDesc:
     name, shape, codec = entry
     if name not in DTYPES:
         raise WireError("unknown_dtype", f"{name!r:.40} (supported: {', '.join(sorted(DTYPES))})")
-    if codec not in CODECS:
+    known = CODECS.get(codec)
+    if known is None:
         raise WireError("unknown_codec", f"tensor codec {codec!r:.40} (this peer knows: {', '.join(sorted(CODECS))})")
     if len(shape) > MAX_RANK:
         raise WireError("bad_shape", f"shape must be a list of at most {MAX_RANK} dims, got {shape!r:.80}")
     if not all(0 <= d < 2**40 for d in shape):
         raise WireError("bad_shape", f"dims must be non-negative ints, got {shape!r:.80}")
-    return TensorDesc(name, tuple(shape), codec, math.prod(shape) * CODECS[codec][name])
+    count = math.prod(shape)
+    if known is RAW:
+        return TensorDesc(name, tuple(shape), known, count * ITEMSIZE[name])
+    if name != "f32":
+        raise WireError("bad_tensor", f"codec {known} carries f32 tensors, not {name!r:.40}")
+    return TensorDesc(name, tuple(shape), known, codecs.encoded_size(known, count))
 
 
 def decode_tensor(buffer: bytearray, offset: int, desc: TensorDesc) -> torch.Tensor:
     """The tensor ``desc`` describes, from ``buffer[offset:]`` (raw: a view, no copy)."""
-    return tensor_from_buffer(buffer, offset, desc.dtype, desc.shape)
+    if desc.codec is RAW:
+        return tensor_from_buffer(buffer, offset, desc.dtype, desc.shape)
+    data = np.frombuffer(buffer, dtype=np.uint8, count=desc.nbytes, offset=offset)
+    return codecs.decode(desc.codec, data, desc.shape)
 
 
 def tensor_from_buffer(buffer: bytearray, offset: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:

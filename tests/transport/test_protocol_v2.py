@@ -127,7 +127,7 @@ UNKNOWN = {
     ),
     "unknown_codec": (
         {"v": 2, "k": "forward", "id": 4, "m": {}, "t": [["f32", [1, 1, 64], "zstd"]], "n": 256},
-        "tensor codec 'zstd' (this peer knows: raw)",
+        "tensor codec 'zstd' (this peer knows: bf16, fp16, q8, raw)",
     ),
 }
 

@@ -222,7 +222,7 @@ def test_header_is_the_v2_map_with_dtype_shape_codec_descriptors():
         "t": [["f16", [2, 3], "raw"]],
         "n": 12,
     }
-    assert WIRE_VERSION == 2 and set(CODECS) == {"raw"}
+    assert WIRE_VERSION == 2 and set(CODECS) == {"raw", "bf16", "fp16", "q8"}
 
 
 # ---- what a receiver refuses ---------------------------------------------------------------------
@@ -297,7 +297,7 @@ def test_a_header_of_another_shape_is_still_told_its_version():
 
 
 def test_unknown_codec_names_what_this_peer_knows():
-    with pytest.raises(WireError, match=r"tensor codec 'zstd' \(this peer knows: raw\)"):
+    with pytest.raises(WireError, match=r"tensor codec 'zstd' \(this peer knows: bf16, fp16, q8, raw\)"):
         feed_frames([head_frame(good_header(t=[["f32", [2], "zstd"]]))])
 
 

@@ -38,7 +38,7 @@ def no_subprocess(*args, **kwargs):
 def test_fetch_is_idempotent_and_offline(smollm2, monkeypatch):
     monkeypatch.setattr(fetch_module.subprocess, "run", no_subprocess)
     assert fetch_model("smollm2", progress=False) == smollm2[0]
-    with pytest.raises(ValueError, match="gemma3, smollm2"):
+    with pytest.raises(ValueError, match=r"gemma3, qwen2\.5-coder, smollm2"):
         fetch_model("nope")
 
 
