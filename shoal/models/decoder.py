@@ -296,6 +296,18 @@ def prepare_config(config):
     return config
 
 
+def span_from_blocks(family, config, start: int, end: int, state_dict, dtype, device):
+    """A family's span of blocks ``[start, end)`` from a state dict holding them: each block built by
+    ``family.build_block``, then joined by ``family.assemble_span`` (what a server loading block by
+    block does, with everything in hand)."""
+    check_range(family, config, start, end)
+    blocks = [
+        family.build_block(config, i, block_tensors(state_dict, family.block_tensor_prefix(config, i)), dtype, device)
+        for i in range(start, end)
+    ]
+    return family.assemble_span(config, start, end, blocks, dtype, device)
+
+
 @dataclass(frozen=True)
 class DecoderFamily:
     """A llama-like family: which transformers classes to wrap, and where its tensors live."""
@@ -329,12 +341,7 @@ class DecoderFamily:
         return CacheGeometry(config.num_key_value_heads, head_dim, dtype)
 
     def build_span(self, config, start, end, state_dict, dtype, device) -> DecoderSpan:
-        check_range(self, config, start, end)
-        blocks = [
-            self.build_block(config, i, block_tensors(state_dict, self.block_tensor_prefix(config, i)), dtype, device)
-            for i in range(start, end)
-        ]
-        return self.assemble_span(config, start, end, blocks, dtype, device)
+        return span_from_blocks(self, config, start, end, state_dict, dtype, device)
 
     def build_block(self, config, index: int, tensors: BlockTensors, dtype, device) -> nn.Module:
         """Block ``index`` from its checkpoint tensors (named relative to its block prefix), cast and

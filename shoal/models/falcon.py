@@ -30,10 +30,10 @@ from shoal.models.decoder import (
     _assign,
     _CacheStep,
     _MaskSizes,
-    block_tensors,
     check_range,
     checked_step,
     prepare_config,
+    span_from_blocks,
 )
 
 PREFIX = "transformer."
@@ -160,12 +160,7 @@ class FalconFamily:
         return CacheGeometry(kv_heads(config)[0], config.hidden_size // config.num_attention_heads, dtype)
 
     def build_span(self, config, start, end, state_dict, dtype, device) -> FalconSpan:
-        check_range(self, config, start, end)
-        blocks = [
-            self.build_block(config, i, block_tensors(state_dict, self.block_tensor_prefix(config, i)), dtype, device)
-            for i in range(start, end)
-        ]
-        return self.assemble_span(config, start, end, blocks, dtype, device)
+        return span_from_blocks(self, config, start, end, state_dict, dtype, device)
 
     def build_block(self, config, index: int, tensors: BlockTensors, dtype, device) -> nn.Module:
         """Block ``index`` from its checkpoint tensors (named relative to its block prefix)."""
