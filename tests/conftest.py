@@ -19,29 +19,26 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """The fetched SmolLM2 checkpoint; a missing one FAILS the test (never skips)."""
+def fetched(name: str, label: str) -> Path:
+    """The checkpoint ``shoal models fetch NAME`` converted; a missing one FAILS the test (never skips)."""
     from shoal.checkpoints import fetch_model, is_fetched, model_cache_dir
 
-    if not is_fetched("smollm2"):
+    if not is_fetched(name):
         pytest.fail(
-            f"SmolLM2 is not fetched (expected at {model_cache_dir('smollm2')}): run `shoal models fetch smollm2` "
+            f"{label} is not fetched (expected at {model_cache_dir(name)}): run `shoal models fetch {name}` "
             "once (it needs the network), then rerun the tests",
             pytrace=False,
         )
-    return fetch_model("smollm2", progress=False)
+    return fetch_model(name, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The fetched SmolLM2 checkpoint."""
+    return fetched("smollm2", "SmolLM2")
 
 
 @pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
-    """The fetched Gemma-3-270M checkpoint; a missing one FAILS the test (never skips)."""
-    from shoal.checkpoints import fetch_model, is_fetched, model_cache_dir
-
-    if not is_fetched("gemma3"):
-        pytest.fail(
-            f"Gemma 3 is not fetched (expected at {model_cache_dir('gemma3')}): run `shoal models fetch gemma3` "
-            "once (it needs the network), then rerun the tests",
-            pytrace=False,
-        )
-    return fetch_model("gemma3", progress=False)
+    """The fetched Gemma-3-270M checkpoint."""
+    return fetched("gemma3", "Gemma 3")
