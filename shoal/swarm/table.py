@@ -52,10 +52,11 @@ class RecordTable:
         if record.expires - record.timestamp > self.max_lifetime:
             raise RecordError("lifetime", f"{record.key} claims to live {record.expires - record.timestamp:.0f} s")
         held = self._records.get(record.key)
-        if held is not None and record.timestamp <= held.timestamp:
-            raise RecordError("stale", f"{record.key} is not newer than the one held")
+        # a conflicting model definition is a forgery whatever its age: say so rather than "stale"
         if isinstance(record, ModelRecord) and held is not None and held.record.fingerprints != record.fingerprints:
             raise RecordError("fingerprint_mismatch", f"model {record.name} is already defined with other weights")
+        if held is not None and record.timestamp <= held.timestamp:
+            raise RecordError("stale", f"{record.key} is not newer than the one held")
         if isinstance(record, ServerRecord):
             self._check_server(record)
 
