@@ -388,8 +388,10 @@ class BlockServer:
         hidden, position_ids, mask = self.backend.check_inputs(
             message.tensors, past_length=position, batch_size=session.batch_size, max_length=session.max_length
         )
+        rolled_back = session.cache.length - position  # positions the client dropped (speculation, a retry)
         started = time.perf_counter()
         out = await self.backend.run(hidden, position_ids, mask, session.cache, position)
+        self.counters.positions_rolled_back += rolled_back
         self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1
         self.counters.positions_processed += hidden.shape[1]

@@ -12,7 +12,7 @@ Exposed (all prefixed ``shoal_``)::
 
     server_info{model,start,end,dtype,version}  1 while a span is loaded
     tokens_served_total{kind="session"|"forward"}
-    steps_total, step_latency_seconds (summary: _count, _sum)
+    steps_total, step_latency_seconds (summary: _count, _sum), positions_rolled_back_total
     sessions_active, sessions_opened_total, sessions_ended_total{reason}, sessions_rejected_total{reason}
     cache_capacity_tokens, cache_reserved_tokens, cache_free_tokens
     request_errors_total, pushes_total{outcome}
@@ -88,6 +88,11 @@ class ServerCollector(Collector):
         tokens.add_metric(["forward"], c.forward_tokens)
         yield tokens
         yield CounterMetricFamily("shoal_steps", "Inference session steps served", value=c.steps)
+        yield CounterMetricFamily(
+            "shoal_positions_rolled_back",
+            "Cached positions a session step overwrote (rejected speculative drafts, replays)",
+            value=c.positions_rolled_back,
+        )
         yield SummaryMetricFamily(
             "shoal_step_latency_seconds",
             "Compute time of a session step through this server's blocks",

@@ -83,6 +83,7 @@ class ServerCounters(msgspec.Struct, kw_only=True):
     sessions_rejected_busy: int = 0
     steps: int = 0
     positions_processed: int = 0
+    positions_rolled_back: int = 0  # cached positions a step overwrote (rejected drafts, replays)
     forward_requests: int = 0
     forward_tokens: int = 0
     errors: int = 0
