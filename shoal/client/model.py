@@ -10,7 +10,11 @@ transformers' own loop. Two hooks connect it to remote sessions:
   tokens the servers do not hold yet.
 * ``_prefill`` first lines the session up with the prompt: if the prompt's prefix differs from the
   token ids the session consumed, the session rolls back to the common prefix (cheap: the servers'
-  caches are written by position).
+  caches are written by position). Assisted decoding does the same before its first round.
+* ``_get_candidate_generator`` (speculative decoding: ``assistant_model=`` or
+  ``prompt_lookup_num_tokens=``) wraps transformers' drafter so that shoal's
+  :class:`~shoal.client.speculation.WindowPlanner` picks each round's window;
+  :attr:`DistributedModelForCausalLM.last_speculation` says what the last such call did.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from shoal.client.blocks import BlockSequence, BlockSession
+from shoal.client.speculation import PlannedDrafts, SpeculationStats, WindowPlanner, max_window, windowed
 from shoal.models.base import ClientHead
 
 __all__ = ["DistributedModelForCausalLM", "SessionCache"]
@@ -168,6 +173,24 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def active_session(self) -> SessionCache | None:
         return self._active
 
+    @property
+    def last_speculation(self) -> SpeculationStats | None:
+        """Rounds, drafted and accepted tokens of this thread's last speculative ``generate`` call."""
+        return getattr(self._per_thread, "speculation", None)
+
+    def _window_planner(self, key: tuple, inner, fixed: bool) -> WindowPlanner:
+        """This thread's planner for one drafter: what it measured (the chain's and the drafter's
+        costs, the acceptance rate) carries over to the next call with the same drafter."""
+        planners: dict[tuple, WindowPlanner] = getattr(self._per_thread, "planners", None) or {}
+        self._per_thread.planners = planners
+        planner = planners.get(key)
+        if planner is None or planner.max_window != max_window(inner):
+            lookup = key[0] == "lookup"
+            widest = max_window(inner)  # lookup drafts for free: start wide; a draft model: with 2
+            planner = WindowPlanner(widest, free_drafts=lookup, fixed=fixed, first_window=widest if lookup else 2)
+            planners[key] = planner
+        return planner
+
     @contextmanager
     def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[SessionCache]:
         """Hold one session across ``generate`` calls (each sends only tokens it does not hold)."""
@@ -253,6 +276,51 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if max_cache_length > cache.session.max_length:
             raise ValueError(f"generate needs {max_cache_length} positions, the session has {cache.session.max_length}")
         model_kwargs[CACHE_KEY] = cache
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):  # fmt: skip
+        inner = super()._get_candidate_generator(
+            generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+            assistant_model=assistant_model, target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer,
+        )  # fmt: skip
+        cache = model_kwargs.get(CACHE_KEY)
+        if not windowed(inner) or not isinstance(cache, SessionCache):
+            return inner
+        if assistant_model is None:
+            key, fixed = ("lookup",), False
+        else:
+            fixed = assistant_model.generation_config.num_assistant_tokens_schedule == "constant"
+            key = ("draft", id(assistant_model), assistant_model.config.name_or_path, fixed)
+        stats = SpeculationStats()
+        self._per_thread.speculation = stats
+        return PlannedDrafts(inner, self._window_planner(key, inner, fixed), stats, cached=lambda: cache.position)
+
+    def _assisted_decoding(self, input_ids: Tensor, *args: Any, **kwargs: Any):
+        cache = kwargs.get(CACHE_KEY)
+        if isinstance(cache, SessionCache) and kwargs.get("inputs_embeds") is None:
+            cache.sync(input_ids)  # reuse what an inference session holds of this prompt, as _prefill does
+        return super()._assisted_decoding(input_ids, *args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self, input_ids: Tensor, *args: Any, next_sequence_length: int | None = None, is_first_iteration: bool = False,
+        inputs_embeds: Tensor | None = None, **kwargs: Any,
+    ) -> dict:  # fmt: skip
+        """transformers sends the whole sequence in a first iteration (assisted decoding's included),
+        assuming an empty cache; a session that holds a prefix of it takes only the rest."""
+        cache = kwargs.get(CACHE_KEY)
+        if (
+            is_first_iteration
+            and next_sequence_length is None
+            and isinstance(cache, SessionCache)
+            and 0 < cache.position < input_ids.shape[1]
+            and inputs_embeds is None
+            and (kwargs.get("attention_mask") is None or kwargs["attention_mask"].shape[1] == input_ids.shape[1])
+        ):
+            next_sequence_length = input_ids.shape[1] - cache.position
+        return super().prepare_inputs_for_generation(
+            input_ids, *args, next_sequence_length=next_sequence_length, is_first_iteration=is_first_iteration,
+            inputs_embeds=inputs_embeds, **kwargs,
+        )  # fmt: skip
 
     def _prefill(self, input_ids: Tensor, generation_config, model_kwargs: dict, is_first_iteration: bool = True):
         cache = model_kwargs.get(CACHE_KEY)
