@@ -4,7 +4,8 @@ The whole conversation runs in ONE inference session: each turn renders the chat
 history and generates from it; the servers already hold every earlier token, so a turn sends only
 what is new (the client rolls back to the common prefix where re-tokenising the last answer
 differs). Tokens are printed as they arrive. Turns are read line by line from stdin, a terminal or a
-pipe; ``/exit`` or end of input ends the chat.
+pipe; ``/exit`` or end of input ends the chat. Standard output holds only the answers: status lines
+(the greeting, speculative decoding's acceptance after each answer) go to standard error.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TextIO
 from shoal.transport import Ticket, TransportConfig
 from shoal.wire import Codec
 
-__all__ = ["ChatOptions", "run_chat"]
+__all__ = ["ChatOptions", "run_chat", "speculation_line"]
 
 EXIT = ("/exit", "/quit")
 
@@ -34,6 +35,8 @@ class ChatOptions:
     seed: int | None = None
     num_threads: int | None = None
     compression: Codec = Codec.RAW  # codec of the hidden states on every hop whose server has it
+    draft: str | None = None  # speculative decoding with this local draft model (a model name)
+    prompt_lookup: int | None = None  # ... or with up to this many tokens a round looked up in the prompt
 
 
 def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
@@ -42,16 +45,20 @@ def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = s
     from shoal.checkpoints import model_name
     from shoal.client import AutoDistributedModelForCausalLM
     from shoal.gateway.engine import Engine, GatewayError, Sampling
+    from shoal.gateway.serve import check_draft, load_speculation
     from shoal.heap import freeze_startup_heap
 
+    if options.draft is not None:
+        check_draft(options.draft)  # a wrong name: before anything loads
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
     model = AutoDistributedModelForCausalLM.from_pretrained(
         options.model, initial_peers=list(options.join), transport=options.transport, compression=options.compression
     )
-    freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
     try:
-        engine = Engine(model, model_name(options.model))
+        speculation = load_speculation(options.draft, options.prompt_lookup, model.tokenizer)
+        freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
+        engine = Engine(model, model_name(options.model), speculation=speculation)
         length = options.max_length or min(engine.context_length, 2048)
         interactive = stdin.isatty()
         messages = [{"role": "system", "content": options.system}] if options.system else []
@@ -80,10 +87,20 @@ def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = s
                 print("assistant: ", end="", file=stdout, flush=True)
                 done = engine.complete(prompt, sampling, on_text=lambda text: _write(stdout, text))
                 print(file=stdout, flush=True)
+                if done.speculation is not None:
+                    print(speculation_line(done.speculation), file=sys.stderr, flush=True)
                 messages.append({"role": "assistant", "content": done.text})
     finally:
         model.blocks.close()
     return 0
+
+
+def speculation_line(summary: dict) -> str:
+    """One status line about an answer's speculative decoding (on stderr: stdout holds the chat)."""
+    return (
+        f"(speculation: {summary['accepted_tokens']}/{summary['drafted_tokens']} drafted tokens accepted "
+        f"({summary['acceptance_rate']:.0%}), mean window {summary['mean_window']:.1f})"
+    )
 
 
 def _write(out: TextIO, text: str) -> None:

@@ -183,7 +183,14 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from shoal.demo import DemoOptions, run_demo
 
-    return run_demo(DemoOptions(prompt=args.prompt, servers=args.servers, max_new_tokens=args.max_new_tokens))
+    options = DemoOptions(
+        prompt=args.prompt,
+        servers=args.servers,
+        max_new_tokens=args.max_new_tokens,
+        draft=args.draft,
+        prompt_lookup=args.prompt_lookup,
+    )
+    return run_demo(options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,9 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--max-new-tokens", type=positive_int, default=DEMO_MAX_NEW_TOKENS, help="the answer's length at most"
     )
-    demo.set_defaults(func=cmd_demo)
+    from shoal.gateway.cli import add_commands, add_speculation  # api, dashboard, chat; --draft, --prompt-lookup
 
-    from shoal.gateway.cli import add_commands  # api, dashboard, chat
+    add_speculation(demo)
+    demo.set_defaults(func=cmd_demo)
 
     add_commands(sub)
     _verbose_everywhere(parser)

@@ -10,8 +10,12 @@
     GET  /healthz                   200 while the process answers
     GET  /readyz                    200 when the swarm can serve the model (every block has an online
                                     server); 503 with the reason (and the uncovered blocks) otherwise
+    GET  /metrics                   Prometheus text: completion tokens and speculative decoding's
+                                    rounds, drafted and accepted tokens since start (see GatewayCollector)
 
-The dashboard, its JSON and the health checks need no API key (probes and browsers send none).
+The dashboard, its JSON, the health checks and the metrics need no API key (probes, scrapers and
+browsers send none). When speculative decoding ran, a response's ``usage`` also carries
+``"speculation": {rounds, drafted_tokens, accepted_tokens, acceptance_rate, mean_window}``.
 
 Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``. Generation
 runs in a thread pool (one ``generate`` and one server-side session per request); a streaming client
@@ -34,6 +38,9 @@ from importlib.resources import files
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal.errors import BusyError, ShoalError
@@ -44,7 +51,7 @@ from shoal.gateway.views import readiness, swarm_graph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_app"]
+__all__ = ["GatewayCollector", "build_app"]
 
 
 def _error_response(error: GatewayError) -> JSONResponse:
@@ -75,11 +82,39 @@ def _sse(data: dict | str) -> str:
 
 
 def _usage(done: Completion) -> dict:
-    return {
+    usage = {
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
+    if done.speculation is not None:  # shoal's extension: what speculative decoding did for this answer
+        usage["speculation"] = dict(done.speculation)
+    return usage
+
+
+class GatewayCollector(Collector):
+    """The engine's running totals (:class:`~shoal.gateway.engine.Totals`) as Prometheus samples,
+    read at scrape time; all zero without an engine (a dashboard-only gateway)."""
+
+    def __init__(self, engine: Engine | None):
+        self.engine = engine
+
+    def collect(self):
+        totals = self.engine.totals.snapshot() if self.engine is not None else {}
+        counters = [
+            ("completion_tokens", "Tokens generated for API and chat answers", "completion_tokens"),
+            ("speculation_rounds", "Verification rounds of speculative decoding", "rounds"),
+            ("speculation_drafted_tokens", "Tokens drafted for the swarm to verify", "drafted_tokens"),
+            ("speculation_accepted_tokens", "Drafted tokens the model accepted", "accepted_tokens"),
+        ]
+        for name, text, key in counters:
+            yield CounterMetricFamily(f"shoal_{name}", text, value=totals.get(key, 0))
+        gauges = [
+            ("speculation_acceptance_rate", "Accepted / drafted tokens since start", "acceptance_rate"),
+            ("speculation_mean_window", "Drafted tokens per verification round since start", "mean_window"),
+        ]
+        for name, text, key in gauges:
+            yield GaugeMetricFamily(f"shoal_{name}", text, value=totals.get(key, 0.0))
 
 
 class Gateway:
@@ -207,6 +242,8 @@ def build_app(
 
     app = FastAPI(title="shoal gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.gateway = gateway
+    registry = CollectorRegistry(auto_describe=False)  # this app's own: apps in one process do not mix
+    registry.register(GatewayCollector(engine))
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
@@ -304,6 +341,10 @@ def build_app(
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"}, headers={"Cache-Control": "no-store"})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:

@@ -37,6 +37,24 @@ def _compression(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculation(parser: argparse.ArgumentParser) -> None:
+    """``--draft MODEL`` or ``--prompt-lookup N`` (at most one): speculative decoding."""
+    group = parser.add_argument_group("speculative decoding (greedy answers stay the same tokens)")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--draft",
+        metavar="DRAFT_MODEL",
+        help="a small model run locally that drafts tokens the swarm verifies several at a time: a directory, "
+        "known model name or Hub id (another tokenizer works too)",
+    )
+    choice.add_argument(
+        "--prompt-lookup",
+        type=positive_int,
+        metavar="N",
+        help="draft up to N tokens a round by continuing n-grams found in the prompt (no model needed)",
+    )
+
+
 def _transport(args: argparse.Namespace) -> TransportConfig:
     return TransportConfig(
         profile=NetworkProfile(args.network),
@@ -64,6 +82,8 @@ def cmd_api(args: argparse.Namespace) -> int:
         default_max_tokens=args.max_tokens,
         num_threads=args.num_threads,
         compression=Codec(args.compression),
+        draft=args.draft,
+        prompt_lookup=args.prompt_lookup,
     )
     return serve_gateway(options)
 
@@ -90,6 +110,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_threads=args.num_threads,
         compression=Codec(args.compression),
+        draft=args.draft,
+        prompt_lookup=args.prompt_lookup,
     )
     return run_chat(options)
 
@@ -105,6 +127,7 @@ def add_commands(sub) -> None:
     api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
     api.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
     _compression(api)
+    add_speculation(api)
     _client_network(api)
     api.set_defaults(func=cmd_api)
 
@@ -129,5 +152,6 @@ def add_commands(sub) -> None:
     chat.add_argument("--seed", type=int, help="seed of the sampling (default: random)")
     chat.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
     _compression(chat)
+    add_speculation(chat)
     _client_network(chat)
     chat.set_defaults(func=cmd_chat)

@@ -8,7 +8,13 @@ Text is produced by :class:`TextStream` from the generated token ids, the same w
 request streams or not: a streamed answer's deltas join to exactly the non-streamed text.
 
 The engine keeps the sessions of the generations running now, so the dashboard can show which
-servers they run on (:meth:`Engine.routes`).
+servers they run on (:meth:`Engine.routes`), and running totals of what it generated and what
+speculative decoding did (:class:`Totals`, the gateway's ``/metrics``).
+
+Speculative decoding (:class:`Speculation`: ``--draft MODEL`` or ``--prompt-lookup N``) is
+transformers' assisted decoding over the distributed model, with shoal choosing each round's window
+(:mod:`shoal.client.speculation`). Greedy answers are the same tokens as without it; sampled ones
+keep their distribution (the target's sampled tokens are compared with the drafts).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -25,8 +33,18 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 from shoal.client.model import SessionCache
 from shoal.client.session import RemoteSession
+from shoal.errors import UsageError
 
-__all__ = ["Completion", "Engine", "GatewayError", "Sampling", "TextStream"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "GatewayError",
+    "Sampling",
+    "Speculation",
+    "TextStream",
+    "Totals",
+    "load_draft",
+]
 
 DEFAULT_MAX_TOKENS = 512  # when a request names no max_tokens (and the context leaves room)
 
@@ -59,6 +77,75 @@ class Completion:
     finish_reason: str  # "stop" (eos or a stop string), "length", or "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    speculation: dict[str, float | int] | None = None  # SpeculationStats.summary() when speculation ran
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How the engine drafts: a local ``draft`` model or, with ``prompt_lookup`` tokens per round,
+    n-grams of the prompt. ``draft_tokenizer`` is set only when the draft's vocabulary differs from
+    the target's: then transformers maps between the two (universal assisted decoding)."""
+
+    draft: Any = None  # a transformers causal LM in eval mode
+    draft_tokenizer: Any = None
+    prompt_lookup: int | None = None
+
+    def generate_kwargs(self, target_tokenizer) -> dict[str, Any]:
+        """What ``generate`` takes for this speculation."""
+        if self.draft is None:
+            return {} if self.prompt_lookup is None else {"prompt_lookup_num_tokens": self.prompt_lookup}
+        kwargs: dict[str, Any] = {"assistant_model": self.draft}
+        if self.draft_tokenizer is not None:
+            kwargs |= {"tokenizer": target_tokenizer, "assistant_tokenizer": self.draft_tokenizer}
+        return kwargs
+
+
+def load_draft(model_dir: Path, target_tokenizer, dtype: torch.dtype = torch.float32) -> Speculation:
+    """Load the draft model in ``model_dir`` (see :func:`shoal.gateway.serve.check_draft`) for
+    speculative decoding with a target whose tokenizer is ``target_tokenizer``; the draft's own
+    tokenizer is kept only if its vocabulary differs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        draft_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--draft: {model_dir} has no tokenizer files; speculative decoding needs them") from exc
+    draft = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    same = target_tokenizer is not None and draft_tokenizer.get_vocab() == target_tokenizer.get_vocab()
+    return Speculation(draft=draft, draft_tokenizer=None if same else draft_tokenizer)
+
+
+class Totals:
+    """What the engine generated since it started, for ``/metrics``: completion tokens, and the
+    rounds, drafted and accepted tokens of speculative decoding. Thread-safe (one per engine)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.completion_tokens = 0
+        self.rounds = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    def add(self, done: Completion) -> None:
+        with self._lock:
+            self.completion_tokens += done.completion_tokens
+            if done.speculation is not None:
+                self.rounds += int(done.speculation["rounds"])
+                self.drafted += int(done.speculation["drafted_tokens"])
+                self.accepted += int(done.speculation["accepted_tokens"])
+
+    def snapshot(self) -> dict[str, float | int]:
+        """The counters, plus acceptance (accepted / drafted) and mean window (drafted / rounds)
+        over everything so far (0 before the first round)."""
+        with self._lock:
+            return {
+                "completion_tokens": self.completion_tokens,
+                "rounds": self.rounds,
+                "drafted_tokens": self.drafted,
+                "accepted_tokens": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "mean_window": self.drafted / self.rounds if self.rounds else 0.0,
+            }
 
 
 class TextStream:
@@ -124,31 +211,39 @@ class _Watch(StoppingCriteria):
 
 
 class _SeededSample(LogitsProcessor):
-    """Samples the next token with its own generator (a seed reproduces the answer whatever else
-    runs concurrently) and leaves only that token possible, so ``generate`` runs greedy over it."""
+    """Samples the next token and leaves only that token possible, so ``generate`` runs greedy over it.
+
+    Each draw has its own generator, seeded from the request's seed and the token's position: a seed
+    reproduces the answer whatever else runs concurrently, and whatever speculation did (a draft's
+    windows depend on timing; the target's token at a position is drawn the same way regardless,
+    and a draft that agrees with the target draws what the target will, so it is accepted)."""
 
     def __init__(self, temperature: float, top_p: float, seed: int | None):
         self.temperature = temperature
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
-        self.generator = torch.Generator()
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.float() / self.temperature
         if self.top_p is not None:
             scores = self.top_p(input_ids, scores)
         probs = torch.softmax(scores, dim=-1)
-        token = torch.multinomial(probs.cpu(), 1, generator=self.generator).to(scores.device)
+        position = input_ids.shape[-1]
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % 2**63)
+        token = torch.multinomial(probs.cpu(), 1, generator=generator).to(scores.device)
         return torch.full_like(scores, -float("inf")).scatter_(1, token, 0.0)
 
 
 class Engine:
     """The gateway's model: ``model_id`` is the name clients use, ``model`` the client model."""
 
-    def __init__(self, model, model_id: str, default_max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(
+        self,
+        model,
+        model_id: str,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        speculation: Speculation | None = None,
+    ):
         self.model = model
         self.model_id = model_id
         self.tokenizer = model.tokenizer
@@ -160,6 +255,8 @@ class Engine:
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._live: set[SessionCache] = set()  # the sessions of the generations running now
         self._live_lock = threading.Lock()
+        self.speculation = speculation
+        self.totals = Totals()
 
     @contextmanager
     def _session(self, positions: int) -> Iterator[SessionCache]:
@@ -238,11 +335,15 @@ class Engine:
         config = copy.deepcopy(self.model.generation_config)
         config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
         config.max_new_tokens, config.max_length = sampling.max_tokens, None
+        speculation = self.speculation or Speculation()
         processors = LogitsProcessorList()
         if sampling.temperature > 0:
             processors.append(_SeededSample(sampling.temperature, sampling.top_p, sampling.seed))
         watch = _Watch(stream, len(prompt), on_text, cancel)
         input_ids = torch.tensor([list(prompt)], dtype=torch.long)
+        drafting = speculation.generate_kwargs(self.tokenizer)
+        config.prompt_lookup_num_tokens = drafting.pop("prompt_lookup_num_tokens", None)  # a config field
+        before = self.model.last_speculation  # this thread's; replaced only by a speculative call
         with torch.inference_mode(), self._session(len(prompt) + sampling.max_tokens):
             out = self.model.generate(
                 input_ids,
@@ -250,7 +351,10 @@ class Engine:
                 generation_config=config,
                 logits_processor=processors,
                 stopping_criteria=StoppingCriteriaList([watch]),
+                **drafting,
             )
+        stats = self.model.last_speculation
+        summary = stats.summary() if self.speculation is not None and stats is not before else None
         generated = out[0, len(prompt) :].tolist()
         rest = stream.push(generated[len(stream.ids) :]) + stream.finish()
         if rest and on_text is not None:
@@ -261,4 +365,6 @@ class Engine:
             reason = "cancelled"
         else:
             reason = "length"
-        return Completion(stream.final(), reason, len(prompt), len(generated))
+        done = Completion(stream.final(), reason, len(prompt), len(generated), summary)
+        self.totals.add(done)
+        return done

@@ -10,14 +10,19 @@ import logging
 import socket
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from shoal.errors import BindError
+from shoal.errors import BindError, ModelNotFoundError
 from shoal.transport import Ticket, TransportConfig
 from shoal.wire import Codec
 
+if TYPE_CHECKING:
+    from shoal.gateway.engine import Speculation
+
 log = logging.getLogger(__name__)
 
-__all__ = ["GatewayOptions", "serve_gateway"]
+__all__ = ["GatewayOptions", "check_draft", "load_speculation", "serve_gateway"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,31 @@ class GatewayOptions:
     default_max_tokens: int = 512
     num_threads: int | None = None  # torch threads (embeddings, LM head, sampling)
     compression: Codec = Codec.RAW  # codec of the hidden states on every hop whose server has it
+    draft: str | None = None  # speculative decoding with this local draft model (a model name, as ``model``)
+    prompt_lookup: int | None = None  # ... or with up to this many tokens per round looked up in the prompt
+
+
+def check_draft(name: str, *, weights: bool = False) -> Path:
+    """The local directory of draft model ``name`` (a directory, known model or Hub id, as
+    ``--draft`` gave it). Without ``weights`` only metadata is fetched from the Hub: cheap, so a
+    wrong name is reported before anything loads."""
+    from shoal.checkpoints import resolve_model
+
+    try:
+        return resolve_model(name, metadata_only=not weights)
+    except ModelNotFoundError as exc:
+        raise ModelNotFoundError(f"--draft: {exc}") from None
+
+
+def load_speculation(draft: str | None, prompt_lookup: int | None, target_tokenizer) -> Speculation | None:
+    """What ``--draft`` / ``--prompt-lookup`` ask for (None: neither), the draft model loaded."""
+    from shoal.gateway.engine import Speculation, load_draft
+
+    if draft is not None:
+        return load_draft(check_draft(draft, weights=True), target_tokenizer)
+    if prompt_lookup is not None:
+        return Speculation(prompt_lookup=prompt_lookup)
+    return None
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -61,6 +91,8 @@ def serve_gateway(options: GatewayOptions) -> int:
         from shoal.checkpoints.check import check_model
 
         check_model(options.model)  # an unknown model or family: before the port is taken
+    if options.draft is not None:
+        check_draft(options.draft)
     sock = _bind(options.host, options.port)
     model, engine = None, None
     try:
@@ -79,7 +111,8 @@ def serve_gateway(options: GatewayOptions) -> int:
                 transport=options.transport,
                 compression=options.compression,
             )
-            engine = Engine(model, model_name(options.model), options.default_max_tokens)
+            speculation = load_speculation(options.draft, options.prompt_lookup, model.tokenizer)
+            engine = Engine(model, model_name(options.model), options.default_max_tokens, speculation)
         app = build_app(engine, Watchers(options.transport, options.join), options.api_key, options.max_concurrency)
         freeze_startup_heap()  # a long-lived process, after its heavy imports, before it says it is ready
         host, port = sock.getsockname()[:2]

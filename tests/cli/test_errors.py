@@ -221,3 +221,34 @@ def test_verbose_adds_the_traceback():
     assert outcome.status == USAGE and outcome.stdout == ""
     assert "Traceback (most recent call last)" in outcome.stderr
     assert outcome.stderr.splitlines()[-1].startswith("shoal: error: unknown model 'nonexistent-model'")
+
+
+# --- speculative decoding: --draft, --prompt-lookup ----------------------------------------------------
+
+
+def test_api_unknown_draft_model(smollm2_dir, dead_ticket: str):
+    outcome = shoal("api", "smollm2", "--draft", "nonexistent-model", "--join", dead_ticket)
+    assert_one_line_error(outcome, USAGE, "--draft: unknown model 'nonexistent-model'", "shoal models list")
+
+
+def test_chat_unknown_draft_model(tiny_dir: Path, dead_ticket: str):
+    outcome = shoal("chat", str(tiny_dir), "--draft", "nonexistent-model", "--join", dead_ticket)
+    assert_one_line_error(outcome, USAGE, "--draft: unknown model 'nonexistent-model'")
+
+
+def test_demo_unknown_draft_model():
+    assert_one_line_error(shoal("demo", "--draft", "nonexistent-model"), USAGE, "--draft: unknown model")
+
+
+@pytest.mark.parametrize("command", ["api", "chat", "demo"])
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--draft", "x", "--prompt-lookup", "3"], "argument --prompt-lookup: not allowed with argument --draft"),
+        (["--prompt-lookup", "0"], "argument --prompt-lookup: invalid positive integer value: '0'"),
+    ],
+    ids=["both", "lookup-0"],
+)
+def test_bad_speculation_flags(command: str, flags: list[str], fragment: str, dead_ticket: str):
+    model = [] if command == "demo" else ["smollm2", "--join", dead_ticket]
+    assert_one_line_error(shoal(command, *model, *flags), USAGE, fragment)
