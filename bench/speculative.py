@@ -43,10 +43,9 @@ from pathlib import Path
 
 import torch
 
-from shoal.checkpoints import fetch_model, load_config, save_sharded
+from bench.compression import chat_ids, spans_of
+from shoal.checkpoints import fetch_model, save_sharded
 from shoal.checkpoints.fetch import shoal_home
-from shoal.launch import even_spans
-from shoal.models import get_family
 from testkit.wan import LinkConditions, WanSwarm
 
 RTTS = (0, 20, 50, 100)
@@ -70,12 +69,6 @@ REAL_PROMPTS = {
     "python-sum": "Write a Python function that returns the sum of the squares of a list of numbers.",
     "explain-list": "Explain in two sentences what a Python list comprehension is.",
 }
-
-
-def chat_ids(tokenizer, text: str) -> torch.Tensor:
-    messages = [{"role": "user", "content": text}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    return ids["input_ids"]
 
 
 # ---- the controlled pair ------------------------------------------------------------------------
@@ -216,9 +209,7 @@ def run_pair(model_dir: Path, prompts: dict[str, torch.Tensor], rtt: float, new_
     plain_rates, spec_rates, equal = [], [], True
     windows: Counter[int] = Counter()
     drafted = accepted = rounds = 0
-    config = load_config(model_dir)
-    spans = even_spans(get_family(config).num_blocks(config), 2)
-    with WanSwarm(model_dir, spans, default=LinkConditions(rtt_ms=float(rtt))) as swarm:
+    with WanSwarm(model_dir, spans_of(model_dir), default=LinkConditions(rtt_ms=float(rtt))) as swarm:
         model = swarm.connect()
         warm = next(iter(prompts.values()))
         timed(model, warm, 2)  # connections and sessions warm

@@ -183,10 +183,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         costs, the acceptance rate) carries over to the next call with the same drafter."""
         planners: dict[tuple, WindowPlanner] = getattr(self._per_thread, "planners", None) or {}
         self._per_thread.planners = planners
-        planner = planners.get(key)
-        if planner is None or planner.max_window != max_window(inner):
-            lookup = key[0] == "lookup"
-            widest = max_window(inner)  # lookup drafts for free: start wide; a draft model: with 2
+        planner, widest = planners.get(key), max_window(inner)
+        if planner is None or planner.max_window != widest:
+            lookup = key[0] == "lookup"  # lookup drafts for free: start wide; a draft model: with 2
             planner = WindowPlanner(widest, free_drafts=lookup, fixed=fixed, first_window=widest if lookup else 2)
             planners[key] = planner
         return planner

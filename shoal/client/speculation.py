@@ -41,6 +41,8 @@ from transformers.generation.candidate_generator import (
 
 #: The largest share of plain decoding's time that probing a draft that does not pay may cost.
 PROBE_BUDGET = 0.03
+#: Below this weighted variance, the step sizes observed count as one size (no slope to fit).
+MIN_SIZE_VARIANCE = 0.1
 
 __all__ = [
     "LinearCost",
@@ -127,11 +129,15 @@ class LinearCost:
         w, sn, snn, st, snt = (s * self.memory for s in self._sums)
         self._sums = [w + 1, sn + n, snn + n * n, st + seconds, snt + n * seconds]
 
+    def _variance(self) -> float:
+        """The weighted variance of the sizes observed."""
+        w, sn, snn = self._sums[:3]
+        return snn / w - (sn / w) ** 2 if w > 0 else 0.0
+
     @property
     def spread(self) -> bool:
         """Whether observations came in at least two sizes (a slope can be fitted)."""
-        w, sn, snn = self._sums[:3]
-        return w > 0 and snn / w - (sn / w) ** 2 > 0.1
+        return self._variance() > MIN_SIZE_VARIANCE
 
     def mean(self) -> tuple[float, float]:
         """The weighted mean size and seconds observed."""
@@ -140,13 +146,11 @@ class LinearCost:
 
     def coefficients(self) -> tuple[float, float]:
         """(intercept, slope), both >= 0."""
-        w, sn, snn, st, snt = self._sums
-        if w <= 0:
+        if not self.known:
             return 0.0, 0.0
-        mean_n, mean_t = sn / w, st / w
-        spread = snn / w - mean_n * mean_n
-        if spread > 0.1:  # at least two sizes seen: regress
-            slope = (snt / w - mean_n * mean_t) / spread
+        mean_n, mean_t = self.mean()
+        if self.spread:  # at least two sizes seen: regress
+            slope = (self._sums[4] / self._sums[0] - mean_n * mean_t) / self._variance()
         elif self.prior_slope is not None:
             slope = self.prior_slope
         else:
@@ -312,10 +316,9 @@ class PlannedDrafts(CandidateGenerator):
         self.stats = stats
         self.cached = cached
         self.clock = clock
-        self._round: tuple[int, int, float, int, float] | None = None  # window, drafted, draft s, positions, t0
-        self._outcome: tuple[int, int, float, int, float, bool] | None = None  # the last round (+ prefill?)
-        self._rounds_seen = 0
-        self._first = True
+        # window, drafted, draft s, positions, t0, and whether it is the call's first round (its prefill)
+        self._round: tuple[int, int, float, int, float, bool] | None = None
+        self._outcome: tuple[int, int, float, int, float, bool] | None = None  # the last round, until the next
         if isinstance(inner, AssistedCandidateGenerator):
             # the window is the planner's: no confidence cut-off inside the draft's own generate
             inner.generation_config.assistant_confidence_threshold = 0.0
@@ -336,9 +339,9 @@ class PlannedDrafts(CandidateGenerator):
         started = self.clock()
         self._observe_previous(started)
         window = self.planner.choose()
-        if self._first and isinstance(self.inner, AssistedCandidateGenerator):
+        first = not self.stats.rounds
+        if first and isinstance(self.inner, AssistedCandidateGenerator):
             window = max(window, 1)  # a draft model's first round is its prefill: it cannot be skipped
-        self._first = False
         if isinstance(self.inner, PromptLookupCandidateGenerator):  # it does not stop at max_length itself
             window = max(0, min(window, self.inner.max_length - 1 - input_ids.shape[1]))
         if window == 0:
@@ -348,16 +351,15 @@ class PlannedDrafts(CandidateGenerator):
             candidates, logits = self.inner.get_candidates(input_ids, **kwargs)
         drafted = candidates.shape[1] - input_ids.shape[1]
         now = self.clock()
-        self._round = (window, drafted, now - started, candidates.shape[1] - self.cached(), now)
+        self._round = (window, drafted, now - started, candidates.shape[1] - self.cached(), now, first)
         return candidates, logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         if self._round is not None:
-            window, drafted, draft_seconds, positions, verify_started = self._round
+            window, drafted, draft_seconds, positions, verify_started, first = self._round
             accepted = min(int(num_matches), drafted)
             self.stats.rounds.append(RoundRecord(window, drafted, accepted))
-            self._outcome = (drafted, accepted, draft_seconds, positions, verify_started, self._rounds_seen == 0)
-            self._rounds_seen += 1
+            self._outcome = (drafted, accepted, draft_seconds, positions, verify_started, first)
             self._round = None
         self.inner.update_candidate_strategy(input_ids, scores, num_matches)
 
