@@ -51,11 +51,26 @@ class BlockSpan(nn.Module):
         attention_mask: torch.Tensor | None,
         cache: SpanCache | None = None,
         past_length: int = 0,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:  # pragma: no cover
         """Run ``hidden`` through the span. With ``cache``, the new keys/values are written at
         positions ``[past_length, past_length + new_tokens)`` and attention sees the cached
-        ``[0, past_length)`` too; ``attention_mask`` then covers ``past_length + new_tokens``."""
+        ``[0, past_length)`` too; ``attention_mask`` then covers ``past_length + new_tokens``.
+        ``prompts`` (deep prompt tuning), ``[blocks of the span, batch or 1, N, hidden]``: block i's
+        input gets ``prompts[i]`` added at sequence positions ``[0, N)`` (:func:`add_deep_prompt`).
+        Runs under the caller's grad mode: the server enables autograd only for a backward."""
         raise NotImplementedError
+
+
+def add_deep_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, past_length: int) -> torch.Tensor:
+    """``hidden`` (``[batch, n, H]``, positions ``[past_length, past_length + n)``) with ``prompt``
+    (``[batch or 1, N, H]``) added where those positions fall in ``[0, N)``; out of place, so
+    autograd sees it (a block's input before that block runs, as Petals' deep prompts)."""
+    if prompt is None or past_length >= prompt.shape[1]:
+        return hidden
+    upto = min(prompt.shape[1], past_length + hidden.shape[1])
+    part = prompt[:, past_length:upto].to(hidden.dtype)
+    return torch.cat([hidden[:, : upto - past_length] + part, hidden[:, upto - past_length :]], dim=1)
 
 
 @dataclass(frozen=True)

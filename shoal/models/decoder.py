@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import masking_utils
 
-from shoal.models.base import BlockSpan, CacheGeometry, ClientHead
+from shoal.models.base import BlockSpan, CacheGeometry, ClientHead, add_deep_prompt
 
 
 def _cache_kwarg(fn) -> str:
@@ -99,11 +99,22 @@ class _MaskSizes:
 
 
 def checked_step(
-    hidden: torch.Tensor, attention_mask: torch.Tensor | None, cache: SpanKVCache | None, past_length: int
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: SpanKVCache | None,
+    past_length: int,
+    prompts: torch.Tensor | None = None,
+    num_blocks: int = 0,
 ) -> torch.Tensor | None:
-    """Refuse a step that does not fit ``cache`` or whose mask does not cover ``past_length + n``;
-    returns the mask as bool on ``hidden``'s device (a span's first act, whatever its family)."""
+    """Refuse a step that does not fit ``cache``, whose mask does not cover ``past_length + n`` or
+    whose deep ``prompts`` are not ``[num_blocks, batch or 1, N, hidden]``; returns the mask as bool
+    on ``hidden``'s device (a span's first act, whatever its family)."""
     batch, n = hidden.shape[:2]
+    if prompts is not None:
+        if prompts.dim() != 4 or prompts.shape[0] != num_blocks or prompts.shape[1] not in (1, batch):
+            raise ValueError(f"deep prompts {tuple(prompts.shape)} != [{num_blocks}, 1 or {batch}, N, hidden]")
+        if prompts.shape[3] != hidden.shape[2] or not prompts.is_floating_point():
+            raise ValueError(f"deep prompts {tuple(prompts.shape)} {prompts.dtype}: need float, {hidden.shape[2]} wide")
     if cache is None and past_length:
         raise ValueError("past_length > 0 needs a cache")
     if cache is not None:
@@ -166,7 +177,6 @@ class DecoderSpan(BlockSpan):
             return self.rotary_emb(hidden, position_ids)
         return self.rotary_emb(hidden, position_ids, key)
 
-    @torch.no_grad()
     def forward(
         self,
         hidden: torch.Tensor,
@@ -174,16 +184,18 @@ class DecoderSpan(BlockSpan):
         attention_mask: torch.Tensor | None,
         cache: SpanKVCache | None = None,
         past_length: int = 0,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = hidden.shape[1]
-        attention_mask = checked_step(hidden, attention_mask, cache, past_length)
+        attention_mask = checked_step(hidden, attention_mask, cache, past_length, prompts, len(self.layers))
         hidden = hidden.to(self.dtype)
         rotations = {key: self._position_embeddings(hidden, position_ids, key) for key in set(self.rotary_keys)}
         masks = {w: self._mask(w, hidden, attention_mask, position_ids, past_length) for w in set(self.windows)}
         step = None
         if cache is not None:
             step = _CacheStep(cache, self.start, past_length, [_kv_offset(past_length, w) for w in self.windows])
-        for layer, window, key in zip(self.layers, self.windows, self.rotary_keys, strict=True):
+        for i, (layer, window, key) in enumerate(zip(self.layers, self.windows, self.rotary_keys, strict=True)):
+            hidden = add_deep_prompt(hidden, None if prompts is None else prompts[i], past_length)
             hidden = layer(
                 hidden,
                 attention_mask=masks[window],

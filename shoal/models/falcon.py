@@ -21,7 +21,7 @@ from torch import nn
 from transformers import masking_utils
 from transformers.models.falcon.modeling_falcon import FalconDecoderLayer, FalconRotaryEmbedding, build_alibi_tensor
 
-from shoal.models.base import BlockSpan, CacheGeometry
+from shoal.models.base import BlockSpan, CacheGeometry, add_deep_prompt
 from shoal.models.decoder import (
     _MASK_CACHE_KW,
     BlockTensors,
@@ -105,7 +105,6 @@ class FalconSpan(BlockSpan):
             mask = torch.where(mask, torch.full((), 0.0, device=mask.device, dtype=hidden.dtype), lowest)
         return torch.masked_fill(alibi / math.sqrt(self.config.hidden_size // heads), mask < -1, lowest), alibi
 
-    @torch.no_grad()
     def forward(
         self,
         hidden: torch.Tensor,
@@ -113,16 +112,18 @@ class FalconSpan(BlockSpan):
         attention_mask: torch.Tensor | None,
         cache: SpanKVCache | None = None,
         past_length: int = 0,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = hidden.shape[1]
-        attention_mask = checked_step(hidden, attention_mask, cache, past_length)
+        attention_mask = checked_step(hidden, attention_mask, cache, past_length, prompts, len(self.layers))
         hidden = hidden.to(self.dtype)
         mask, alibi = self._mask_and_alibi(hidden, attention_mask, position_ids, past_length)
         rotation = None if self.rotary_emb is None else self.rotary_emb(hidden, position_ids)
         step = None
         if cache is not None:
             step = _GroupedCacheStep(cache, self.start, past_length, len(self.layers), self.groups)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            hidden = add_deep_prompt(hidden, None if prompts is None else prompts[i], past_length)
             hidden, _ = layer(
                 hidden,
                 alibi=alibi,

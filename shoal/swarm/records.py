@@ -64,6 +64,9 @@ class ServerRecord(OnBlocks):
     # sent only when quantised, so a full-precision record reads as before and a peer that predates
     # the field refuses a quantised one rather than route over it unaware
     quantization: Quantization = Quantization.NONE
+    # LoRA adapters the server runs its span with, (name, sha256 hex of the whole adapter's tensors),
+    # sorted by name; sent only when there are any (field 19, after quantization, then always sent)
+    adapters: tuple[tuple[str, str], ...] = ()
 
     TAG = "srv"
 
@@ -81,19 +84,25 @@ class ServerRecord(OnBlocks):
             list(self.fingerprints), str(self.state), self.throughput, self.cache_tokens_free,
             [list(r) for r in self.rtts], self.version, self.timestamp, self.expires, self.step_ms,
             list(self.capabilities),
-            *([] if self.quantization is Quantization.NONE else [str(self.quantization)]),
+            *([] if self.quantization is Quantization.NONE and not self.adapters else [str(self.quantization)]),
+            *([[list(a) for a in self.adapters]] if self.adapters else []),
         ]  # fmt: skip
 
     @classmethod
     def from_fields(cls, f: list) -> ServerRecord:
-        # 15: before step_ms existed, 16: before capabilities, 17: full precision (or before quantization)
-        _expect(len(f) in (15, 16, 17, 18), "field count")
+        # 15: before step_ms existed, 16: before capabilities, 17: full precision (or before quantization),
+        # 18: no adapters (or before them)
+        _expect(len(f) in (15, 16, 17, 18, 19), "field count")
         swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f[:15]
         step_ms = f[15] if len(f) >= 16 else 0.0
         capabilities = f[16] if len(f) >= 17 else []
-        quantization = f[17] if len(f) == 18 else str(Quantization.NONE)
+        quantization = f[17] if len(f) >= 18 else str(Quantization.NONE)
+        adapters = f[18] if len(f) == 19 else []
         _expect(_is_str(quantization) and quantization in Quantization.__members__.values(), "quantization")
-        _expect(len(f) < 18 or quantization != Quantization.NONE, "quantization")  # "none" is never sent
+        _expect(len(f) != 18 or quantization != Quantization.NONE, "quantization")  # "none": only before adapters
+        _expect(isinstance(adapters, list) and len(adapters) <= 64 and (len(f) < 19 or adapters), "adapters")
+        _expect(all(_is_adapter(a) for a in adapters), "adapters")
+        _expect(len({a[0] for a in adapters}) == len(adapters), "adapters")
         _expect(_is_num(step_ms) and 0 <= step_ms < 1e7, "step_ms")
         _expect(isinstance(capabilities, list) and len(capabilities) <= 64, "capabilities")
         _expect(all(_is_str(c) and len(c) <= 64 for c in capabilities), "capabilities")
@@ -111,6 +120,7 @@ class ServerRecord(OnBlocks):
             _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), BlockRange(start, end), tuple(fps),
             State(state), float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp),
             float(step_ms), tuple(sorted(set(capabilities))), Quantization(quantization),
+            tuple(sorted((name, digest) for name, digest in adapters)),
         )  # fmt: skip
 
 
@@ -197,6 +207,17 @@ _PEER_ID = re.compile(r"[0-9a-f]{64}")
 
 def _is_peer(x) -> bool:
     return isinstance(x, str) and _PEER_ID.fullmatch(x) is not None
+
+
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # as shoal.wire.schema.AdapterName
+
+
+def _is_adapter(x) -> bool:
+    """``[name, digest]``: a LoRA adapter's name and the sha256 hex of its tensors."""
+    return (
+        isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _ADAPTER_NAME.fullmatch(x[0]) is not None
+        and _is_peer(x[1])  # 64 lowercase hex digits, like a peer id
+    )  # fmt: skip
 
 
 def _str(x) -> str:

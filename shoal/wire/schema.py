@@ -36,12 +36,17 @@ CODEC_RAW = Codec.RAW.capability  # tensors as their raw bytes (every v2 peer)
 CODEC_BF16 = Codec.BF16.capability  # float32 tensors as bfloat16 (shoal.wire.codecs)
 CODEC_FP16 = Codec.FP16.capability  # float32 tensors as float16
 CODEC_Q8 = Codec.Q8.capability  # float32 tensors as int8 blocks of 64 with a scale each
-CAPABILITIES = frozenset({PUSH, *(codec.capability for codec in Codec)})
+TRAIN = "train"  # the backward kind; deep prompts (``prompts``) on forward, backward and open
+ADAPTERS = "adapters"  # ``adapter`` on forward, backward and open: run with one of the server's LoRA adapters
+CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, *(codec.capability for codec in Codec)})
 
 Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
 StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Session = Annotated[SessionId, msgspec.Meta(max_length=64)]
+#: a LoRA adapter's name as servers announce it and clients select it
+AdapterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+Digest = Annotated[str, msgspec.Meta(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 Capabilities = Annotated[frozenset[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=64)]
 
 
@@ -50,7 +55,7 @@ class Meta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
 
 
 class Empty(Meta):
-    """No metadata (``info`` and ``forward`` requests, ``close``, a bare ``result``)."""
+    """No metadata (``info`` requests, ``close``, a bare ``result``)."""
 
 
 # ---- shoal/meta --------------------------------------------------------------------------------
@@ -95,6 +100,15 @@ class ServerCounters(msgspec.Struct, kw_only=True):
     step_seconds: float = 0.0  # compute time of all steps (metrics: latency = step_seconds / steps)
 
 
+class AdapterInfo(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A LoRA adapter a server can run its span with: its name and the sha256 of the whole adapter's
+    tensors (:func:`shoal.models.lora.adapter_digest`; the same on every server that loaded the
+    same adapter, whatever blocks it serves, so a client can pin it)."""
+
+    name: AdapterName
+    digest: Digest
+
+
 class SpanInfo(Meta):
     """What a server hosts: fixed while its span is loaded."""
 
@@ -108,6 +122,7 @@ class SpanInfo(Meta):
     capabilities: Capabilities = CAPABILITIES
     # how the weights the fingerprints name are held (left out at full precision, as in records)
     quantization: Quantization = Quantization.NONE
+    adapters: Annotated[tuple[AdapterInfo, ...], msgspec.Meta(max_length=64)] = ()  # needs ADAPTERS
 
 
 class InfoReply(Meta):
@@ -122,6 +137,26 @@ class InfoReply(Meta):
 class OpenRequest(Meta):
     max_length: Annotated[int, msgspec.Meta(ge=1, le=MAX_SESSION_LENGTH)]
     batch_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)] = 1
+    # needs TRAIN: the open's one tensor holds the session's deep prompts, [span blocks, batch or 1,
+    # N, hidden]; every step adds them to each block's input at positions [0, N)
+    prompts: bool = False
+    adapter: AdapterName | None = None  # needs ADAPTERS: the session runs with this LoRA adapter
+
+
+class ForwardRequest(Meta):
+    """A stateless pass. Tensors: ``[hidden, position_ids, attention_mask?, prompts?]``."""
+
+    prompts: bool = False  # needs TRAIN: the last tensor is the span's deep prompts (as OpenRequest's)
+    adapter: AdapterName | None = None  # needs ADAPTERS
+
+
+class BackwardRequest(Meta):
+    """Needs TRAIN: the gradient of a stateless pass's inputs. Tensors: ``[hidden, position_ids,
+    attention_mask?, prompts?, grad_output]``; the result's are ``[grad_hidden, grad_prompts?]``.
+    The server recomputes the forward with autograd (its parameters stay frozen)."""
+
+    prompts: bool = False
+    adapter: AdapterName | None = None
 
 
 class OpenReply(Meta):
@@ -181,7 +216,8 @@ KIND_META: dict[str, type[Meta] | None] = {
     "hello": Hello,  # which protocols and capabilities a peer has (meta protocol)
     "ping": Ping,  # echo for liveness and round-trip measurement
     "info": Empty,  # what a server hosts
-    "forward": Empty,  # stateless forward through a span
+    "forward": ForwardRequest,  # stateless forward through a span
+    "backward": BackwardRequest,  # gradient of a stateless forward's inputs (needs TRAIN)
     "open": OpenRequest,  # open an inference session
     "step": StepRequest,  # one inference step of a session
     "push": PushRequest,  # a server hands its step output to the next server of the chain
@@ -216,6 +252,7 @@ def decode_reply(raw: bytes | msgspec.Raw, type_: type[Meta]) -> Meta:
 
 
 __all__ = [
+    "ADAPTERS",
     "CAPABILITIES",
     "CODEC_BF16",
     "CODEC_FP16",
@@ -226,8 +263,13 @@ __all__ = [
     "MAX_PUSH_HOPS",
     "MAX_SESSION_LENGTH",
     "PUSH",
+    "TRAIN",
+    "AdapterInfo",
+    "AdapterName",
+    "BackwardRequest",
     "Empty",
     "ErrorReply",
+    "ForwardRequest",
     "Gossip",
     "Hello",
     "HelloReply",

@@ -33,8 +33,10 @@ from shoal.wire import (
 )
 from shoal.wire.schema import (
     KIND_META,
+    BackwardRequest,
     Empty,
     ErrorReply,
+    ForwardRequest,
     Gossip,
     Hello,
     HelloReply,
@@ -62,8 +64,9 @@ REQUESTS: dict[str, Meta] = {
     "hello": Hello(),
     "ping": Ping(echo=False),
     "info": Empty(),
-    "forward": Empty(),
-    "open": OpenRequest(max_length=128, batch_size=3),
+    "forward": ForwardRequest(prompts=True, adapter="style-v1"),
+    "backward": BackwardRequest(adapter="a.b_c-2"),
+    "open": OpenRequest(max_length=128, batch_size=3, prompts=True, adapter="style-v1"),
     "step": StepRequest(session="s-1", position=17, push=(HOP, PushHop("t2", "s2", "k2"))),
     "push": PushRequest(session="s-2", token="k", position=4, step=9, push=(HOP,)),
     "close": Empty(),
