@@ -44,6 +44,11 @@ class BlockSpan(nn.Module):
     def allocate_cache(self, batch_size: int, max_length: int) -> SpanCache:  # pragma: no cover
         raise NotImplementedError
 
+    def sub_span(self, first: int, last: int) -> BlockSpan:  # pragma: no cover
+        """Blocks ``[start + first, start + last)`` of this span as a span of their own, sharing its
+        modules (no copy): a server recomputes a backward one block at a time through these."""
+        raise NotImplementedError
+
     def forward(
         self,
         hidden: torch.Tensor,

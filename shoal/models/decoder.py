@@ -158,6 +158,15 @@ class DecoderSpan(BlockSpan):
         device = next(self.layers.parameters()).device
         return SpanKVCache(len(self.layers), batch_size, max_length, self.geometry, device)
 
+    def sub_span(self, first: int, last: int) -> DecoderSpan:
+        if not 0 <= first < last <= len(self.layers):
+            raise ValueError(f"sub-span [{first}, {last}) of a span of {len(self.layers)} blocks")
+        layers = nn.ModuleList(self.layers[first:last])
+        return DecoderSpan(
+            self.config, self.start + first, self.start + last, layers, self.rotary_emb, self.geometry,
+            self.rotary_keys[first:last],
+        )  # fmt: skip
+
     def _mask(self, window, hidden, attention_mask, position_ids, past_length):
         create = masking_utils.create_causal_mask
         if window is not None:

@@ -80,6 +80,12 @@ class FalconSpan(BlockSpan):
         device = next(self.layers.parameters()).device
         return SpanKVCache(len(self.layers), batch_size, max_length, self.geometry, device)
 
+    def sub_span(self, first: int, last: int) -> FalconSpan:
+        if not 0 <= first < last <= len(self.layers):
+            raise ValueError(f"sub-span [{first}, {last}) of a span of {len(self.layers)} blocks")
+        layers = nn.ModuleList(self.layers[first:last])
+        return FalconSpan(self.config, self.start + first, self.start + last, layers, self.rotary_emb, self.geometry)
+
     def _mask_and_alibi(self, hidden, attention_mask, position_ids, past_length):
         """FalconModel's mask, always materialised, and with alibi its bias [batch, heads, 1, kv], which
         the mask then carries too (masked positions stay at the dtype's lowest value)."""
