@@ -235,6 +235,7 @@ class FaultyBackend:
         mask: torch.Tensor | None,
         cache: Any = None,
         past_length: int = 0,
+        **options: Any,  # prompts, adapter: passed on
     ) -> torch.Tensor:
         state = self._state
         async with self._lock:
@@ -255,7 +256,7 @@ class FaultyBackend:
                         index = fault.block - self.span.start
                         swapped.append((index, layers[index]))
                         layers[index] = self._replacements[i]
-                out = await self.inner.run(hidden, position_ids, mask, run_cache, past_length)
+                out = await self.inner.run(hidden, position_ids, mask, run_cache, past_length, **options)
             finally:
                 for index, original in reversed(swapped):
                     layers[index] = original

@@ -114,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.heap import freeze_startup_heap
     from shoal.quantization import parse_quantization
     from shoal.server.app import serve
-    from shoal.server.config import ServerConfig, parse_blocks, parse_dtype
+    from shoal.server.config import ServerConfig, parse_adapter, parse_blocks, parse_dtype
     from shoal.server.preflight import check_blocks, check_model, check_quantization
     from shoal.swarm.gossip import GossipConfig
     from shoal.transport import Ticket
@@ -148,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        adapters=tuple(parse_adapter(text) for text in args.adapter),
     )
     freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
     run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
@@ -220,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "int8", "nf4"],
         help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients accept "
         "int8 and better by default",
+    )
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter at PATH (peft's format) under NAME; clients pick one by name "
+        "(repeatable; not with --quant)",
     )
     serve.add_argument("--cache-tokens", type=positive_int, default=8192, help="KV cache budget per block, in tokens")
     serve.add_argument(

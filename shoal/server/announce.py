@@ -38,6 +38,7 @@ class Announcement:
     cache_tokens_free: int = 0
     step_ms: float = 0.0  # one-token step latency per block
     quantization: Quantization = Quantization.NONE  # how the span's weights are held
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters the span runs with: (name, digest), by name
     service: SwarmService | None = None
     _signed: SignedRecord | None = None
     _rtts: dict[str, float] | None = None
@@ -63,6 +64,7 @@ class Announcement:
             step_ms=self.step_ms,
             capabilities=tuple(sorted(CAPABILITIES)),
             quantization=self.quantization,
+            adapters=tuple(sorted(self.adapters)),
         )
         self._signed = sign(record, self.secret_key)
         return self._signed

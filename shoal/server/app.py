@@ -19,14 +19,15 @@ import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
+from pathlib import Path
 
 import torch
 
 from shoal import __version__
 from shoal.checkpoints import load_config, load_span, model_fingerprints, model_name, resolve_model
 from shoal.ids import BlockRange
-from shoal.models import get_family
+from shoal.models import BlockSpan, get_family
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
 from shoal.server.announce import Announcement, keep_measuring
@@ -54,7 +55,7 @@ def load_block_server(
     config: ServerConfig,
     span: BlockRange,
     on_fingerprints: Callable[[list[str]], None] | None = None,
-    executor: ThreadPoolExecutor | None = None,
+    executor: Executor | None = None,
 ) -> BlockServer:
     """Load blocks ``span`` (and nothing else), one block at a time and each quantised as it comes
     (``config.quant``), and wrap them for serving. ``on_fingerprints`` hears the span's fingerprints
@@ -71,6 +72,7 @@ def load_block_server(
     fingerprints = [prints[i] for i in range(start, end)]
     if on_fingerprints is not None:
         on_fingerprints(fingerprints)
+    adapters = load_adapters(built, config.adapters, hf_config) if config.adapters else None
     info = SpanInfo(
         model=model_name(config.model),
         num_blocks=total,
@@ -80,16 +82,29 @@ def load_block_server(
         hidden_size=hf_config.hidden_size,
         version=__version__,
         quantization=config.quant,
+        adapters=adapters.infos() if adapters is not None else (),
     )
     log.info(
         "loaded blocks %d:%d of %s (%s weights) in %.1f s", start, end, info.model,
         "full-precision" if config.quant is Quantization.NONE else config.quant, time.perf_counter() - started,
     )  # fmt: skip
-    backend = SpanBackend(built, hf_config.hidden_size, config.device, executor)
+    backend = SpanBackend(built, hf_config.hidden_size, config.device, executor, adapters)
     backend.warm_up()
     return BlockServer(
         backend, info, CacheBudget(config.cache_tokens), config.max_sessions_per_peer, config.session_idle_timeout
     )
+
+
+def load_adapters(span: BlockSpan, adapters: tuple[tuple[str, Path], ...], hf_config):
+    """The span's LoRA adapters (:class:`shoal.models.lora.SpanAdapters`): of each adapter, only the
+    tensors of the span's blocks."""
+    from shoal.models.lora import SpanAdapters, read_adapter
+
+    loaded = SpanAdapters(span)
+    for name, path in adapters:
+        loaded.add(name, read_adapter(path, hf_config, span.start, span.end))
+        log.info("adapter %s from %s", name, path)
+    return loaded
 
 
 def swarm_id_of(config: ServerConfig) -> str | None:
@@ -253,6 +268,7 @@ class _Presence:
     def announce_online(self) -> None:
         server = self.gate.server
         self.announcement.cache_tokens_free = server.budget.free_tokens
+        self.announcement.adapters = tuple((a.name, a.digest) for a in server.info.adapters)
         self.announce_span(server.info.blocks, server.info.fingerprints, State.ONLINE)
         for signed in self.announcement.records():
             self.service.publish(signed)
@@ -391,7 +407,7 @@ async def _shut_down(
     gate: _LoadingGate,
     presence: _Presence | None,
     tasks: list[asyncio.Task],
-    compute: ThreadPoolExecutor,
+    compute: Executor,
 ) -> None:
     """Offline first (every peer hears it at once), then drain open sessions, then close. From
     the first moment, replies tell clients to move on and new sessions are refused."""

@@ -1,4 +1,4 @@
-"""Runs a span's blocks for the server: input checks, one compute thread, dtype conversions.
+"""Runs a span's blocks for the server: input checks, one compute thread, dtype conversions, backward.
 
 Compute runs on a single worker thread so the event loop keeps answering (info, new sessions,
 other peers) while torch works, and so steps never interleave inside torch. The server also loads
@@ -6,40 +6,64 @@ its weights on that same thread (:func:`compute_thread`): libgomp keeps one thre
 that starts a parallel region, and a second pool (e.g. from loading on ``asyncio.to_thread``)
 oversubscribes the CPUs and makes every later parallel region pay futex wake-ups (measured: about
 2x slower decode steps on 2 cores).
+
+That thread is a priority executor (:mod:`shoal.server.scheduler`): session steps first, then
+stateless forwards, then training. A backward recomputes the span's forward with autograd (the
+parameters stay frozen) and returns the gradient of its inputs, block by block (each block a task of
+its own, through :meth:`BlockSpan.sub_span <shoal.models.BlockSpan.sub_span>`), so session steps run
+between the blocks of a long backward instead of waiting for all of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
 
 import torch
 
-from shoal.errors import BadRequest
+from shoal.errors import BadRequest, Unavailable
 from shoal.models import BlockSpan, SpanCache
+from shoal.server.scheduler import ComputeScheduler, Priority, SchedulerCounts
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def compute_thread(num_threads: int | None = None) -> ThreadPoolExecutor:
-    """The one thread that runs all of a server's torch work (loading, warm-up, steps)."""
+def compute_thread(num_threads: int | None = None) -> ComputeScheduler:
+    """The one thread that runs all of a server's torch work (loading, warm-up, steps, training)."""
+    return ComputeScheduler(num_threads, name="shoal-compute")
 
-    def init() -> None:
-        if num_threads:
-            torch.set_num_threads(num_threads)
 
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-compute", initializer=init)
+def _on(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 class SpanBackend:
+    """``adapters``: the span's LoRA adapters (:class:`shoal.models.lora.SpanAdapters`), None without."""
+
     def __init__(
-        self, span: BlockSpan, hidden_size: int, device: str = "cpu", executor: ThreadPoolExecutor | None = None
+        self,
+        span: BlockSpan,
+        hidden_size: int,
+        device: str = "cpu",
+        executor: Executor | None = None,
+        adapters: Any = None,
     ):
         self.span = span
         self.hidden_size = hidden_size
         self.device = device
+        self.adapters = adapters
+        self.adapter_names = frozenset(a.name for a in adapters.infos()) if adapters is not None else frozenset()
         self._executor = executor or compute_thread()
+        self._counted_from = self.compute_counts()  # the executor may be shared with an earlier span
 
+    @property
+    def num_blocks(self) -> int:
+        return self.span.end - self.span.start
+
+    # ---- checks (on the event loop, before anything is queued) -----------------------------------
     def check_inputs(
         self,
         tensors: list[torch.Tensor],
@@ -74,14 +98,95 @@ class SpanBackend:
             )
         return hidden, position_ids, mask
 
-    def _compute(self, hidden, position_ids, mask, cache, past_length) -> torch.Tensor:
-        with torch.inference_mode():
+    def forward_inputs(self, tensors: list[torch.Tensor], with_prompts: bool) -> tuple[torch.Tensor, ...]:
+        """A forward's ``[hidden, position_ids, attention_mask?, prompts?]``, checked:
+        ``(hidden, position_ids, mask, prompts)``."""
+        if len(tensors) - with_prompts not in (2, 3):
+            raise BadRequest(
+                f"expected [hidden, position_ids, attention_mask?{', prompts' if with_prompts else ''}], "
+                f"got {len(tensors)} tensors"
+            )
+        prompts = tensors[-1] if with_prompts else None
+        hidden, position_ids, mask = self.check_inputs(tensors[: len(tensors) - with_prompts])
+        if prompts is not None:
+            self.check_prompts(prompts, hidden.shape[0], hidden.shape[1])
+        return hidden, position_ids, mask, prompts
+
+    def backward_inputs(self, tensors: list[torch.Tensor], with_prompts: bool) -> tuple[torch.Tensor, ...]:
+        """A backward's ``[hidden, position_ids, attention_mask?, prompts?, grad_output]``, checked:
+        ``(hidden, position_ids, mask, prompts, grad_output)``."""
+        if len(tensors) - with_prompts - 1 not in (2, 3):
+            raise BadRequest(
+                f"expected [hidden, position_ids, attention_mask?{', prompts' if with_prompts else ''}, "
+                f"grad_output], got {len(tensors)} tensors"
+            )
+        hidden, position_ids, mask, prompts = self.forward_inputs(tensors[:-1], with_prompts)
+        return hidden, position_ids, mask, prompts, self.check_grad_output(tensors[-1], hidden)
+
+    def session_prompts(
+        self, tensors: list[torch.Tensor], with_prompts: bool, batch_size: int, max_length: int
+    ) -> torch.Tensor | None:
+        """An open's deep prompts (its one tensor, if it says ``prompts``), checked."""
+        if len(tensors) != with_prompts:
+            wanted = "one tensor (the deep prompts)" if with_prompts else "no tensors (without prompts)"
+            raise BadRequest(f"open takes {wanted}, got {len(tensors)} tensors")
+        return self.check_prompts(tensors[0], batch_size, max_length) if with_prompts else None
+
+    def check_prompts(self, prompts: torch.Tensor, batch: int, max_tokens: int) -> torch.Tensor:
+        """Deep prompts ``[span blocks, 1 or batch, N, hidden]`` with ``1 <= N <= max_tokens`` (the
+        positions they can reach: a stateless pass's tokens, a session's ``max_length``)."""
+        shape = list(prompts.shape)
+        if prompts.dtype not in FLOAT_DTYPES:
+            raise BadRequest(f"deep prompts must be float32, float16 or bfloat16, got {prompts.dtype}")
+        blocks, hidden = self.num_blocks, self.hidden_size
+        fits = len(shape) == 4 and shape[0] == blocks and shape[1] in (1, batch) and shape[3] == hidden
+        if not fits or not 1 <= shape[2] <= max_tokens:
+            batches = "1" if batch == 1 else f"1 or {batch}"
+            raise BadRequest(
+                f"deep prompts must be [{blocks} (the span's blocks), {batches}, N <= {max_tokens}, {hidden}], "
+                f"got {shape}"
+            )
+        return prompts
+
+    @staticmethod
+    def check_grad_output(grad_output: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The gradient of the span's output: float, the output's shape (the hidden states')."""
+        if grad_output.dtype not in FLOAT_DTYPES or grad_output.shape != hidden.shape:
+            raise BadRequest(
+                f"grad_output must be float32, float16 or bfloat16 {list(hidden.shape)} (the output's shape), "
+                f"got {grad_output.dtype} {list(grad_output.shape)}"
+            )
+        return grad_output
+
+    def check_adapter(self, name: str | None) -> None:
+        """Refuse an adapter this server does not have, naming it and the ones it has."""
+        if name is None or name in self.adapter_names:
+            return
+        from shoal.models.lora import UnknownAdapter
+
+        raise UnknownAdapter(name, sorted(self.adapter_names))
+
+    # ---- compute ---------------------------------------------------------------------------------
+    def _adapter(self, name: str | None):
+        return contextlib.nullcontext() if self.adapters is None else self.adapters.active(name)
+
+    def _submit(self, priority: Priority, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        submit_as = getattr(self._executor, "submit_as", None)  # any executor serves; only ours has classes
+        try:
+            future = submit_as(priority, fn, *args) if submit_as is not None else self._executor.submit(fn, *args)
+        except RuntimeError:  # shut down (e.g. between the chunks of a backward): the server is going
+            raise Unavailable("server is shutting down: use another server") from None
+        return asyncio.wrap_future(future)
+
+    def _compute(self, hidden, position_ids, mask, cache, past_length, prompts=None, adapter=None) -> torch.Tensor:
+        with self._adapter(adapter), torch.inference_mode():
             out = self.span(
                 hidden.to(self.device),
                 position_ids.to(self.device),
-                None if mask is None else mask.to(self.device),
+                _on(mask, self.device),
                 cache=cache,
                 past_length=past_length,
+                prompts=_on(prompts, self.device),
             )
             return out.to("cpu", hidden.dtype)
 
@@ -92,14 +197,91 @@ class SpanBackend:
         mask: torch.Tensor | None,
         cache: SpanCache | None = None,
         past_length: int = 0,
+        *,
+        prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
     ) -> torch.Tensor:
-        loop = asyncio.get_running_loop()
+        """A session step (with ``cache``: inference class) or a stateless forward (forward class)."""
+        priority = Priority.FORWARD if cache is None else Priority.INFERENCE
         try:
-            return await loop.run_in_executor(
-                self._executor, self._compute, hidden, position_ids, mask, cache, past_length
+            return await self._submit(
+                priority, self._compute, hidden, position_ids, mask, cache, past_length, prompts, adapter
             )
         except ValueError as exc:  # the span's own consistency checks
             raise BadRequest(str(exc)) from None
+
+    async def backward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        grad_output: torch.Tensor,
+        *,
+        prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
+    ) -> list[torch.Tensor]:
+        """``[grad_hidden, grad_prompts?]`` of the stateless pass ``span(hidden, ...)`` whose output's
+        gradient is ``grad_output``, in the dtypes of ``hidden`` and ``prompts``; training class.
+
+        A no-grad pass keeps each block's input (under ``no_grad``, not ``inference_mode``: they are
+        reused with autograd), then each block, the last first, is recomputed with autograd and
+        differentiated. Every block of either pass is one task: a session step waits for one block
+        of a backward at most. Memory: every block's input plus one block's activations."""
+        self._check_frozen()
+        try:
+            return await self._backward_blocks(hidden, position_ids, mask, grad_output, prompts, adapter)
+        except ValueError as exc:  # the span's own consistency checks
+            raise BadRequest(str(exc)) from None
+
+    def _check_frozen(self) -> None:
+        """The span's weights are never trained: a parameter that wants a gradient is a bug here."""
+        trainable = [name for name, p in self.span.named_parameters() if p.requires_grad]
+        if trainable:
+            raise RuntimeError(f"span parameters must stay frozen, but {trainable[:4]} require grad")
+
+    async def _backward_blocks(self, hidden, position_ids, mask, grad_output, prompts, adapter) -> list[torch.Tensor]:
+        """The two passes, one task per block. All tensor work runs in those tasks, none on the event
+        loop (see :meth:`allocate_cache` for why); moving to the device is a no-op after the first."""
+        device, blocks = self.device, [self.span.sub_span(i, i + 1) for i in range(self.num_blocks)]
+
+        def run(i: int, x: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+            return blocks[i](x.to(device), position_ids.to(device), _on(mask, device), prompts=prompt)
+
+        def prompt_of(i: int) -> torch.Tensor | None:
+            return None if prompts is None else prompts[i : i + 1].to(device)
+
+        def forward_block(i: int, x: torch.Tensor) -> torch.Tensor:
+            with self._adapter(adapter), torch.no_grad():
+                return run(i, x, prompt_of(i))
+
+        def backward_block(i: int, x: torch.Tensor, grad: torch.Tensor, grad_prompts: list[torch.Tensor]):
+            """The gradient of block ``i``'s input given its output's, ``grad``; its prompt's goes to
+            ``grad_prompts``. The first block's answers the request (on the CPU, in the inputs' dtypes)."""
+            prompt = prompt_of(i)
+            with self._adapter(adapter), torch.enable_grad():
+                leaves = [x.to(device).detach().requires_grad_()]
+                if prompt is not None:
+                    leaves.append(prompt.detach().requires_grad_())
+                out = run(i, leaves[0], leaves[1] if prompt is not None else None)
+                grads = torch.autograd.grad(out, leaves, grad.to(out.device, out.dtype), allow_unused=True)
+            grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves, strict=True)]
+            if prompt is not None:
+                grad_prompts.insert(0, grads[1])
+            if i > 0:
+                return grads[0]
+            answer = [grads[0].to("cpu", hidden.dtype)]
+            if prompts is not None:
+                answer.append(torch.cat(grad_prompts).to("cpu", prompts.dtype))
+            return answer
+
+        inputs = [hidden]  # block i's input; the last block's output is not needed
+        for i in range(self.num_blocks - 1):
+            inputs.append(await self._submit(Priority.TRAINING, forward_block, i, inputs[i]))
+        grad, grad_prompts = grad_output, []
+        for i in reversed(range(1, self.num_blocks)):
+            grad = await self._submit(Priority.TRAINING, backward_block, i, inputs[i], grad, grad_prompts)
+            inputs[i] = None  # freed as the backward goes
+        return await self._submit(Priority.TRAINING, backward_block, 0, inputs[0], grad, grad_prompts)
 
     def warm_up(self, tokens: int = 8) -> None:
         """One prefill and one cached step before serving, so the first client does not pay for
@@ -114,8 +296,36 @@ class SpanBackend:
         OpenMP parallel region, and the first region a thread opens gives it a libgomp pool of its
         own: on the event loop thread that pool would outnumber the CPUs together with the
         compute thread's, and from then on every barrier sleeps (decode steps ~1.8x slower)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.span.allocate_cache, batch_size, max_length)
+        return await self._submit(Priority.INFERENCE, self.span.allocate_cache, batch_size, max_length)
+
+    async def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` moved to the span's device once (a session's deep prompts), on the compute thread."""
+        return await self._submit(Priority.INFERENCE, tensor.to, self.device)
+
+    def compute_counts(self) -> SchedulerCounts | None:
+        """The compute thread's counts since this span was loaded (None for an executor without them)."""
+        counts = getattr(self._executor, "counts", None)
+        if counts is None:
+            return None
+        now = counts()
+        earlier = getattr(self, "_counted_from", None)
+        return now if earlier is None else now.minus(earlier)
+
+    def compute_counters(self) -> dict[str, int]:
+        """:meth:`compute_counts` as :class:`~shoal.wire.schema.ServerCounters` fields (none without)."""
+        counts = self.compute_counts()
+        if counts is None:
+            return {}
+        ran, jumped = counts.ran, counts.jumped
+        inference, forward, training = Priority.INFERENCE, Priority.FORWARD, Priority.TRAINING
+        return {
+            "inference_tasks": ran[inference],
+            "forward_tasks": ran[forward],
+            "training_chunks": ran[training],
+            "inference_ahead_of_forward": jumped[inference, forward],
+            "inference_ahead_of_training": jumped[inference, training],
+            "forward_ahead_of_training": jumped[forward, training],
+        }
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

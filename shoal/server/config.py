@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,25 @@ def parse_blocks(text: str) -> BlockRange:
     return BlockRange(start, end)
 
 
+#: what :data:`shoal.wire.schema.AdapterName` accepts (64 characters at most)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_ADAPTERS = 64  # what a server's span info announces at most
+
+
+def parse_adapter(text: str) -> tuple[str, Path]:
+    """``NAME=PATH``: a LoRA adapter (peft's format) the server runs its span with, under ``NAME``."""
+    name, sep, path = text.partition("=")
+    if not sep or not path:
+        raise UsageError(f"--adapter takes NAME=PATH, got {text!r}")
+    if not ADAPTER_NAME.fullmatch(name):
+        raise UsageError(
+            f"--adapter {text}: NAME must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    if not Path(path).exists():
+        raise UsageError(f"--adapter {text}: no adapter at {path}")
+    return name, Path(path)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model: str  # local Hugging Face directory, known model name or Hub id
@@ -66,6 +86,7 @@ class ServerConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     metrics_port: int | None = None  # serve Prometheus metrics on this TCP port (0: any free one; None: off)
     metrics_host: str = "127.0.0.1"
+    adapters: tuple[tuple[str, Path], ...] = ()  # LoRA adapters (name, peft directory) for the span
 
     def __post_init__(self):
         if self.blocks is None and not (self.new_swarm or self.join):
@@ -81,6 +102,13 @@ class ServerConfig:
             raise UsageError(f"--throughput must be a non-negative number, got {self.throughput}")
         if not self.balance_period > 0:
             raise UsageError(f"--balance-period must be positive, got {self.balance_period}")
+        if self.adapters and self.quant is not Quantization.NONE:
+            raise UsageError("LoRA adapters on quantised servers are not supported (drop --quant or --adapter)")
+        if len(self.adapters) > MAX_ADAPTERS:
+            raise UsageError(f"at most {MAX_ADAPTERS} --adapter flags, got {len(self.adapters)}")
+        names = [name for name, _ in self.adapters]
+        if len(set(names)) != len(names):
+            raise UsageError(f"--adapter names must differ, got {', '.join(names)}")
 
     @property
     def placed_automatically(self) -> bool:

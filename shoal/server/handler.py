@@ -13,9 +13,14 @@ step and answers on the session's client stream, and so on down the chain. Every
 answers the client with its output: the client keeps them to replay a span's history when a
 server fails.
 
-Drain (the server is leaving): new sessions and forwards get ``unavailable``; steps of open sessions
-are still served, flagged ``draining`` so their clients move to other servers at their next step;
-whatever is left when the drain times out is closed.
+Training (capability ``train``): ``backward`` recomputes a stateless pass with autograd and answers
+the gradient of its inputs (:meth:`SpanBackend.backward <shoal.server.backend.SpanBackend.backward>`,
+at the compute thread's lowest priority); forwards, backwards and sessions may carry deep prompts
+(a session's come with its ``open`` and join every step) and name one of the server's LoRA adapters.
+
+Drain (the server is leaving): new sessions, forwards and backwards get ``unavailable``; steps of
+open sessions are still served, flagged ``draining`` so their clients move to other servers at their
+next step; whatever is left when the drain times out is closed.
 
 Codecs: a server answers in kind. Its output travels in the codec the step's hidden states came in
 (:mod:`shoal.wire.codecs`), to the client and, pushed, to the next server, so both decode the very
@@ -55,6 +60,8 @@ from shoal.server.budget import CacheBudget
 from shoal.transport import MessageStream, Node, Ticket
 from shoal.wire import Codec, InvalidMessage, Message, codecs, error_message
 from shoal.wire.schema import (
+    BackwardRequest,
+    ForwardRequest,
     InfoReply,
     OpenReply,
     OpenRequest,
@@ -85,6 +92,8 @@ class _Session:
     pending: asyncio.Task | None = None  # the read of the client's next message
     last_active: float = field(default_factory=lambda: asyncio.get_running_loop().time())
     last_step: int = 0  # id of the latest step served: older pushes arriving late are dropped
+    prompts: torch.Tensor | None = None  # deep prompts added at positions [0, N) of every step's blocks
+    adapter: str | None = None  # the LoRA adapter the session runs with (None: the base weights)
 
 
 class BlockServer:
@@ -120,7 +129,8 @@ class BlockServer:
             span=self.info,
             free_cache_tokens=self.budget.free_tokens,
             draining=self.draining,
-            counters=msgspec.structs.replace(self.counters),  # a copy: the reply is encoded later
+            # a copy (the reply is encoded later), with the compute thread's counts
+            counters=msgspec.structs.replace(self.counters, **self.backend.compute_counters()),
         )
 
     async def handle(self, stream: MessageStream, peer_id: PeerId) -> None:
@@ -137,6 +147,8 @@ class BlockServer:
                     await stream.send(Message("result", request.id, self.describe()))
                 elif request.kind == "forward":
                     await stream.send(await self._forward(request))
+                elif request.kind == "backward":
+                    await stream.send(await self._backward(request))
                 elif request.kind == "open":
                     await self._run_session(stream, peer_id, request)
                     return
@@ -174,16 +186,35 @@ class BlockServer:
     async def _forward(self, request: Message) -> Message:
         if self.draining:
             raise Unavailable("server is draining (leaving the swarm): use another server")
-        hidden, position_ids, mask = self.backend.check_inputs(request.tensors)
-        out = await self.backend.run(hidden, position_ids, mask)
+        meta: ForwardRequest = request.meta
+        hidden, position_ids, mask, prompts = self.backend.forward_inputs(request.tensors, meta.prompts)
+        self.backend.check_adapter(meta.adapter)
+        out = await self.backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter)
         self.counters.forward_requests += 1
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
         return Message("result", request.id, tensors=[out], codecs=_in_kind(out, request))
 
-    async def _open(self, peer_id: PeerId, meta: OpenRequest, stream: MessageStream) -> _Session:
+    async def _backward(self, request: Message) -> Message:
+        """The gradients of a stateless pass's inputs; they travel raw (no codec)."""
+        if self.draining:
+            raise Unavailable("server is draining (leaving the swarm): use another server")
+        meta: BackwardRequest = request.meta
+        hidden, position_ids, mask, prompts, grad_output = self.backend.backward_inputs(request.tensors, meta.prompts)
+        self.backend.check_adapter(meta.adapter)
+        grads = await self.backend.backward(
+            hidden, position_ids, mask, grad_output, prompts=prompts, adapter=meta.adapter
+        )
+        self.counters.backward_requests += 1
+        self.counters.backward_tokens += hidden.shape[0] * hidden.shape[1]
+        return Message("result", request.id, tensors=grads)
+
+    async def _open(self, peer_id: PeerId, request: Message, stream: MessageStream) -> _Session:
         if self.draining:
             raise Unavailable("server is draining (leaving the swarm): open the session elsewhere")
+        meta: OpenRequest = request.meta
         max_length, batch_size = meta.max_length, meta.batch_size
+        prompts = self.backend.session_prompts(request.tensors, meta.prompts, batch_size, max_length)
+        self.backend.check_adapter(meta.adapter)
         if self._per_peer[peer_id] >= self.max_sessions_per_peer:
             self.counters.sessions_rejected_busy += 1
             raise BusyError(
@@ -198,11 +229,14 @@ class BlockServer:
         self._per_peer[peer_id] += 1  # counted before the await: concurrent opens see it
         try:
             cache = await self.backend.allocate_cache(batch_size, max_length)
+            if prompts is not None:
+                prompts = await self.backend.on_device(prompts)
         except BaseException:
             self.budget.release(tokens)
             self._release_peer_slot(peer_id)
             raise
         session = _Session(SessionId(secrets.token_hex(8)), peer_id, batch_size, max_length, tokens, cache, stream)
+        session.prompts, session.adapter = prompts, meta.adapter
         session.task = asyncio.current_task()
         self._sessions[session.id] = session
         self.counters.sessions_opened += 1
@@ -223,7 +257,7 @@ class BlockServer:
         session.cache = None
 
     async def _run_session(self, stream: MessageStream, peer_id: PeerId, request: Message) -> None:
-        session = await self._open(peer_id, request.meta, stream)
+        session = await self._open(peer_id, request, stream)
         ended = False  # closed or timed out; any other end (stream closed, broken, cancelled) is "abandoned"
         try:
             reply = OpenReply(session=session.id, token=session.token, max_length=session.max_length)
@@ -390,7 +424,9 @@ class BlockServer:
         )
         rolled_back = session.cache.length - position  # positions the client dropped (speculation, a retry)
         started = time.perf_counter()
-        out = await self.backend.run(hidden, position_ids, mask, session.cache, position)
+        out = await self.backend.run(
+            hidden, position_ids, mask, session.cache, position, prompts=session.prompts, adapter=session.adapter
+        )
         self.counters.positions_rolled_back += rolled_back
         self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1

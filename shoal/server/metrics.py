@@ -11,7 +11,10 @@ rejected frames. Nothing on the serving path changes when no one scrapes.
 Exposed (all prefixed ``shoal_``)::
 
     server_info{model,start,end,dtype,version}  1 while a span is loaded
-    tokens_served_total{kind="session"|"forward"}
+    tokens_served_total{kind="session"|"forward"|"backward"}
+    backward_requests_total
+    compute_tasks_total{class="inference"|"forward"|"training"}   tasks the compute thread ran
+    compute_queue_jumps_total{class,over}   tasks run before earlier-queued work of a lower class
     steps_total, step_latency_seconds (summary: _count, _sum), positions_rolled_back_total
     sessions_active, sessions_opened_total, sessions_ended_total{reason}, sessions_rejected_total{reason}
     cache_capacity_tokens, cache_reserved_tokens, cache_free_tokens
@@ -76,7 +79,7 @@ class ServerCollector(Collector):
         yield frames
 
     def _server(self, server):
-        c, info, budget = server.counters, server.info, server.budget
+        c, info, budget = server.describe().counters, server.info, server.budget
         labels = ["model", "start", "end", "dtype", "version"]
         up = GaugeMetricFamily("shoal_server_info", "The span this server hosts (1 while loaded)", labels=labels)
         up.add_metric([info.model, str(info.blocks.start), str(info.blocks.end), info.dtype, info.version], 1)
@@ -86,7 +89,29 @@ class ServerCollector(Collector):
         )
         tokens.add_metric(["session"], c.positions_processed)
         tokens.add_metric(["forward"], c.forward_tokens)
+        tokens.add_metric(["backward"], c.backward_tokens)
         yield tokens
+        yield CounterMetricFamily(
+            "shoal_backward_requests",
+            "Backward passes (gradients of a span's inputs) served",
+            value=c.backward_requests,
+        )
+        tasks = CounterMetricFamily(
+            "shoal_compute_tasks", "Tasks the compute thread ran, by priority class", labels=["class"]
+        )
+        for name, value in (("inference", c.inference_tasks), ("forward", c.forward_tasks)):
+            tasks.add_metric([name], value)
+        tasks.add_metric(["training"], c.training_chunks)
+        yield tasks
+        jumps = CounterMetricFamily(
+            "shoal_compute_queue_jumps",
+            "Compute tasks run before earlier-queued work of a lower priority class",
+            labels=["class", "over"],
+        )
+        jumps.add_metric(["inference", "forward"], c.inference_ahead_of_forward)
+        jumps.add_metric(["inference", "training"], c.inference_ahead_of_training)
+        jumps.add_metric(["forward", "training"], c.forward_ahead_of_training)
+        yield jumps
         yield CounterMetricFamily("shoal_steps", "Inference session steps served", value=c.steps)
         yield CounterMetricFamily(
             "shoal_positions_rolled_back",

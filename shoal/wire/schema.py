@@ -98,6 +98,18 @@ class ServerCounters(msgspec.Struct, kw_only=True):
     pushes_rejected: int = 0  # unknown session, wrong token, or a stale step
     sessions_drained: int = 0  # still open when a drain closed them
     step_seconds: float = 0.0  # compute time of all steps (metrics: latency = step_seconds / steps)
+    backward_requests: int = 0  # backward passes served (needs TRAIN)
+    backward_tokens: int = 0  # batch x tokens of those passes
+    # tasks the compute thread ran, by priority class (shoal.server.scheduler): session steps and cache
+    # allocations; stateless forwards; training chunks (a backward is one per block, or one for the span)
+    inference_tasks: int = 0
+    forward_tasks: int = 0
+    training_chunks: int = 0
+    # tasks taken before earlier-queued work of a lower class: how often priority let a session step
+    # (or a forward) go first instead of waiting behind a forward or a training chunk
+    inference_ahead_of_forward: int = 0
+    inference_ahead_of_training: int = 0
+    forward_ahead_of_training: int = 0
 
 
 class AdapterInfo(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -156,8 +156,12 @@ def test_blocks_required_outside_a_swarm(tiny_dir: Path):
         (["--cache-tokens", "0"], "argument --cache-tokens: invalid positive integer value: '0'"),
         (["--dtype", "int3"], "unknown dtype 'int3'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--adapter", "tuned"], "--adapter takes NAME=PATH, got 'tuned'"),
+        (["--adapter", "my/lora=."], "--adapter my/lora=.: NAME must be 1-64 letters, digits"),
+        (["--adapter", "tuned=/no/such/adapter"], "no adapter at /no/such/adapter"),
+        (["--adapter", "tuned=.", "--quant", "int8"], "LoRA adapters on quantised servers are not supported"),
     ],
-    ids=["port-text", "port-range", "cache-tokens", "dtype", "unknown-flag"],
+    ids=["port-text", "port-range", "cache-tokens", "dtype", "unknown-flag", *(f"adapter-{c}" for c in "abcd")],
 )
 def test_bad_flag_values(tiny_dir: Path, flags: list[str], fragment: str):
     assert_one_line_error(shoal("serve", str(tiny_dir), "--blocks", "0:2", *flags), USAGE, fragment)

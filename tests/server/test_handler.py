@@ -33,6 +33,7 @@ from shoal.protocols import BLOCKS
 from shoal.transport import BaseNode, MessageStream, Ticket
 from shoal.wire import FRAME_DATA, FRAME_HEAD, FRAME_PREFIX, Message
 from shoal.wire.schema import (
+    BackwardRequest,
     ErrorReply,
     InfoReply,
     OpenReply,
@@ -752,7 +753,7 @@ def test_pushes_keep_a_session_alive_that_its_client_never_talks_to(serve, spans
 
 # ---- draining --------------------------------------------------------------------------------------
 def test_a_draining_server_refuses_new_work_and_serves_open_sessions_until_they_leave(serve, span):
-    """Drain with a 5 s timeout: new sessions and forwards get ``unavailable``; the open session's
+    """Drain with a 5 s timeout: new sessions, forwards and backwards get ``unavailable``; the open session's
     steps are still served, correct and flagged ``draining``; ``info`` says draining; once the
     client closes its session, the drain ends at once (nothing was cut off)."""
     bench = serve()
@@ -773,6 +774,9 @@ def test_a_draining_server_refuses_new_work_and_serves_open_sessions_until_they_
             await Session.open(node, ticket, max_length=8)
         with pytest.raises(Unavailable, match=r"server is draining \(leaving the swarm\): use another server"):
             await forward(node, ticket, inputs(HIDDEN, 2))
+        with pytest.raises(Unavailable, match=r"server is draining \(leaving the swarm\): use another server"):
+            backward = Message("backward", 1, BackwardRequest(), [*inputs(HIDDEN, 2), torch.ones(1, 2, HIDDEN)])
+            await node.request(ticket, BLOCKS, backward)
         x = inputs(HIDDEN, 1, start=3, seed=2)
         meta, out = await session.result(await session.send_step(3, x))
         assert meta.draining and meta.position == 4

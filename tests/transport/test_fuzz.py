@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ from shoal.transport import META, MessageStream, Node, Protocol, TransportConfig
 from shoal.wire import FRAME_DATA, FRAME_HEAD, Message, encode
 from shoal.wire.schema import (
     KIND_META,
+    BackwardRequest,
     Empty,
+    ForwardRequest,
     Gossip,
     Hello,
     InfoReply,
@@ -217,6 +220,12 @@ UNKNOWN_FIELD = "zz_not_a_field"
 MUST_COVER = {
     ("open", "$.max_length"),
     ("open", "$.batch_size"),
+    ("open", "$.prompts"),
+    ("open", "$.adapter"),
+    ("forward", "$.prompts"),
+    ("forward", "$.adapter"),
+    ("backward", "$.prompts"),
+    ("backward", "$.adapter"),
     ("step", "$.session"),
     ("step", "$.position"),
     ("step", "$.push"),
@@ -244,9 +253,18 @@ class MetaMutation:
 
 
 def _bare(type_: mi.Type) -> mi.Type:
-    while isinstance(type_, mi.Metadata):
-        type_ = type_.type
-    return type_
+    """The type without metadata, and an optional one (``X | None``) as ``X``: None is a valid value,
+    so the mutations are those of ``X``."""
+    while True:
+        if isinstance(type_, mi.Metadata):
+            type_ = type_.type
+            continue
+        if isinstance(type_, mi.UnionType):
+            types = [t for t in type_.types if not isinstance(t, mi.NoneType)]
+            if len(types) == 1:
+                type_ = types[0]
+                continue
+        return type_
 
 
 def _wrong_type(type_: mi.Type) -> Any:
@@ -278,6 +296,9 @@ def _out_of_range(type_: mi.Type, valid: Any) -> Iterator[tuple[str, Any]]:
             yield "too long", "x" * (type_.max_length + 1)
         if type_.min_length:
             yield "too short", "x" * (type_.min_length - 1)
+        if type_.pattern is not None:
+            candidates = ("-x", " x", "x y", "x/y", "")
+            yield "off pattern", next(c for c in candidates if not re.search(type_.pattern, c))
     elif isinstance(type_, mi.CollectionType) and (type_.max_length is not None or type_.min_length):
         assert valid, "a sample with at least one item is needed to build a collection out of range"
         if type_.max_length is not None:
@@ -337,8 +358,9 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
         "hello": Hello(),
         "ping": Ping(echo=False),
         "info": Empty(),
-        "forward": Empty(),
-        "open": OpenRequest(max_length=16, batch_size=2),
+        "forward": ForwardRequest(prompts=True, adapter="lora-1"),
+        "backward": BackwardRequest(prompts=True, adapter="lora-1"),
+        "open": OpenRequest(max_length=16, batch_size=2, prompts=True, adapter="lora-1"),
         "step": StepRequest(session=session, position=0, push=(hop,)),
         "push": PushRequest(session=session, token=token, position=0, step=1, push=(hop,)),
         "close": Empty(),
@@ -368,6 +390,8 @@ def test_the_generator_covers_every_request_kind_and_field():
         hows[(m.kind, m.field)].add(m.how)
     assert hows[("step", "$.position")] == {"wrong type", "missing", "below range", "above range"}
     assert hows[("open", "$.batch_size")] == {"wrong type", "below range", "above range"}  # optional
+    assert hows[("open", "$.adapter")] == {"wrong type", "too long", "too short", "off pattern"}  # optional
+    assert hows[("backward", "$.prompts")] == {"wrong type"}
     assert hows[("push", "$.push")] == {"wrong type", "too many"}
     assert hows[("step", "$.push[0][2]")] == {"wrong type", "missing", "too long"}
     assert hows[("gossip", "$.op")] == {"wrong type", "missing", "too long"}
@@ -397,6 +421,8 @@ def tensors_for(kind: str, seed: int) -> list[torch.Tensor]:
     """Valid tensors for ``kind``: only the metadata of a mutated message is wrong."""
     if kind in ("step", "push", "forward"):
         return inputs(HIDDEN, 1, seed=seed)
+    if kind == "backward":
+        return [*inputs(HIDDEN, 1, seed=seed), torch.ones(1, 1, HIDDEN)]
     if kind == "ping":
         return [torch.arange(4.0)]
     if kind == "gossip":

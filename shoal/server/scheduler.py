@@ -1,0 +1,159 @@
+"""The server's one compute thread, as a priority executor: inference before forwards before training.
+
+Every torch call of a server runs on one thread (:func:`shoal.server.backend.compute_thread` says
+why: libgomp keeps a thread pool per thread that opens a parallel region). With training on the same
+thread, a long backward must not hold up the decode steps of open sessions, so work is queued by
+:class:`Priority` class, FIFO within a class, and a backward is submitted as many small tasks (one
+block each): a step that arrives meanwhile waits for at most the chunk that is running.
+
+A task is never interrupted: priority decides only which queued task runs next. The counters say how
+often a task was taken before earlier-queued work of a lower class (it "jumped ahead" of it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+
+class Priority(IntEnum):
+    """Classes of compute work, the most urgent first (a lower value runs first)."""
+
+    INFERENCE = 0  # session steps, a session's cache allocation, loading and warm-up
+    FORWARD = 1  # stateless forwards
+    TRAINING = 2  # the chunks of a backward
+
+
+@dataclass
+class _Task:
+    seq: int  # submission order: FIFO within a class, and "queued before" across classes
+    future: Future
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+
+    def run(self) -> None:
+        """Run it (its future is set running already) and settle its future."""
+        try:
+            result = self.fn(*self.args, **self.kwargs)
+        except BaseException as exc:  # as ThreadPoolExecutor: the caller of result() gets it
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
+@dataclass(frozen=True)
+class SchedulerCounts:
+    """Tasks run per class, and jumps: ``jumped[(high, low)]`` counts tasks of class ``high`` taken
+    while a ``low`` task queued before them still waited."""
+
+    ran: dict[Priority, int]
+    jumped: dict[tuple[Priority, Priority], int]
+
+    def minus(self, earlier: SchedulerCounts) -> SchedulerCounts:
+        """What happened since ``earlier`` (a server counts only its own span's time)."""
+        return SchedulerCounts(
+            {p: n - earlier.ran.get(p, 0) for p, n in self.ran.items()},
+            {pair: n - earlier.jumped.get(pair, 0) for pair, n in self.jumped.items()},
+        )
+
+
+class ComputeScheduler(Executor):
+    """An executor with one worker thread whose queue is ordered by :class:`Priority`, then FIFO.
+
+    ``submit`` keeps :class:`~concurrent.futures.Executor`'s meaning, at :attr:`Priority.INFERENCE`
+    (so ``loop.run_in_executor`` works as with a thread pool); :meth:`submit_as` picks the class.
+    The worker first sets torch's intra-op threads to ``num_threads`` (if given)."""
+
+    def __init__(self, num_threads: int | None = None, name: str = "shoal-compute"):
+        self._queues: dict[Priority, deque[_Task]] = {p: deque() for p in Priority}
+        self._wake = threading.Condition()
+        self._seq = 0
+        self._closed = False
+        self._ran = dict.fromkeys(Priority, 0)
+        self._jumped = {(high, low): 0 for high in Priority for low in Priority if low > high}
+        self._num_threads = num_threads
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        return self.submit_as(Priority.INFERENCE, fn, *args, **kwargs)
+
+    def submit_as(self, priority: Priority, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """Queue ``fn(*args, **kwargs)`` in class ``priority``; its future holds the result."""
+        future: Future = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._seq += 1
+            self._queues[Priority(priority)].append(_Task(self._seq, future, fn, args, kwargs))
+            self._wake.notify()
+        return future
+
+    def queued(self, priority: Priority) -> int:
+        """Tasks of class ``priority`` waiting now (not counting the one running)."""
+        with self._wake:
+            return len(self._queues[priority])
+
+    def counts(self) -> SchedulerCounts:
+        with self._wake:
+            return SchedulerCounts(dict(self._ran), dict(self._jumped))
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No new tasks; with ``cancel_futures`` the queued ones are cancelled, otherwise they still
+        run. ``wait`` joins the worker (not from the worker itself)."""
+        with self._wake:
+            self._closed = True
+            if cancel_futures:
+                for queue in self._queues.values():
+                    while queue:
+                        queue.popleft().future.cancel()
+            self._wake.notify_all()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _next(self) -> _Task | None:
+        """The task to run next, set running (None: shut down and nothing left)."""
+        with self._wake:
+            while True:
+                task = self._pop()
+                if task is not None:
+                    return task
+                if self._closed and not any(self._queues.values()):
+                    return None
+                if not any(self._queues.values()):
+                    self._wake.wait()
+
+    def _pop(self) -> _Task | None:
+        """The first queued task of the most urgent class, counting the jumps it makes; None if it
+        was cancelled while it waited (not run, not counted) or nothing is queued."""
+        for priority, queue in self._queues.items():
+            if not queue:
+                continue
+            task = queue.popleft()
+            if not task.future.set_running_or_notify_cancel():
+                return None
+            self._ran[priority] += 1
+            for low in Priority:
+                waiting = self._queues[low]
+                if low > priority and waiting and waiting[0].seq < task.seq:
+                    self._jumped[priority, low] += 1
+            return task
+        return None
+
+    def _work(self) -> None:
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)
+        while (task := self._next()) is not None:
+            task.run()
+            del task  # drop the result before waiting for the next one
+
+
+__all__ = ["ComputeScheduler", "Priority", "SchedulerCounts"]
