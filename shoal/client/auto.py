@@ -13,10 +13,12 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from shoal.checkpoints import load_config, load_tensors, model_name, resolve_model
 from shoal.client.model import DistributedModelForCausalLM
+from shoal.client.prompts import PromptTuning
 from shoal.client.remote import RemoteSequence
 from shoal.errors import UsageError
 from shoal.models import get_family
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization, parse_min_quality
+from shoal.routing import AdapterChoice
 from shoal.transport import Node, StartNode, Ticket, TransportConfig
 from shoal.wire import Codec
 
@@ -39,6 +41,9 @@ class AutoDistributedModelForCausalLM:
         routing_seed: int | None = None,
         start_node: StartNode = Node.start,
         min_quality: str | Quantization = DEFAULT_MIN_QUALITY,
+        tuning_mode: str | None = None,
+        pre_seq_len: int = 0,
+        adapter: str | None = None,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
@@ -54,8 +59,15 @@ class AutoDistributedModelForCausalLM:
         the client's node starts (iroh by default; ``MemoryNetwork.start`` reaches a swarm of
         servers inside this process, see :mod:`shoal.launch`). ``min_quality``: the lowest weight format
         of a server to route over: ``"int8"`` (the default: full precision and int8), ``"nf4"``
-        (anything), or ``"fp32"`` (``"bf16"``, ``"fp16"``: full precision only)."""
+        (anything), or ``"fp32"`` (``"bf16"``, ``"fp16"``: full precision only).
+        ``tuning_mode``: None, ``"ptune"`` or ``"deep_ptune"``, with ``pre_seq_len`` trainable prompt
+        positions (see :mod:`shoal.client.prompts`; ``model.save_prompts`` / ``load_prompts``).
+        ``adapter``: ``"NAME"`` or ``"NAME@DIGEST"`` (sha256 of the adapter's tensors): route only
+        over servers serving that LoRA adapter, and run every block with it."""
         min_quality = parse_min_quality(min_quality)
+        choice = AdapterChoice.parse(adapter) if adapter is not None else None
+        if tuning_mode is None and pre_seq_len:
+            raise UsageError(f"pre_seq_len={pre_seq_len} needs tuning_mode='ptune' or 'deep_ptune'")
         codec = _compression(compression)
         model_dir = resolve_model(model, client=True, revision=revision)
         config = load_config(model_dir)
@@ -63,9 +75,13 @@ class AutoDistributedModelForCausalLM:
         tensors = load_tensors(model_dir, family.client_tensor_names(config))
         head = family.build_client_head(config, tensors, dtype, device)
         del tensors
+        num_blocks = family.num_blocks(config)
+        prompts = None
+        if tuning_mode is not None:
+            prompts = PromptTuning(tuning_mode, pre_seq_len, config.hidden_size, num_blocks).to(device)
         blocks = RemoteSequence.connect(
             initial_peers,
-            family.num_blocks(config),
+            num_blocks,
             config.hidden_size,
             transport,
             model=model_name(model),
@@ -75,8 +91,9 @@ class AutoDistributedModelForCausalLM:
             seed=routing_seed,
             start_node=start_node,
             min_quality=min_quality,
+            adapter=choice,
         )
-        distributed = DistributedModelForCausalLM(config, head, blocks)
+        distributed = DistributedModelForCausalLM(config, head, blocks, prompts=prompts)
         if (Path(model_dir) / "generation_config.json").is_file():
             distributed.generation_config = GenerationConfig.from_pretrained(model_dir)
         distributed.tokenizer = _tokenizer(model_dir)

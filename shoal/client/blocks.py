@@ -8,7 +8,10 @@ Tensor conventions are those of :mod:`shoal.models.base`:
     hidden:          [batch, n, hidden_size]  float32 on the wire by default
     position_ids:    [batch, n]               int64, absolute positions of the n new tokens
     attention_mask:  [batch, past + n]        bool (True = attend), or None when nothing is padded
-Errors are exceptions from :mod:`shoal.errors`.
+    prompts:         [num_blocks, batch or 1, N, hidden]  deep prompts (optional): block i's input
+                     gets prompts[i] added at positions [0, N)
+Errors are exceptions from :mod:`shoal.errors`. A stateless ``forward`` whose ``hidden`` or
+``prompts`` require grad (with autograd on) is differentiable; sessions are for inference.
 """
 
 from __future__ import annotations
@@ -49,12 +52,15 @@ class BlockSequence(Protocol):
 
     num_blocks: int
 
-    def forward(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    def forward(
+        self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None, prompts: Tensor | None = None
+    ) -> Tensor:
         """Stateless pass (no cache): ``[B, n, H] -> [B, n, H]``, ``attention_mask`` is ``[B, n]``."""
         ...
 
-    def open_session(self, batch_size: int, max_length: int) -> BlockSession:
-        """Reserve caches for ``batch_size`` sequences of up to ``max_length`` positions."""
+    def open_session(self, batch_size: int, max_length: int, prompts: Tensor | None = None) -> BlockSession:
+        """Reserve caches for ``batch_size`` sequences of up to ``max_length`` positions; every
+        step adds the deep ``prompts`` (if any) at positions ``[0, N)``."""
         ...
 
 

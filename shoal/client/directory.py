@@ -21,12 +21,14 @@ from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import (
+    AdapterChoice,
     BanList,
     LatencyModel,
     RouteInfo,
     ServerSpan,
     forward_cost,
     meeting,
+    offering,
     route_with_bans,
     uncovered_blocks,
 )
@@ -61,6 +63,7 @@ async def fetch_infos(node: BaseNode, tickets: Sequence[Ticket], timeout: float)
             draining=reply.draining,
             capabilities=span.capabilities,
             quantization=span.quantization,
+            adapters=tuple(sorted((a.name, a.digest) for a in span.adapters)),
         )
         return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
 
@@ -95,6 +98,7 @@ async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
                 free_cache_tokens=record.cache_tokens_free,
                 capabilities=frozenset(record.capabilities),
                 quantization=record.quantization,
+                adapters=tuple(record.adapters),
             )
             spans.append(ServerSpan(PeerId(record.peer), record.blocks, ticket, info))
     return spans
@@ -121,7 +125,8 @@ def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: 
 class ServerDirectory:
     """Known servers, their measured latencies and bans; answers "which route now?" and takes the
     sessions' reports (a :class:`~shoal.client.feedback.RoutePlanner` and
-    :class:`~shoal.client.feedback.RouteFeedback`)."""
+    :class:`~shoal.client.feedback.RouteFeedback`). With ``adapter``, every route goes only over
+    servers that serve that LoRA adapter; ``needs`` on a route asks for capabilities besides."""
 
     def __init__(
         self,
@@ -134,9 +139,11 @@ class ServerDirectory:
         refresh_period: float = 30.0,
         seed: int | None = None,
         min_quality: Quantization = DEFAULT_MIN_QUALITY,
+        adapter: AdapterChoice | None = None,
     ):
         self.node = node
         self.min_quality = min_quality  # servers with weights below it are never routed over
+        self.adapter = adapter  # servers without it are never routed over
         self.tickets = list(tickets)
         self.model = model
         self.num_blocks = num_blocks
@@ -180,6 +187,7 @@ class ServerDirectory:
                 free_cache_tokens=fresh.free_cache_tokens,
                 draining=fresh.draining,
                 capabilities=fresh.span.capabilities,
+                adapters=tuple(sorted((a.name, a.digest) for a in fresh.span.adapters)),
             )
             return replace(span, info=info)
 
@@ -216,25 +224,34 @@ class ServerDirectory:
         exclude: Collection[str] = (),
         reuse: Collection[tuple[str, int, int]] = (),
         replay_ms: float = 0.0,
+        needs: Collection[str] = (),
     ) -> list[ServerSpan]:
         """The chain from ``start`` to the last block with the least expected per-token latency.
         Spans in ``reuse`` (peer, start, end) already hold the session's state; others cost
-        ``replay_ms`` more (they would have to be replayed)."""
+        ``replay_ms`` more (they would have to be replayed). ``needs``: capabilities every server
+        of the chain must announce."""
         latency = self.latency
 
         def cost(span: ServerSpan, previous: ServerSpan | None) -> float:
             price = latency.inference_cost(span, previous, push=push, cache_tokens=cache_tokens)
             return price if (span.peer_id, span.start, span.end) in reuse else price + replay_ms
 
-        return route_with_bans(self.usable(), start, self.num_blocks, cost, self.bans, exclude, self.min_quality)
+        return self._route(start, self.num_blocks, cost, exclude, needs)
 
-    def route_forward(self, start: int, exclude: Collection[str] = ()) -> list[ServerSpan]:
-        """A route for one stateless forward, drawn so load spreads by capacity."""
-        cost = forward_cost(self.rng)
-        return route_with_bans(self.usable(), start, self.num_blocks, cost, self.bans, exclude, self.min_quality)
+    def route_forward(
+        self, start: int, exclude: Collection[str] = (), *, end: int | None = None, needs: Collection[str] = ()
+    ) -> list[ServerSpan]:
+        """A route for one stateless forward over blocks ``[start, end)`` (default: to the last
+        block), drawn so load spreads by capacity."""
+        return self._route(start, self.num_blocks if end is None else end, forward_cost(self.rng), exclude, needs)
 
-    def missing_blocks(self, start: int, exclude: Collection[str] = ()) -> list[int]:
-        live = [s for s in meeting(self.spans, self.min_quality) if s.peer_id not in exclude]
+    def _route(self, start: int, end: int, cost, exclude: Collection[str], needs: Collection[str]) -> list[ServerSpan]:
+        spans, bans = self.usable(), self.bans
+        return route_with_bans(spans, start, end, cost, bans, exclude, self.min_quality, needs, self.adapter)
+
+    def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:
+        offered = offering(meeting(self.spans, self.min_quality), needs, self.adapter)
+        live = [s for s in offered if s.peer_id not in exclude]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
 
     # ---- RouteFeedback (shoal.client.feedback): what sessions report and expect ----------------

@@ -56,12 +56,15 @@ class RoutePlanner(Protocol):
         exclude: Collection[str] = (),
         reuse: Collection[SpanKey] = (),
         replay_ms: float = 0.0,
+        needs: Collection[str] = (),
     ) -> list[ServerSpan]: ...
 
-    def route_forward(self, start: int, exclude: Collection[str] = ()) -> list[ServerSpan]: ...
+    def route_forward(
+        self, start: int, exclude: Collection[str] = (), *, end: int | None = None, needs: Collection[str] = ()
+    ) -> list[ServerSpan]: ...
 
-    def missing_blocks(self, start: int, exclude: Collection[str] = ()) -> list[int]:
-        """Blocks from ``start`` on that no known server outside ``exclude`` hosts."""
+    def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:
+        """Blocks from ``start`` on that no known server outside ``exclude`` (announcing ``needs``) hosts."""
         ...
 
 

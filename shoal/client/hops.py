@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
+
+from torch import Tensor
 
 from shoal.errors import ShoalError
 from shoal.protocols import BLOCKS
@@ -32,12 +35,20 @@ class Hop:
         self._pending: asyncio.Task[Message] | None = None  # a recv still waiting (a late reply given more time)
 
     @classmethod
-    async def open(cls, node: BaseNode, span: ServerSpan, request: OpenRequest, timeout: float | None = None) -> Hop:
+    async def open(
+        cls,
+        node: BaseNode,
+        span: ServerSpan,
+        request: OpenRequest,
+        timeout: float | None = None,
+        tensors: Sequence[Tensor] = (),
+    ) -> Hop:
         """Open a session on ``span``'s server; ``timeout`` bounds the dial and the reply each
-        (recovery must not wait a whole request deadline on a dead replacement)."""
+        (recovery must not wait a whole request deadline on a dead replacement). ``tensors``: the
+        open's (the span's deep prompts, when ``request.prompts``)."""
         stream = await node.open_stream(span.ticket, BLOCKS, timeout)
         try:
-            reply = (await stream.request(Message("open", 1, request), timeout)).reply(OpenReply)
+            reply = (await stream.request(Message("open", 1, request, list(tensors)), timeout)).reply(OpenReply)
         except BaseException:
             await stream.abort()
             raise

@@ -15,6 +15,12 @@ transformers' own loop. Two hooks connect it to remote sessions:
   ``prompt_lookup_num_tokens=``) wraps transformers' drafter so that shoal's
   :class:`~shoal.client.speculation.WindowPlanner` picks each round's window;
   :attr:`DistributedModelForCausalLM.last_speculation` says what the last such call did.
+
+Training: a stateless pass whose input embeddings or prompts require grad is differentiable through
+the servers (:mod:`shoal.client.training`); ``labels=`` gives transformers' causal LM ``loss``. With
+prompt tuning (:mod:`shoal.client.prompts`) the prompts take a session's first ``N`` positions: the
+session holds them from its first step on (and is opened with the deep prompts), while everything
+transformers sees (``get_seq_length``, ``max_length``, logits) counts tokens only.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from shoal.client.blocks import BlockSequence, BlockSession
+from shoal.client.prompts import PromptTuning
 from shoal.client.speculation import PlannedDrafts, SpeculationStats, WindowPlanner, max_window, windowed
 from shoal.models.base import ClientHead
 
@@ -44,31 +51,40 @@ CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ el
 class SessionCache(Cache):
     """Stands in for the KV cache in transformers' generation loop; the keys/values live in a
     :class:`BlockSession` on the servers. Keeps the token ids the session consumed ([B, position],
-    ``-1`` where only embeddings were sent) so later calls can reuse or roll back the prefix."""
+    ``-1`` where only embeddings were sent) so later calls can reuse or roll back the prefix.
+    ``prefix``: session positions before the tokens (trained prompts), held from the first step on;
+    ``position`` and everything transformers reads count tokens only."""
 
-    def __init__(self, session: BlockSession):
+    def __init__(self, session: BlockSession, prefix: int = 0):
         super().__init__(layers=[])
         self.session = session
+        self.prefix = prefix
         self._ids = torch.empty(session.batch_size, 0, dtype=torch.long)
         self.closed = False
 
     @property
     def position(self) -> int:
-        return self.session.position
+        return max(self.session.position - self.prefix, 0)
+
+    @property
+    def holds_prefix(self) -> bool:
+        """Whether the session holds the prompts already (else the next step must send them)."""
+        return self.session.position >= self.prefix
 
     @property
     def token_ids(self) -> Tensor:
         """Ids at positions ``[0, position)`` (the session may have been rolled back directly)."""
-        return self._ids[:, : self.session.position]
+        return self._ids[:, : self.position]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.session.position
+        return self.position
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.session.max_length
+        return self.session.max_length - self.prefix
 
     def rollback(self, position: int) -> None:
-        self.session.position = position
+        """Keep tokens ``[0, position)`` (and the prompts before them)."""
+        self.session.position = position + self.prefix if self.holds_prefix else 0
         self._ids = self._ids[:, :position]
 
     def sync(self, input_ids: Tensor) -> int:
@@ -133,7 +149,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     ``model(...)`` without ``cache`` is a stateless pass; with ``cache=`` (the object yielded by
     :meth:`inference_session`) it appends the given tokens to that session. Hidden states travel as
-    ``wire_dtype`` and are cast back to the head's dtype.
+    ``wire_dtype`` and are cast back to the head's dtype. ``prompts``: trainable prompts
+    (:class:`~shoal.client.prompts.PromptTuning`), the model's only trainable parameters as loaded.
     """
 
     base_model_prefix = "shoal"
@@ -141,11 +158,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # Attention runs on the servers: accept whatever implementation the config names.
     _supports_sdpa = _supports_flash_attn = _supports_flex_attn = _supports_attention_backend = True
 
-    def __init__(self, config, head: ClientHead, blocks: BlockSequence, wire_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config,
+        head: ClientHead,
+        blocks: BlockSequence,
+        wire_dtype: torch.dtype = torch.float32,
+        prompts: PromptTuning | None = None,
+    ):
         super().__init__(config)
         self.head = head
         self.blocks = blocks
         self.wire_dtype = wire_dtype
+        self.ptune = prompts
         self._per_thread = threading.local()  # the active session and generate's own: one set per thread
         self.post_init()
 
@@ -174,6 +199,44 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return self._active
 
     @property
+    def tuning_mode(self) -> str | None:
+        return self.ptune.mode if self.ptune is not None else None
+
+    @property
+    def pre_seq_len(self) -> int:
+        """Positions the trained prompts take before every sequence (0: no prompt tuning)."""
+        return self.ptune.pre_seq_len if self.ptune is not None else 0
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.head.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head.lm_head
+
+    def save_prompts(self, path) -> None:
+        """Write the trained prompts to the safetensors file ``path`` (see :mod:`shoal.client.prompts`)."""
+        self._prompts("save").save(path)
+
+    def load_prompts(self, path) -> None:
+        """Load prompts saved by :meth:`save_prompts`; refuses ones of another mode, length or model.
+        Sessions opened before keep the deep prompts they were opened with."""
+        self._prompts("load").load(path)
+
+    def _prompts(self, what: str) -> PromptTuning:
+        if self.ptune is None:
+            raise ValueError(f"no prompts to {what}: load the model with tuning_mode='ptune' or 'deep_ptune'")
+        return self.ptune
+
+    def _open_cache(self, batch_size: int, max_length: int) -> SessionCache:
+        """A session for ``max_length`` tokens (and the prompts), opened with the deep prompts."""
+        deep = self.ptune.deep_prompts() if self.ptune is not None else None
+        length = max_length + self.pre_seq_len
+        if deep is None:
+            return SessionCache(self.blocks.open_session(batch_size, length), self.pre_seq_len)
+        prompts = deep.detach().to(self.wire_dtype)
+        return SessionCache(self.blocks.open_session(batch_size, length, prompts=prompts), self.pre_seq_len)
+
+    @property
     def last_speculation(self) -> SpeculationStats | None:
         """Rounds, drafted and accepted tokens of this thread's last speculative ``generate`` call."""
         return getattr(self._per_thread, "speculation", None)
@@ -195,7 +258,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Hold one session across ``generate`` calls (each sends only tokens it does not hold)."""
         if self._active is not None:
             raise RuntimeError("an inference session is already active on this model")
-        cache = SessionCache(self.blocks.open_session(batch_size, max_length))
+        cache = self._open_cache(batch_size, max_length)
         self._active = cache
         try:
             yield cache
@@ -213,8 +276,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         logits_to_keep: int | Tensor = 0,
         use_cache: bool | None = None,
         return_dict: bool | None = None,
+        labels: Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
+        """As a transformers causal LM: ``labels`` (-100: ignored) give the shifted cross-entropy
+        ``loss``. With prompt tuning the logits cover the tokens only, so labels line up with them."""
         cache = kwargs.pop("past_key_values", None) if cache is None else cache
         if cache is not None and not isinstance(cache, SessionCache):
             raise TypeError("remote blocks keep their own cache: pass the cache from model.inference_session()")
@@ -223,25 +289,41 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         hidden = self.head.embed(input_ids) if inputs_embeds is None else inputs_embeds
         batch, n = hidden.shape[:2]
         past = cache.position if cache is not None else 0
-        if position_ids is None:  # as the transformers models do: positions follow the cache
-            position_ids = torch.arange(past, past + n, device=hidden.device).unsqueeze(0)
-        position_ids = position_ids.to(torch.long).expand(batch, n)
         mask = None
         if attention_mask is not None:
             if attention_mask.shape != (batch, past + n):
                 raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != {(batch, past + n)}")
             mask = None if bool(attention_mask.all()) else attention_mask.bool()
+        prepended = 0
+        if self.ptune is not None:
+            prepend = cache is None or not cache.holds_prefix
+            hidden, position_ids, mask = self.ptune.extend(hidden, position_ids, mask, past, prepend)
+            prepended = self.pre_seq_len if prepend else 0
+        else:
+            if position_ids is None:  # as the transformers models do: positions follow the cache
+                position_ids = torch.arange(past, past + n, device=hidden.device).unsqueeze(0)
+            position_ids = position_ids.to(torch.long).expand(batch, n)
 
         wire = hidden.to(self.wire_dtype)
         if cache is None:
-            out = self.blocks.forward(wire, position_ids, mask)
-        else:
-            out = cache.session.step(wire, position_ids, mask)
+            out = self._stateless(wire, position_ids, mask)
+        else:  # sessions are for inference: their steps are not differentiable
+            out = cache.session.step(wire.detach(), position_ids, mask)
             cache.record(input_ids, n)
-        out = out.to(device=hidden.device, dtype=self.dtype)
+        out = out[:, prepended:].to(device=hidden.device, dtype=self.dtype)
         logits = self.head.logits(_positions_to_keep(out, logits_to_keep))
-        output = CausalLMOutputWithPast(logits=logits, **{CACHE_KEY: cache})
+        loss = None
+        if labels is not None:
+            extra = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **extra)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_KEY: cache})
         return output if return_dict is not False else output.to_tuple()
+
+    def _stateless(self, wire: Tensor, position_ids: Tensor, mask: Tensor | None) -> Tensor:
+        deep = self.ptune.deep_prompts() if self.ptune is not None else None
+        if deep is None:
+            return self.blocks.forward(wire, position_ids, mask)
+        return self.blocks.forward(wire, position_ids, mask, prompts=deep.to(self.wire_dtype))
 
     def generate(self, *args: Any, **kwargs: Any):
         """transformers' ``generate``; without an active session, one is opened for this call and
@@ -265,15 +347,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         cache = self._active if cache is None else cache  # (a Cache with no layers is falsy)
         rows = batch_size * generation_config.num_return_sequences
         if cache is None:
-            cache = SessionCache(self.blocks.open_session(rows, max_cache_length + 1))  # prompt + new tokens
+            cache = self._open_cache(rows, max_cache_length + 1)  # prompt + new tokens
             if self._opened is not None:
                 self._opened.append(cache)
         elif not isinstance(cache, SessionCache):
             raise TypeError("remote blocks keep their own cache: use model.inference_session()")
         if cache.batch_size != rows:
             raise ValueError(f"generate needs {rows} sequences, the session holds {cache.batch_size}")
-        if max_cache_length > cache.session.max_length:
-            raise ValueError(f"generate needs {max_cache_length} positions, the session has {cache.session.max_length}")
+        if max_cache_length > (room := cache.get_max_cache_shape()):
+            raise ValueError(f"generate needs {max_cache_length} positions, the session has {room}")
         model_kwargs[CACHE_KEY] = cache
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

@@ -29,7 +29,7 @@ from shoal.errors import BadRequest, ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.routing import NoRouteError, ServerSpan, format_blocks
 from shoal.transport import BaseNode
-from shoal.wire.schema import OpenRequest
+from shoal.wire.schema import TRAIN, OpenRequest
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,11 @@ class Rebuilt:
     record: RecoveryRecord
 
 
-def gave_up(planner: RoutePlanner, failed: Collection[str], block: int, cause: BaseException) -> NoRouteError:
-    """The error that ends the tries: which blocks have no live server left, if any."""
-    missing = planner.missing_blocks(block, exclude=failed)
+def gave_up(
+    planner: RoutePlanner, failed: Collection[str], block: int, cause: BaseException, needs: Collection[str] = ()
+) -> NoRouteError:
+    """The error that ends the tries: which blocks have no live server (announcing ``needs``) left, if any."""
+    missing = planner.missing_blocks(block, exclude=failed, needs=needs)
     where = f"no live server left for blocks {format_blocks(missing)}" if missing else "every route failed"
     return NoRouteError(f"gave up after {MAX_RECOVERIES} recoveries: {where} (last error: {cause})", missing)
 
@@ -81,27 +83,45 @@ class _RebuildFailed(Exception):
 
 
 class ChainRecovery:
-    """Plans, opens and replays a session's chains over ``planner``'s servers."""
+    """Plans, opens and replays a session's chains over ``planner``'s servers. ``prompts``: the
+    session's deep prompts ``[num_blocks, batch or 1, N, hidden]`` (``request.prompts``): every
+    server gets its span's slice at open (a replacement too), and only servers announcing
+    :data:`~shoal.wire.schema.TRAIN` are routed over."""
 
     def __init__(
-        self, node: BaseNode, planner: RoutePlanner, feedback: RouteFeedback, request: OpenRequest, *, push: bool
+        self,
+        node: BaseNode,
+        planner: RoutePlanner,
+        feedback: RouteFeedback,
+        request: OpenRequest,
+        *,
+        push: bool,
+        prompts: Tensor | None = None,
     ):
+        if request.prompts != (prompts is not None):
+            raise ValueError("request.prompts says whether the session has deep prompts: pass them")
         self.node = node
         self.planner = planner
         self.feedback = feedback
         self.request = request
         self.push = push
+        self.prompts = prompts
+        self.needs = (TRAIN,) if prompts is not None else ()
         self.cache_tokens = request.batch_size * request.max_length
+
+    def _open_hop(self, span: ServerSpan, timeout: float | None = None) -> Awaitable[Hop]:
+        prompts = () if self.prompts is None else (self.prompts[span.start : span.end].contiguous(),)
+        return Hop.open(self.node, span, self.request, timeout, prompts)
 
     async def open_chain(self) -> list[Hop]:
         """Hops over a whole route, opened in parallel; a server that fails to open is banned and
         the route drawn again without it."""
         failed: set[str] = set()
         for attempt in range(MAX_RECOVERIES + 1):
-            route = self.planner.route_inference(0, cache_tokens=self.cache_tokens, push=self.push, exclude=failed)
-            results = await asyncio.gather(
-                *(Hop.open(self.node, span, self.request) for span in route), return_exceptions=True
+            route = self.planner.route_inference(
+                0, cache_tokens=self.cache_tokens, push=self.push, exclude=failed, needs=self.needs
             )
+            results = await asyncio.gather(*(self._open_hop(span) for span in route), return_exceptions=True)
             errors = [(span, r) for span, r in zip(route, results, strict=True) if isinstance(r, BaseException)]
             if not errors:
                 return list(results)
@@ -113,7 +133,7 @@ class ChainRecovery:
                 self.feedback.failed(span.peer_id)
                 log.warning("could not open a session on %s: %s", span.peer_id[:10], error)
             if attempt == MAX_RECOVERIES:
-                raise gave_up(self.planner, failed, 0, errors[0][1])
+                raise gave_up(self.planner, failed, 0, errors[0][1], self.needs)
         raise AssertionError("unreachable")
 
     async def rebuild(
@@ -147,7 +167,7 @@ class ChainRecovery:
                 if drain:
                     log.warning("no replacement for draining server %s yet: %s", peer[:10], exc)
                     return None
-                raise gave_up(self.planner, failed, broken.span.start, exc) from exc
+                raise gave_up(self.planner, failed, broken.span.start, exc, self.needs) from exc
             reusable = {hop.key: hop for i, hop in enumerate(hops) if i >= first and i != index}
             try:
                 suffix, boundaries, replayed = await self._open_route(route, reusable, history, position, replay)
@@ -169,7 +189,7 @@ class ChainRecovery:
                 drain=drain,
             )
             return Rebuilt(first, tuple(suffix), retired, boundaries, frozenset(failed), record)
-        raise gave_up(self.planner, failed, broken.span.start, cause)
+        raise gave_up(self.planner, failed, broken.span.start, cause, self.needs)
 
     def _replan(self, hops: Sequence[Hop], index: int, failed: Collection[str]) -> tuple[int, list[ServerSpan]]:
         """(first hop replaced, new route from that hop's first block): from the failed hop if a
@@ -185,6 +205,7 @@ class ChainRecovery:
                     exclude=failed,
                     reuse=reuse,
                     replay_ms=REPLAY_MS,
+                    needs=self.needs,
                 )
             except NoRouteError as exc:
                 error = error or exc
@@ -214,7 +235,7 @@ class ChainRecovery:
                     hops.append(reused)
                     continue
                 try:
-                    hop = await Hop.open(self.node, span, self.request, RECOVERY_TIMEOUT)
+                    hop = await self._open_hop(span, RECOVERY_TIMEOUT)
                 except ShoalError as exc:
                     raise _RebuildFailed(span, exc) from exc
                 opened.append(hop)

@@ -3,8 +3,10 @@ over the ``shoal/blocks/2`` protocol, routed over the servers a
 :class:`~shoal.client.directory.ServerDirectory` knows.
 
 Stateless forwards draw a route each; sessions (:class:`~shoal.client.session.RemoteSession`) keep
-one and survive server failures. The synchronous methods (called from transformers' generate) hand
-coroutines to the process's client event loop (:mod:`shoal.client.runtime`).
+one and survive server failures. A forward whose input (or deep prompts) requires grad is
+differentiable: :mod:`shoal.client.training` sends its backward to the servers that computed it.
+The synchronous methods (called from transformers' generate) hand coroutines to the process's
+client event loop (:mod:`shoal.client.runtime`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from shoal.client.directory import ServerDirectory
@@ -20,14 +23,16 @@ from shoal.client.history import step_inputs
 from shoal.client.recovery import MAX_RECOVERIES, gave_up
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.client.session import RemoteSession
+from shoal.client.training import Traced, differentiable_forward
 from shoal.errors import BadRequest, ShoalError
 from shoal.protocols import BLOCKS
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
-from shoal.routing import ServerSpan
+from shoal.routing import AdapterChoice, ServerSpan
 from shoal.transport import BaseNode, Node, StartNode, Ticket, TransportConfig
 from shoal.wire import Codec, Message
 from shoal.wire.codecs import carried
-from shoal.wire.schema import InfoReply
+from shoal.wire.schema import TRAIN, ForwardRequest, InfoReply
+from shoal.wire.tensors import roundtrip
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +40,8 @@ log = logging.getLogger(__name__)
 class RemoteSequence:
     """Blocks ``[0, num_blocks)`` served by the servers a :class:`ServerDirectory` knows.
     ``push``: sessions let servers hand a step's output straight to the next (where both can).
-    ``compression``: the codec of the hidden states sent to every server that announced it."""
+    ``compression``: the codec of the hidden states sent to every server that announced it.
+    Forwards, backwards and sessions run with the directory's adapter, if it has one."""
 
     def __init__(
         self,
@@ -72,13 +78,15 @@ class RemoteSequence:
         seed: int | None = None,
         start_node: StartNode = Node.start,
         min_quality: Quantization = DEFAULT_MIN_QUALITY,
+        adapter: AdapterChoice | None = None,
     ) -> RemoteSequence:
         """Tickets with a swarm id: join the swarm through any of them and route over its table
         (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets:
         ask each peer what it hosts. ``refresh_period``: seconds between background refreshes of
         the server list and latencies (0: never). ``start_node``: how the client's node starts
         (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside this process).
-        ``min_quality``: route only over servers whose weights are at least this good."""
+        ``min_quality``: route only over servers whose weights are at least this good.
+        ``adapter``: route only over servers serving this LoRA adapter, and run with it."""
         runtime = runtime or shared_loop()
         tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
         if not tickets:
@@ -91,7 +99,7 @@ class RemoteSequence:
             try:
                 directory = ServerDirectory(
                     node, tickets, model, num_blocks, hidden_size, timeout, refresh_period=refresh_period, seed=seed,
-                    min_quality=min_quality,
+                    min_quality=min_quality, adapter=adapter,
                 )  # fmt: skip
                 await directory.refresh()
                 sequence = cls(node, runtime, directory, num_blocks, push=push, compression=compression)
@@ -115,22 +123,48 @@ class RemoteSequence:
     def describe_route(self) -> list[dict]:
         return [{"peer": s.peer_id, "start": s.start, "end": s.end} for s in self.chain]
 
-    def forward(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        return self.runtime.run(self._forward(hidden, position_ids, attention_mask))
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter every request runs with (None: the base weights)."""
+        return self.directory.adapter.name if self.directory.adapter is not None else None
 
-    async def _forward(self, hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> Tensor:
-        """Stateless pass; each call draws its own route (capacity-weighted). A failing server is
-        banned and the rest of the pass re-routed from the block it should have started at."""
+    def forward(
+        self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None, prompts: Tensor | None = None
+    ) -> Tensor:
+        """Stateless pass; ``prompts``: deep prompts ``[num_blocks, batch or 1, N, hidden]``. With
+        autograd on and ``hidden`` or ``prompts`` requiring grad, the result is differentiable."""
+        if torch.is_grad_enabled() and (hidden.requires_grad or (prompts is not None and prompts.requires_grad)):
+            return differentiable_forward(self, hidden, position_ids, attention_mask, prompts)
+        return self.runtime.run(self._forward(hidden, position_ids, attention_mask, prompts))
+
+    async def _forward(
+        self,
+        hidden: Tensor,
+        position_ids: Tensor,
+        mask: Tensor | None,
+        prompts: Tensor | None = None,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        trace: list[Traced] | None = None,
+        failed: set[str] | None = None,
+    ) -> Tensor:
+        """Stateless pass over blocks ``[start, end)``; each call draws its own route
+        (capacity-weighted). A failing server is banned, added to ``failed`` and the rest of the
+        pass re-routed from the block it should have started at. ``trace`` gets each span's server
+        and input (a backward goes to the same servers), and then only servers announcing
+        :data:`TRAIN` are used, as for deep ``prompts``."""
         directory = self.directory
-        block, failed, recoveries = 0, set(), 0
-        while block < self.num_blocks:
-            route = directory.route_forward(block, exclude=failed)
+        end = self.num_blocks if end is None else end
+        failed = set() if failed is None else failed
+        needs = (TRAIN,) if prompts is not None or trace is not None else ()
+        block, recoveries = start, 0
+        while block < end:
+            route = directory.route_forward(block, exclude=failed, end=end, needs=needs)
             for span in route:
-                codec = carried(codec_for(span, self.compression), hidden.dtype)
-                message = Message("forward", 1, tensors=step_inputs(hidden, position_ids, mask), codecs=(codec,))
                 try:
                     # the node's deadlines: connect for the dial (a dead server costs that much), request for the reply
-                    reply = await self.node.request(span.ticket, BLOCKS, message)
+                    sent, out = await self._forward_span(span, hidden, position_ids, mask, prompts, trace is not None)
                 except BadRequest:
                     raise
                 except ShoalError as exc:
@@ -139,14 +173,37 @@ class RemoteSequence:
                     directory.failed(span.peer_id)
                     log.warning("forward through %s failed (%s); re-routing", span.peer_id[:10], exc)
                     if recoveries > MAX_RECOVERIES:
-                        raise gave_up(directory, failed, block, exc) from exc
+                        raise gave_up(directory, failed, block, exc, needs) from exc
                     break
                 directory.succeeded(span.peer_id)
-                hidden, block = reply.tensors[0], span.end
+                if trace is not None:
+                    trace.append(Traced(span, sent))
+                hidden, block = out, span.end
         return hidden
 
-    def open_session(self, batch_size: int, max_length: int) -> RemoteSession:
-        session = RemoteSession(self, batch_size, max_length)
+    async def _forward_span(
+        self,
+        span: ServerSpan,
+        hidden: Tensor,
+        position_ids: Tensor,
+        mask: Tensor | None,
+        prompts: Tensor | None,
+        exact: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """(the input sent, ``span``'s output). ``exact``: the input sent is what the server
+        decodes (the codec's round trip of ``hidden``), for a backward to recompute on."""
+        codec = carried(codec_for(span, self.compression), hidden.dtype)
+        sent = roundtrip(hidden, codec) if exact else hidden
+        tensors = step_inputs(sent, position_ids, mask)
+        if prompts is not None:
+            tensors.append(prompts[span.start : span.end].contiguous())
+        meta = ForwardRequest(prompts=prompts is not None, adapter=self.adapter)
+        reply = await self.node.request(span.ticket, BLOCKS, Message("forward", 1, meta, tensors, (codec,)))
+        return sent, reply.tensors[0]
+
+    def open_session(self, batch_size: int, max_length: int, prompts: Tensor | None = None) -> RemoteSession:
+        """A session over a chain of servers; ``prompts``: its deep prompts (see :class:`RemoteSession`)."""
+        session = RemoteSession(self, batch_size, max_length, None if prompts is None else prompts.detach())
         self.runtime.run(session.open())
         self._session = session
         return session

@@ -33,9 +33,12 @@ if TYPE_CHECKING:
 
 
 class RemoteSession(SessionPositions):
-    """A :class:`~shoal.client.blocks.BlockSession` over a chain of servers (one stream each)."""
+    """A :class:`~shoal.client.blocks.BlockSession` over a chain of servers (one stream each).
+    ``prompts``: deep prompts ``[num_blocks, batch or 1, N, hidden]`` every server adds to its
+    blocks' inputs at positions ``[0, N)`` (each gets its span's slice when its session opens,
+    a replacement too). The session runs with the sequence's adapter, if it has one."""
 
-    def __init__(self, sequence: RemoteSequence, batch_size: int, max_length: int):
+    def __init__(self, sequence: RemoteSequence, batch_size: int, max_length: int, prompts: Tensor | None = None):
         super().__init__(batch_size, max_length)
         self.runtime = sequence.runtime
         self.num_blocks = sequence.num_blocks
@@ -43,8 +46,13 @@ class RemoteSession(SessionPositions):
         self._driver = ChainDriver(
             directory, sequence.node.config.deadlines.request, push=sequence.push, compression=sequence.compression
         )
-        request = OpenRequest(max_length=max_length, batch_size=batch_size)
-        self._recovery = ChainRecovery(sequence.node, directory, directory, request, push=sequence.push)
+        adapter = directory.adapter.name if directory.adapter is not None else None
+        request = OpenRequest(
+            max_length=max_length, batch_size=batch_size, prompts=prompts is not None, adapter=adapter
+        )
+        self._recovery = ChainRecovery(
+            sequence.node, directory, directory, request, push=sequence.push, prompts=prompts
+        )
         self._history = SpanHistory(batch_size)
         self._chain: list[ServerSpan] = []  # the last chain installed (still readable once closed)
         self._closed = False

@@ -245,7 +245,9 @@ def tensors_as_stored(config, tensors: BlockTensors) -> BlockTensors:
 
 class DecoderClientHead(ClientHead):
     """Token embeddings, final norm and LM head (sharing the embedding matrix when tied), with the
-    family's :class:`HeadScalars`."""
+    family's :class:`HeadScalars`. Runs under the caller's grad mode: gradients flow through the norm
+    and LM head to the hidden states (training through the swarm); its own weights are frozen as
+    loaded (``requires_grad`` False), so inference builds no graph."""
 
     def __init__(
         self,
@@ -259,7 +261,6 @@ class DecoderClientHead(ClientHead):
         self.embed_tokens, self.norm, self.lm_head, self.dtype = embed_tokens, norm, lm_head, dtype
         self.scalars = scalars
 
-    @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         scale = self.scalars.embed_scale
@@ -267,7 +268,6 @@ class DecoderClientHead(ClientHead):
             hidden = hidden * (torch.tensor(scale).to(hidden.dtype) if self.scalars.embed_scale_in_dtype else scale)
         return hidden
 
-    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(hidden.to(self.dtype)))
         if self.scalars.logits_divisor != 1.0:

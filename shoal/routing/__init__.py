@@ -3,9 +3,11 @@
 from shoal.routing.bans import BanList
 from shoal.routing.chain import NoRouteError, RouteInfo, ServerSpan, format_blocks, plan_route, uncovered_blocks
 from shoal.routing.costs import LatencyModel, forward_cost, route_with_bans
+from shoal.routing.offers import AdapterChoice, offering, with_offer_hint
 from shoal.routing.quality import meeting, with_quality_hint
 
 __all__ = [
+    "AdapterChoice",
     "BanList",
     "LatencyModel",
     "NoRouteError",
@@ -14,8 +16,10 @@ __all__ = [
     "format_blocks",
     "forward_cost",
     "meeting",
+    "offering",
     "plan_route",
     "route_with_bans",
     "uncovered_blocks",
+    "with_offer_hint",
     "with_quality_hint",
 ]

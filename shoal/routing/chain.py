@@ -35,6 +35,7 @@ class RouteInfo:
     draining: bool = False
     capabilities: frozenset[str] = frozenset()
     quantization: Quantization = Quantization.NONE  # how the server holds its weights (clients set a minimum)
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters it runs its span with: (name, digest), sorted
 
 
 @dataclass(frozen=True)

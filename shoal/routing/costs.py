@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from shoal.quantization.formats import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing.bans import BanList
 from shoal.routing.chain import NoRouteError, ServerSpan, plan_route
+from shoal.routing.offers import AdapterChoice, offering, with_offer_hint
 from shoal.routing.quality import meeting, with_quality_hint
 
 HOP_MS = 1.0
@@ -98,12 +99,15 @@ def route_with_bans(
     bans: BanList,
     exclude: Collection[str] = (),
     min_quality: Quantization = DEFAULT_MIN_QUALITY,
+    needs: Collection[str] = (),
+    adapter: AdapterChoice | None = None,
 ) -> list[ServerSpan]:
-    """The cheapest route over servers with weights of at least ``min_quality``, avoiding banned
-    ones, or, if bans leave a block uncovered, ignoring bans (never ``exclude``: servers known dead
-    right now, nor the quality bar)."""
+    """The cheapest route over servers with weights of at least ``min_quality`` that announce the
+    capabilities in ``needs`` and serve ``adapter`` (see :mod:`shoal.routing.offers`), avoiding
+    banned ones, or, if bans leave a block uncovered, ignoring bans (never ``exclude``: servers
+    known dead right now, nor the quality bar, capabilities or adapter)."""
     alive = [s for s in spans if s.peer_id not in exclude]
-    good = meeting(alive, min_quality)
+    good = meeting(offering(alive, needs, adapter), min_quality)
     allowed = [s for s in good if not bans.banned(s.peer_id)]
     try:
         try:
@@ -113,4 +117,7 @@ def route_with_bans(
                 raise
         return plan_route(good, start, end, cost)
     except NoRouteError as error:
-        raise with_quality_hint(error, alive, min_quality) from None
+        hinted = with_offer_hint(error, meeting(alive, min_quality), end, needs, adapter)
+        if hinted is not error:
+            raise hinted from None
+        raise with_quality_hint(error, offering(alive, needs, adapter), min_quality) from None
