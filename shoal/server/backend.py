@@ -9,9 +9,9 @@ oversubscribes the CPUs and makes every later parallel region pay futex wake-ups
 
 That thread is a priority executor (:mod:`shoal.server.scheduler`): session steps first, then
 stateless forwards, then training. A backward recomputes the span's forward with autograd (the
-parameters stay frozen) and returns the gradient of its inputs, block by block (each block a task of
-its own, through :meth:`BlockSpan.sub_span <shoal.models.BlockSpan.sub_span>`), so session steps run
-between the blocks of a long backward instead of waiting for all of it.
+parameters stay frozen) and returns the gradient of its inputs, block by block and a few rows at a
+time (each a task of its own, through :meth:`BlockSpan.sub_span <shoal.models.BlockSpan.sub_span>`),
+so session steps run between the pieces of a long backward instead of waiting for all of it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,19 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def compute_thread(num_threads: int | None = None) -> ComputeScheduler:
     """The one thread that runs all of a server's torch work (loading, warm-up, steps, training)."""
     return ComputeScheduler(num_threads, name="shoal-compute")
+
+
+#: positions (rows x tokens) one training task computes through one block at most: measured on SmolLM2
+#: here (one thread), a block's forward and backward of 96 positions take 12 and 21 ms, about one
+#: decode step through a 15-block span (26 ms), so a decode step waits for about that much training
+TRAINING_CHUNK_POSITIONS = 128
+
+
+def row_groups(batch: int, tokens: int, budget: int = TRAINING_CHUNK_POSITIONS) -> list[slice]:
+    """The batch's rows in groups of at most ``budget`` positions (at least one row each: a row's
+    tokens attend to each other, so a row is never split)."""
+    per_group = max(1, budget // tokens)
+    return [slice(first, min(first + per_group, batch)) for first in range(0, batch, per_group)]
 
 
 def _on(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:
@@ -225,8 +238,10 @@ class SpanBackend:
 
         A no-grad pass keeps each block's input (under ``no_grad``, not ``inference_mode``: they are
         reused with autograd), then each block, the last first, is recomputed with autograd and
-        differentiated. Every block of either pass is one task: a session step waits for one block
-        of a backward at most. Memory: every block's input plus one block's activations."""
+        differentiated. Every block of either pass is one task per group of rows of at most
+        :data:`TRAINING_CHUNK_POSITIONS` positions (a row is never split): a session step waits for
+        about one decode step's worth of a backward at most. Memory: every block's input for one
+        group of rows plus one block's activations."""
         self._check_frozen()
         try:
             return await self._backward_blocks(hidden, position_ids, mask, grad_output, prompts, adapter)
@@ -240,48 +255,62 @@ class SpanBackend:
             raise RuntimeError(f"span parameters must stay frozen, but {trainable[:4]} require grad")
 
     async def _backward_blocks(self, hidden, position_ids, mask, grad_output, prompts, adapter) -> list[torch.Tensor]:
-        """The two passes, one task per block. All tensor work runs in those tasks, none on the event
-        loop (see :meth:`allocate_cache` for why); moving to the device is a no-op after the first."""
+        """The two passes, one task per block and group of rows (:func:`row_groups`). All tensor work
+        runs in those tasks, none on the event loop (see :meth:`allocate_cache` for why); moving to
+        the device is a no-op after the first."""
         device, blocks = self.device, [self.span.sub_span(i, i + 1) for i in range(self.num_blocks)]
+        shared_prompts = prompts is not None and prompts.shape[1] == 1  # one prompt for every row
 
-        def run(i: int, x: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
-            return blocks[i](x.to(device), position_ids.to(device), _on(mask, device), prompts=prompt)
+        def run(i: int, rows: slice, x: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+            return blocks[i](x.to(device), position_ids[rows].to(device), _on(mask[rows] if mask is not None else None,
+                             device), prompts=prompt)  # fmt: skip
 
-        def prompt_of(i: int) -> torch.Tensor | None:
-            return None if prompts is None else prompts[i : i + 1].to(device)
+        def prompt_of(i: int, rows: slice) -> torch.Tensor | None:
+            if prompts is None:
+                return None
+            return prompts[i : i + 1].to(device) if shared_prompts else prompts[i : i + 1, rows].to(device)
 
-        def forward_block(i: int, x: torch.Tensor) -> torch.Tensor:
+        def forward_block(i: int, rows: slice, x: torch.Tensor) -> torch.Tensor:
             with self._adapter(adapter), torch.no_grad():
-                return run(i, x, prompt_of(i))
+                return run(i, rows, x, prompt_of(i, rows))
 
-        def backward_block(i: int, x: torch.Tensor, grad: torch.Tensor, grad_prompts: list[torch.Tensor]):
-            """The gradient of block ``i``'s input given its output's, ``grad``; its prompt's goes to
-            ``grad_prompts``. The first block's answers the request (on the CPU, in the inputs' dtypes)."""
-            prompt = prompt_of(i)
+        def backward_block(i: int, rows: slice, x: torch.Tensor, grad: torch.Tensor):
+            """``(grad of block i's input, grad of its prompt or None)`` for ``rows``, given the
+            gradient of the block's output there."""
+            prompt = prompt_of(i, rows)
             with self._adapter(adapter), torch.enable_grad():
                 leaves = [x.to(device).detach().requires_grad_()]
                 if prompt is not None:
                     leaves.append(prompt.detach().requires_grad_())
-                out = run(i, leaves[0], leaves[1] if prompt is not None else None)
+                out = run(i, rows, leaves[0], leaves[1] if prompt is not None else None)
                 grads = torch.autograd.grad(out, leaves, grad.to(out.device, out.dtype), allow_unused=True)
             grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves, strict=True)]
-            if prompt is not None:
-                grad_prompts.insert(0, grads[1])
-            if i > 0:
-                return grads[0]
-            answer = [grads[0].to("cpu", hidden.dtype)]
+            return grads[0], grads[1] if prompt is not None else None
+
+        def joined(grads: list[torch.Tensor], prompt_parts: list[list[torch.Tensor | None]]) -> list[torch.Tensor]:
+            """The answer (on the CPU, in the inputs' dtypes): the input's gradient and, per block, its
+            prompt's (summed over row groups where every row shares the prompt)."""
+            answer = [torch.cat(grads).to("cpu", hidden.dtype)]
             if prompts is not None:
-                answer.append(torch.cat(grad_prompts).to("cpu", prompts.dtype))
+                per_block = [sum(parts[1:], parts[0]) if shared_prompts else torch.cat(parts, dim=1)
+                             for parts in prompt_parts]  # fmt: skip
+                answer.append(torch.cat(per_block).to("cpu", prompts.dtype))
             return answer
 
-        inputs = [hidden]  # block i's input; the last block's output is not needed
-        for i in range(self.num_blocks - 1):
-            inputs.append(await self._submit(Priority.TRAINING, forward_block, i, inputs[i]))
-        grad, grad_prompts = grad_output, []
-        for i in reversed(range(1, self.num_blocks)):
-            grad = await self._submit(Priority.TRAINING, backward_block, i, inputs[i], grad, grad_prompts)
-            inputs[i] = None  # freed as the backward goes
-        return await self._submit(Priority.TRAINING, backward_block, 0, inputs[0], grad, grad_prompts)
+        groups = row_groups(hidden.shape[0], hidden.shape[1])
+        results = []
+        for rows in groups:  # each group of rows through both passes: only its inputs are held
+            inputs = [hidden[rows]]  # block i's input; the last block's output is not needed
+            for i in range(self.num_blocks - 1):
+                inputs.append(await self._submit(Priority.TRAINING, forward_block, i, rows, inputs[i]))
+            grad, prompt_grads = grad_output[rows], []
+            for i in reversed(range(self.num_blocks)):
+                grad, prompt_grad = await self._submit(Priority.TRAINING, backward_block, i, rows, inputs[i], grad)
+                prompt_grads.insert(0, prompt_grad)
+                inputs[i] = None  # freed as the backward goes
+            results.append((grad, prompt_grads))
+        prompt_parts = [[r[1][i] for r in results] for i in range(self.num_blocks)]
+        return await self._submit(Priority.TRAINING, joined, [r[0] for r in results], prompt_parts)
 
     def warm_up(self, tokens: int = 8) -> None:
         """One prefill and one cached step before serving, so the first client does not pay for

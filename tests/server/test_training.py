@@ -26,6 +26,7 @@ from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LOOPBACK
 from shoal.models.lora import SpanAdapters, adapter_digest, read_adapter
 from shoal.protocols import BLOCKS
+from shoal.server.backend import row_groups
 from shoal.server.scheduler import Priority
 from shoal.transport import MessageStream
 from shoal.wire import Message
@@ -41,9 +42,10 @@ SPAN = (1, 3)
 SEED = 1
 
 
-def chunks(blocks: int) -> int:
-    """Training chunks of one backward through ``blocks`` blocks."""
-    return 2 * blocks - 1
+def chunks(blocks: int, row_groups: int = 1) -> int:
+    """Training chunks of one backward through ``blocks`` blocks: per group of rows a no-grad pass
+    (every block but the last) and a gradient pass (every block), then one that joins the answer."""
+    return row_groups * (2 * blocks - 1) + 1
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +174,7 @@ async def info(node, ticket) -> InfoReply:
 def test_backward_equals_local_autograd_for_hidden_states_and_deep_prompts(serve, span, prompt_batch):
     """A padded batch of 2 through blocks 1:3: the gradients w.r.t. the hidden states and the deep
     prompts (3 positions, one per row or shared by both) equal local autograd; counted as one
-    backward of 12 tokens in 3 training chunks (1 no-grad block, 2 gradient blocks)."""
+    backward of 12 tokens in 4 training chunks (1 no-grad block, 2 gradient blocks, the answer)."""
     swarm = serve()
     tensors = padded_inputs(seed=3)
     grad_output = torch.randn(2, 6, HIDDEN, generator=torch.Generator().manual_seed(4))
@@ -190,6 +192,27 @@ def test_backward_equals_local_autograd_for_hidden_states_and_deep_prompts(serve
     c = reply.counters
     assert (c.backward_requests, c.backward_tokens, c.training_chunks) == (1, 12, chunks(2))
     assert c.forward_requests == 0 and c.errors == 0
+
+
+@pytest.mark.parametrize("prompt_batch", [1, 5], ids=["shared_prompts", "prompts_per_row"])
+def test_a_batch_over_the_chunk_budget_is_cut_into_groups_of_rows_with_the_same_gradients(serve, span, prompt_batch):
+    """5 rows of 60 tokens: at most TRAINING_CHUNK_POSITIONS (128) positions a task, so groups of 2, 2
+    and 1 rows, each through both passes; the gradients (the prompts' summed over the groups when
+    shared) equal local autograd."""
+    assert row_groups(5, 60) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    swarm = serve()
+    tensors = padded_inputs(batch=5, n=60, seed=8)
+    grad_output = torch.randn(5, 60, HIDDEN, generator=torch.Generator().manual_seed(9))
+    prompts = random_prompts(2, prompt_batch, 4, seed=10)
+    expected = local_grads(span, tensors, grad_output, prompts)
+
+    async def go(node, ticket):
+        return await backward((node, ticket), [*tensors, prompts, grad_output], prompts=True), await info(node, ticket)
+
+    grads, reply = run(swarm, go)
+    for got, want in zip(grads, expected, strict=True):
+        assert_grad_close(got, want)
+    assert reply.counters.training_chunks == chunks(2, row_groups=3)
 
 
 def test_backward_of_a_bfloat16_server_returns_gradients_in_the_inputs_dtype(serve, model_dir):
