@@ -1,0 +1,153 @@
+"""Whether two servers' outputs of the same blocks on the same inputs agree, within what honest replicas differ by.
+
+Two honest servers never return bit-identical hidden states: thread count, batch composition, the attention
+kernel and cached decode versus one-pass prefill all change the order of floating-point sums, and bf16
+rounds differently after each. :func:`discrepancy` measures, per position, the larger of two views of a
+row ``e`` (expected) against ``g`` (got), both relative, so the same tolerance holds for a layer-0 output
+of norm ~1 and a late block's output with outlier channels of magnitude ~90 or an attention-sink row of
+norm ~26000:
+
+- the *elementwise* view: the RMS over hidden of ``|e - g| / max(|e|, |g|, rms)``, where ``rms`` is the
+  row's RMS. Honest rounding error is proportional to each value's own magnitude, so an outlier channel's
+  large absolute error counts for what it is relative to that channel (measured on SmolLM2 in bf16: one
+  channel of magnitude ~99 off by 7.5 made the plain relative L2 0.063, this view 0.031); diffuse
+  corruption (Gaussian noise of relative size r) still reads 0.76 r to 1 r (0.84 r typically at hidden
+  size 64, 0.96 r at 576). Each value counts at most 2, so this view alone under-weights a corruption
+  of a few channels;
+- *a quarter of the relative L2*, ``||e - g|| / (4 max(||e||, ||g||))``, which catches exactly that (one
+  channel blown up reads about 0.25, whatever the hidden size), weighted down because one outlier
+  channel's honest error dominates it.
+
+Both are symmetric in the two arguments, so settling a dispute does not depend on who is called
+"expected". A row whose RMS is below :data:`FLOOR_FRACTION` of the call's median row RMS is measured
+against that floor, so a near-zero row's rounding noise is not a disagreement.
+
+bf16 needs two levels (:class:`Tolerance`): honest bf16 replicas differ by about 0.01 at most positions
+but by up to 0.065 at an isolated one (measured on tiny random models: a near-tie somewhere in the span
+resolved differently), while noise of relative size 5e-2 reads 0.038-0.05 at *every* position it hits.
+A position therefore disagrees when it exceeds ``relative`` (above every honest spike), or when it and
+the next position of the same row both exceed ``sustained`` (above every honest pair). So in bf16 a
+corruption confined to one position must be larger (about ``relative / 0.84``) to be seen, and one that
+starts at the last compared position is seen at the next comparison's first position, unless it exceeds
+``relative``.
+
+The constants of :func:`tolerance_for` come from ``python -m bench.calibrate_verify`` (its docstring
+says what it measures; the README gives the numbers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Tolerance", "discrepancy", "first_disagreement", "row_discrepancy", "tolerance_for"]
+
+#: A row whose norm is below this fraction of the call's median row norm is compared against that floor
+#: instead of its own norm (its honest rounding noise comes from the larger values it was computed from).
+FLOOR_FRACTION = 1e-2
+#: The weight of the relative L2 view against the elementwise one (see the module docstring).
+L2_WEIGHT = 0.25
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far two honest outputs may be apart, in :func:`discrepancy`'s units: any position beyond
+    ``relative`` disagrees; with ``sustained``, so do two consecutive positions of a row both beyond it."""
+
+    relative: float
+    sustained: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.relative > 0:
+            raise ValueError(f"tolerance must be positive, got {self.relative}")
+        if self.sustained is not None and not 0 < self.sustained <= self.relative:
+            raise ValueError(f"sustained tolerance must be in (0, relative], got {self.sustained}")
+
+
+# Calibrated by bench/calibrate_verify.py on CPU: honest replicas differing in torch threads (1 vs 2, in
+# process and in a fresh child), batch (alone vs in a left-padded batch of 3), cached decode (1 or 8 at a
+# time) vs one-pass prefill, and sdpa's backend; tiny llama/qwen2/gemma3/mistral and SmolLM2-135M (spans
+# 0:15, 15:30); up to 300 positions. fp32: honest at most 1.4e-5, so 5e-5 (3.5x) catches noise of 5.6e-5
+# anywhere. bf16: honest spikes up to 0.048 (0.065 in a wider sweep), pairs up to 0.025; 0.13 and 0.035
+# catch noise of 5e-2 on two consecutive positions and of 0.18 on one. Across attention kernels (eager,
+# sdpa's math backend) bf16 replicas differ by up to 0.18 (pairs 0.09): they are not honest replicas here.
+# Keys: (dtype, device type).
+_CALIBRATED: dict[tuple[torch.dtype, str], Tolerance] = {
+    (torch.float32, "cpu"): Tolerance(5e-5),
+    (torch.bfloat16, "cpu"): Tolerance(0.13, sustained=0.035),
+}
+#: Devices not calibrated here reuse the CPU constants times this margin (their kernels differ from the
+#: CPU's; fp32 also assumes TF32 stays off, torch's default for matmuls).
+_UNCALIBRATED_DEVICE_MARGIN = 2.0
+#: float16 (not calibrated) has 3 more mantissa bits than bfloat16: an eighth of its error, kept at a quarter.
+_FLOAT16_OF_BFLOAT16 = 0.25
+
+
+def _scaled(tolerance: Tolerance, factor: float) -> Tolerance:
+    sustained = None if tolerance.sustained is None else tolerance.sustained * factor
+    return Tolerance(tolerance.relative * factor, sustained)
+
+
+def tolerance_for(dtype: torch.dtype, device: str | torch.device = "cpu") -> Tolerance:
+    """The calibrated tolerance for outputs computed in ``dtype`` on ``device`` ("cpu", "cuda:0", ...)."""
+    kind = torch.device(device).type
+    if dtype == torch.float16:
+        return _scaled(tolerance_for(torch.bfloat16, kind), _FLOAT16_OF_BFLOAT16)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"no calibrated tolerance for {dtype}: outputs are float32, bfloat16 or float16")
+    if (dtype, kind) in _CALIBRATED:
+        return _CALIBRATED[dtype, kind]
+    return _scaled(_CALIBRATED[dtype, "cpu"], _UNCALIBRATED_DEVICE_MARGIN)
+
+
+def _check_shapes(expected: Tensor, got: Tensor, mask: Tensor | None) -> None:
+    if expected.dim() != 3 or expected.shape != got.shape:
+        raise ValueError(
+            f"need two [batch, n, hidden] tensors of one shape, got {tuple(expected.shape)} and {tuple(got.shape)}"
+        )
+    if mask is not None and tuple(mask.shape) != tuple(expected.shape[:2]):
+        raise ValueError(f"mask must be [batch, n] = {tuple(expected.shape[:2])}, got {tuple(mask.shape)}")
+
+
+def row_discrepancy(expected: Tensor, got: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Per-row, per-position relative discrepancy ``[batch, n]`` (float32; see the module docstring). A
+    value that is NaN or infinite in one tensor and not the same in the other makes its position ``inf``;
+    masked positions (``mask`` False: padding) are 0."""
+    _check_shapes(expected, got, mask)
+    a, b = expected.detach().float(), got.detach().to(expected.device).float()
+    finite_a, finite_b = torch.isfinite(a), torch.isfinite(b)
+    same_nonfinite = ~finite_a & ~finite_b & ((a == b) | (torch.isnan(a) & torch.isnan(b)))
+    broken = ((finite_a != finite_b) | (~finite_a & ~finite_b & ~same_nonfinite)).any(dim=-1)  # [batch, n]
+    a, b = torch.where(finite_a, a, 0.0), torch.where(finite_b, b, 0.0)
+    diff = a - b
+    row_rms = torch.maximum(a.pow(2).mean(-1), b.pow(2).mean(-1)).sqrt()  # [batch, n]
+    real = torch.ones_like(broken) if mask is None else mask.to(device=a.device, dtype=torch.bool)
+    typical = row_rms[real].median() if real.any() else row_rms.new_zeros(())
+    row_scale = torch.clamp(torch.maximum(row_rms, typical * FLOOR_FRACTION), min=torch.finfo(torch.float32).tiny)
+    element_scale = torch.maximum(torch.maximum(a.abs(), b.abs()), row_scale.unsqueeze(-1))
+    elementwise = (diff / element_scale).pow(2).mean(-1).sqrt()
+    relative_l2 = diff.pow(2).mean(-1).sqrt() / row_scale  # ||diff|| / max(||a||, ||b||), floored
+    relative = torch.maximum(elementwise, relative_l2 * L2_WEIGHT)
+    relative = torch.where(broken, torch.inf, relative)
+    return torch.where(real, relative, 0.0)
+
+
+def discrepancy(expected: Tensor, got: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Per-position relative discrepancy ``[n]`` (float32) of two ``[batch, n, hidden]`` outputs: the largest
+    over unmasked rows of :func:`row_discrepancy` (0 where every row is masked)."""
+    per_row = row_discrepancy(expected, got, mask)
+    return per_row.amax(dim=0) if per_row.shape[0] else per_row.new_zeros(per_row.shape[1])
+
+
+def first_disagreement(expected: Tensor, got: Tensor, tolerance: Tolerance, mask: Tensor | None = None) -> int | None:
+    """The first position (0..n-1) where some unmasked row of ``got`` disagrees with ``expected`` beyond
+    ``tolerance`` (see :class:`Tolerance`), or None when they agree everywhere."""
+    per_row = row_discrepancy(expected, got, mask)
+    beyond = per_row > tolerance.relative
+    if tolerance.sustained is not None:
+        over = per_row > tolerance.sustained
+        beyond[:, :-1] |= over[:, :-1] & over[:, 1:]
+    flagged = beyond.any(dim=0).nonzero()
+    return int(flagged[0, 0]) if flagged.numel() else None
