@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from shoal.checkpoints import load_config, load_tensors, model_name, resolve_model
+from shoal.client.audit import DEFAULT_AUDIT_EVERY, Verification, check_verify
 from shoal.client.model import DistributedModelForCausalLM
 from shoal.client.prompts import PromptTuning
 from shoal.client.remote import RemoteSequence
@@ -44,6 +45,8 @@ class AutoDistributedModelForCausalLM:
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
         adapter: str | None = None,
+        verify: str = "off",
+        audit_every: int = DEFAULT_AUDIT_EVERY,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
@@ -63,7 +66,11 @@ class AutoDistributedModelForCausalLM:
         ``tuning_mode``: None, ``"ptune"`` or ``"deep_ptune"``, with ``pre_seq_len`` trainable prompt
         positions (see :mod:`shoal.client.prompts`; ``model.save_prompts`` / ``load_prompts``).
         ``adapter``: ``"NAME"`` or ``"NAME@DIGEST"`` (sha256 of the adapter's tensors): route only
-        over servers serving that LoRA adapter, and run every block with it."""
+        over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"off"``,
+        or ``"audit"``: every hop of a session is checked by a second server every ``audit_every``
+        positions and before ``generate`` returns; a liar is banned and the answer repaired
+        (:mod:`shoal.client.audit`; ``model.verification`` counts what audits did)."""
+        verification = Verification(check_verify(verify, audit_every), audit_every)
         min_quality = parse_min_quality(min_quality)
         choice = AdapterChoice.parse(adapter) if adapter is not None else None
         if tuning_mode is None and pre_seq_len:
@@ -92,6 +99,7 @@ class AutoDistributedModelForCausalLM:
             start_node=start_node,
             min_quality=min_quality,
             adapter=choice,
+            verification=verification,
         )
         distributed = DistributedModelForCausalLM(config, head, blocks, prompts=prompts)
         if (Path(model_dir) / "generation_config.json").is_file():

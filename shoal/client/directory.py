@@ -24,6 +24,7 @@ from shoal.routing import (
     AdapterChoice,
     BanList,
     LatencyModel,
+    NoRouteError,
     RouteInfo,
     ServerSpan,
     forward_cost,
@@ -64,6 +65,7 @@ async def fetch_infos(node: BaseNode, tickets: Sequence[Ticket], timeout: float)
             capabilities=span.capabilities,
             quantization=span.quantization,
             adapters=tuple(sorted((a.name, a.digest) for a in span.adapters)),
+            dtype=span.dtype,
         )
         return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
 
@@ -122,6 +124,22 @@ def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: 
                 )
 
 
+def replicas(spans: Sequence[ServerSpan], like: ServerSpan) -> list[ServerSpan]:
+    """The servers of ``spans`` other than ``like``'s whose span is exactly ``like``'s and whose
+    honest outputs equal its own within the comparison tolerance: the same weight format and the
+    same LoRA adapters and compute dtype, where known (a server in int8 and one in fp32 differ by
+    far more than honest rounding, and an audit between them would convict whichever is alone)."""
+    return [
+        s
+        for s in spans
+        if s.blocks == like.blocks
+        and s.peer_id != like.peer_id
+        and s.info.quantization == like.info.quantization
+        and s.info.adapters == like.info.adapters
+        and s.info.dtype == like.info.dtype
+    ]
+
+
 class ServerDirectory:
     """Known servers, their measured latencies and bans; answers "which route now?" and takes the
     sessions' reports (a :class:`~shoal.client.feedback.RoutePlanner` and
@@ -154,6 +172,7 @@ class ServerDirectory:
         self.bans = BanList()
         self.rng = random.Random(seed)
         self.spans: list[ServerSpan] = []
+        self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
         self._task: asyncio.Task | None = None
 
     @property
@@ -188,6 +207,7 @@ class ServerDirectory:
                 draining=fresh.draining,
                 capabilities=fresh.span.capabilities,
                 adapters=tuple(sorted((a.name, a.digest) for a in fresh.span.adapters)),
+                dtype=fresh.span.dtype,
             )
             return replace(span, info=info)
 
@@ -213,7 +233,8 @@ class ServerDirectory:
             self._task = None
 
     def usable(self) -> list[ServerSpan]:
-        return [s for s in self.spans if not s.info.draining]
+        banned = self.banned
+        return [s for s in self.spans if not s.info.draining and s.peer_id not in banned]
 
     def route_inference(
         self,
@@ -249,9 +270,29 @@ class ServerDirectory:
         spans, bans = self.usable(), self.bans
         return route_with_bans(spans, start, end, cost, bans, exclude, self.min_quality, needs, self.adapter)
 
+    def route_replica(
+        self, like: ServerSpan, *, exclude: Collection[str] = (), cache_tokens: int = 0, needs: Collection[str] = ()
+    ) -> ServerSpan | None:
+        """Another server whose span is exactly ``like``'s and that computes what it does (see
+        :func:`replicas`), outside ``exclude``: the cheapest for a step (an auditor, a third
+        opinion), or None when there is none."""
+        candidates = [s for s in replicas(self.usable(), like) if s.peer_id not in exclude]
+        latency = self.latency
+
+        def cost(span: ServerSpan, previous: ServerSpan | None) -> float:
+            return latency.inference_cost(span, None, push=False, cache_tokens=cache_tokens)
+
+        try:
+            route = route_with_bans(
+                candidates, like.start, like.end, cost, self.bans, (), self.min_quality, needs, self.adapter
+            )
+        except NoRouteError:
+            return None
+        return route[0] if len(route) == 1 else None
+
     def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:
         offered = offering(meeting(self.spans, self.min_quality), needs, self.adapter)
-        live = [s for s in offered if s.peer_id not in exclude]
+        live = [s for s in offered if s.peer_id not in exclude and s.peer_id not in self.banned]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
 
     # ---- RouteFeedback (shoal.client.feedback): what sessions report and expect ----------------
@@ -267,6 +308,9 @@ class ServerDirectory:
 
     def failed(self, peer: PeerId, ban_seconds: float | None = None) -> None:
         self.bans.ban(peer, ban_seconds)
+
+    def convicted(self, peer: PeerId) -> None:
+        self.banned.add(peer)
 
     async def alive(self, span: ServerSpan) -> bool:
         """Does the server answer right now? An ``info`` on the pooled blocks connection (no

@@ -14,6 +14,15 @@ push segment is also one where every server uses the same codec. The client send
 will decode (the codec's round trip of its input) and keeps exactly that in the step's inputs: the
 replay history holds what each server computed on.
 
+Receipts (:mod:`shoal.verify.receipts`): every hop whose server announced
+:data:`~shoal.wire.schema.RECEIPTS` is asked for a signed receipt of each step (a push segment is
+all such servers or none, so a pushing server asks on only where the next one knows the field), and
+each is checked: signed by the hop's peer id, the blocks, session, positions and step asked, the
+inputs the client sent (for a pushed hop: the previous hop's reply as the client received it, which
+catches a server that pushed one tensor and answered another) and the output received. A failed
+check bans the server held responsible for an hour and fails its hop (:class:`HopFailed`: the
+session re-routes around it, as around a crash).
+
 A late reply (an adaptive deadline from the latencies seen so far) makes the client ping the
 server: a live one gets more time, up to the request deadline; a dead one fails the hop
 (:class:`HopFailed`). Every decoded token comes through here: the push routes are computed once
@@ -32,9 +41,10 @@ from shoal.client.history import step_inputs
 from shoal.client.hops import Hop
 from shoal.errors import ClosedError, ShoalError, remote_error
 from shoal.routing import ServerSpan
+from shoal.verify.receipts import LIAR_BAN_SECONDS, ReceiptError, expected_receipt, verify_receipt
 from shoal.wire import Codec, Message
 from shoal.wire.codecs import carried
-from shoal.wire.schema import PUSH, PushHop, StepReply, StepRequest
+from shoal.wire.schema import PUSH, RECEIPTS, PushHop, Receipt, StepReply, StepRequest
 from shoal.wire.tensors import roundtrip
 
 MIN_DEADLINE = 0.25  # seconds before a late reply makes the client check that the server lives
@@ -60,43 +70,55 @@ def codec_for(span: ServerSpan, compression: Codec) -> Codec:
     return compression if span.supports(compression.capability) else Codec.RAW
 
 
-def push_reach(spans: Sequence[ServerSpan], enabled: bool = True, codecs: Sequence[Codec] | None = None) -> list[int]:
+def push_reach(
+    spans: Sequence[ServerSpan], enabled: bool = True, codecs: Sequence[Codec] | None = None, receipts: bool = False
+) -> list[int]:
     """For each hop ``k``, the last hop that a step sent to ``k`` reaches by push (``k``: none).
     Server ``k`` pushes to ``k + 1`` only if both announced :data:`PUSH` and use the same codec
-    (``codecs``, one per hop; None: all raw); a segment of servers that all do is pushed through
-    end to end."""
+    (``codecs``, one per hop; None: all raw), and, asking for ``receipts``, both or neither
+    announced :data:`RECEIPTS`; a segment of servers that all do is pushed through end to end."""
     reach = list(range(len(spans)))
     if enabled:
         for k in range(len(spans) - 2, -1, -1):
             same = codecs is None or codecs[k] == codecs[k + 1]
+            same = same and (not receipts or spans[k].supports(RECEIPTS) == spans[k + 1].supports(RECEIPTS))
             if same and spans[k].supports(PUSH) and spans[k + 1].supports(PUSH):
                 reach[k] = reach[k + 1]
     return reach
 
 
 def push_routes(
-    hops: Sequence[Hop], enabled: bool = True, codecs: Sequence[Codec] | None = None
+    hops: Sequence[Hop], enabled: bool = True, codecs: Sequence[Codec] | None = None, receipts: bool = False
 ) -> list[tuple[PushHop, ...]]:
     """``push`` of the step sent to each hop: the hops it reaches by push after itself."""
-    reach = push_reach([hop.span for hop in hops], enabled, codecs)
+    reach = push_reach([hop.span for hop in hops], enabled, codecs, receipts)
     return [tuple(hop.push_hop for hop in hops[k + 1 : last + 1]) for k, last in enumerate(reach)]
 
 
 class ChainDriver:
     """Owns the session's chain of hops (installed whole, see :meth:`install`) and runs steps
     through it; what it learns of each server goes to ``feedback``. ``compression``: the codec of
-    the hidden states, on every hop whose server announced it."""
+    the hidden states, on every hop whose server announced it. ``receipts``: ask every server that
+    announced :data:`RECEIPTS` for a signed receipt of each step, and check it."""
 
     def __init__(
-        self, feedback: RouteFeedback, request_deadline: float, *, push: bool = True, compression: Codec = Codec.RAW
+        self,
+        feedback: RouteFeedback,
+        request_deadline: float,
+        *,
+        push: bool = True,
+        compression: Codec = Codec.RAW,
+        receipts: bool = True,
     ):
         self.feedback = feedback
         self.request_deadline = request_deadline
         self.push = push
         self.compression = compression
+        self.receipts = receipts
         self.hops: tuple[Hop, ...] = ()
         self.starts: frozenset[int] = frozenset()  # first block of every hop: the chain's boundaries
         self.codecs: tuple[Codec, ...] = ()  # of each hop's hidden states
+        self.asks: tuple[bool, ...] = ()  # whether each hop is asked for receipts
         self._routes: list[tuple[PushHop, ...]] = []
         self._step_id = 0
 
@@ -104,7 +126,11 @@ class ChainDriver:
         self.hops = tuple(hops)
         self.starts = frozenset(hop.span.start for hop in self.hops)
         self.codecs = tuple(codec_for(hop.span, self.compression) for hop in self.hops)
-        self._routes = push_routes(self.hops, self.push, self.codecs)
+        self.asks = tuple(self._asks(hop) for hop in self.hops)
+        self._routes = push_routes(self.hops, self.push, self.codecs, self.receipts)
+
+    def _asks(self, hop: Hop) -> bool:
+        return self.receipts and hop.span.supports(RECEIPTS)
 
     @property
     def chain(self) -> list[ServerSpan]:
@@ -134,12 +160,14 @@ class ChainDriver:
         position_ids: Tensor,
         mask: Tensor | None,
         position: int,
+        receipts: dict[int, Receipt] | None = None,
     ) -> None:
         """Run the step from hop ``index`` to the end of the chain. ``inputs`` maps a block to this
         step's hidden states entering it: it must hold the first block of hop ``index`` and gets
         the output of every hop (at the hop's end block); a hop's input there becomes what its
-        server decodes (the codec's round trip). Raises :class:`HopFailed`."""
-        hops, routes, feedback = self.hops, self._routes, self.feedback
+        server decodes (the codec's round trip). ``receipts`` gets every checked receipt, at the
+        hop's first block. Raises :class:`HopFailed` (a failed receipt check too)."""
+        hops, routes, feedback, asks = self.hops, self._routes, self.feedback, self.asks
         n = position_ids.shape[1]
         count = len(hops)
         k = index
@@ -147,7 +175,7 @@ class ChainDriver:
             hop = hops[k]
             step_id = self.next_id()
             push = routes[k]
-            request = StepRequest(session=hop.session, position=position, push=push)
+            request = StepRequest(session=hop.session, position=position, push=push, receipt=asks[k])
             hidden = inputs[hop.span.start]
             codec = carried(self.codecs[k], hidden.dtype)
             hidden = inputs[hop.span.start] = roundtrip(hidden, codec)  # raises if the codec cannot carry it
@@ -169,6 +197,16 @@ class ChainDriver:
                 except (ShoalError, TimeoutError) as exc:
                     raise HopFailed(k, exc) from exc
                 peer = hop.span.peer_id
+                if asks[k]:  # what it was sent: by the client, or pushed (the previous reply the client got)
+                    sent = tensors if k == sent_to else step_inputs(inputs[hop.span.start], position_ids, mask)
+                    pushed_by = hops[k - 1] if k > sent_to else None
+                    try:
+                        receipt = self._check(hop, k, reply.receipt, message.tensors[0], sent, step_id, position,
+                                              pushed_by)  # fmt: skip
+                    except ReceiptError as exc:  # the hop of the server blamed (the earlier one for equivocation)
+                        raise HopFailed(k if exc.hop is None else exc.hop, exc) from exc
+                    if receipts is not None:
+                        receipts[hop.span.start] = receipt
                 if n == 1:
                     feedback.observed_step(peer, (time.perf_counter() - started) * 1e3)
                 feedback.succeeded(peer)
@@ -178,14 +216,47 @@ class ChainDriver:
                 if k > last or reply.pushed is False:
                     break
 
-    async def replay(self, hop: Hop, tensors: list[Tensor], n: int) -> Tensor:
-        """One step over positions ``[0, n)`` on ``hop`` (not pushed on): its output. Raw, so the
-        new server computes on exactly the history (whatever codecs it was made with)."""
+    async def replay(self, hop: Hop, tensors: list[Tensor], n: int, position: int = 0) -> Tensor:
+        """One step over positions ``[position, position + n)`` on ``hop`` (not pushed on): its
+        output. Raw, so the new server computes on exactly the history (whatever codecs it was made
+        with). A replay starts at 0; an audit (:mod:`shoal.client.audit`) where its auditor stopped."""
         step_id = self.next_id()
-        await hop.stream.send(Message("step", step_id, StepRequest(session=hop.session, position=0), tensors))
+        asks = self._asks(hop)
+        request = StepRequest(session=hop.session, position=position, receipt=asks)
+        await hop.stream.send(Message("step", step_id, request, tensors))
         message = await self._reply(hop, step_id, n)
-        message.reply(StepReply)
+        reply = message.reply(StepReply)
+        if asks:  # a ReceiptError fails the replacement, as any error would
+            self._check(hop, None, reply.receipt, message.tensors[0], tensors, step_id, position)
         return message.tensors[0]
+
+    def _check(
+        self,
+        hop: Hop,
+        index: int | None,
+        receipt: Receipt | None,
+        output: Tensor,
+        sent: Sequence[Tensor],
+        step_id: int,
+        position: int,
+        pushed_by: Hop | None = None,
+    ) -> Receipt:
+        """``hop``'s receipt of a step, checked against what was asked, ``sent`` (the tensors its
+        server decoded, if honest) and ``output`` (what the client received). A failed check bans
+        the server it blames (``pushed_by``, the hop before, when the inputs differ from what that
+        one answered: equivocation) and raises the :class:`ReceiptError`."""
+        span = hop.span
+        info = span.info
+        expected = expected_receipt(
+            start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
+            session=hop.session, position=position, step=step_id, sent=sent, output=output,
+        )  # fmt: skip
+        previous = pushed_by.span.peer_id if pushed_by is not None else None
+        try:
+            return verify_receipt(receipt, span.peer_id, expected, hop=index, previous=previous)
+        except ReceiptError as exc:
+            self.feedback.failed(exc.peer, LIAR_BAN_SECONDS)
+            raise
 
     async def _reply(self, hop: Hop, step_id: int, n: int, pushed: bool = False) -> Message:
         """The reply to step ``step_id`` from ``hop``. Late: ping the server; a live one gets more

@@ -1,7 +1,7 @@
 """The two narrow faces of the server directory that remote sessions use.
 
 :class:`RoutePlanner` answers "which servers now?"; :class:`RouteFeedback` is the one way a session
-tells routing what it saw of a server (a step's latency, a success, a failure) and asks what it
+tells routing what it saw of a server (a step's latency, a success, a failure, a lie) and asks what it
 should expect of one (a step's duration, whether it still answers). Sessions never touch the
 latency model or the ban list themselves, so routing can change how it learns without the
 session code changing, and tests can stand a plain object in for the directory.
@@ -43,6 +43,11 @@ class RouteFeedback(Protocol):
         """Does ``span``'s server answer right now (a late reply: slow, or dead)?"""
         ...
 
+    def convicted(self, peer: PeerId) -> None:
+        """``peer`` returned wrong hidden states (a majority of replicas said so): never route over
+        it again. Unlike :meth:`failed` (a server that may come back), this ban does not expire."""
+        ...
+
 
 class RoutePlanner(Protocol):
     """Routes over the servers known now."""
@@ -62,6 +67,13 @@ class RoutePlanner(Protocol):
     def route_forward(
         self, start: int, exclude: Collection[str] = (), *, end: int | None = None, needs: Collection[str] = ()
     ) -> list[ServerSpan]: ...
+
+    def route_replica(
+        self, like: ServerSpan, *, exclude: Collection[str] = (), cache_tokens: int = 0, needs: Collection[str] = ()
+    ) -> ServerSpan | None:
+        """Another server with exactly ``like``'s span computing what it does (an auditor, a third
+        opinion), outside ``exclude``; None if there is none."""
+        ...
 
     def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:
         """Blocks from ``start`` on that no known server outside ``exclude`` (announcing ``needs``) hosts."""

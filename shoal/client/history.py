@@ -3,6 +3,9 @@
 A server that takes over blocks ``[a, b)`` mid-session has no cache: it gets one step over every
 position so far, with the hidden states that entered block ``a`` (and the positions and mask),
 which is exactly what this history holds for every block where a server of the chain begins.
+An audited session (:mod:`shoal.client.audit`) also records the chain's last output (block
+``num_blocks``): then every hop's outputs are in the history (the next boundary's inputs), and an
+auditor's answer for a window of positions is compared with them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from torch import Tensor
 
 from shoal.errors import ShoalError
+from shoal.wire.schema import Receipt
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -43,6 +47,7 @@ class SpanHistory:
         self._hidden: dict[int, list[Tensor]] = {}  # block -> [B, n_k, H] per step
         self._positions: list[Tensor] = []  # [B, n_k] per step
         self._mask: Tensor | None = None  # [B, position] bool, all positions so far
+        self._receipts: dict[int, list[Receipt]] = {}  # block -> signed receipts of its hop's steps, in order
 
     def blocks(self) -> list[int]:
         """The boundaries with a history (tests and diagnostics)."""
@@ -63,14 +68,23 @@ class SpanHistory:
         return self._positions[0]
 
     def record(
-        self, inputs: Mapping[int, Tensor], starts: Collection[int], position_ids: Tensor, mask: Tensor | None, end: int
+        self,
+        inputs: Mapping[int, Tensor],
+        starts: Collection[int],
+        position_ids: Tensor,
+        mask: Tensor | None,
+        end: int,
+        receipts: Mapping[int, Receipt] | None = None,
     ) -> None:
         """Append one step that ended at position ``end``: its inputs at every block in ``starts``
-        (the chain's boundaries now). A block that is no longer a boundary loses its history (it
+        (the chain's boundaries now), and the receipts its hops signed (by first block: what a
+        verdict on a lie will show). A block that is no longer a boundary loses its history (it
         would stay incomplete)."""
         hidden = self._hidden
         for block in [b for b in hidden if b not in starts]:
             del hidden[block]
+        for block, receipt in (receipts or {}).items():
+            self._receipts.setdefault(block, []).append(receipt)
         for block in starts:
             chunks = hidden.get(block)
             if chunks is None:
@@ -100,8 +114,31 @@ class SpanHistory:
             mask = None
         return step_inputs(hidden, self.position_ids(), mask)
 
+    def hidden(self, block: int, start: int, end: int) -> Tensor:
+        """The hidden states recorded at ``block`` for positions ``[start, end)`` (an audit compares a
+        hop's outputs, the history of its end block, with another server's)."""
+        whole = self.at(block)
+        if whole is None or whole.shape[1] < end:
+            raise ShoalError(f"no history at block {block} up to position {end} (internal error)")
+        return whole[:, start:end]
+
+    def window(self, block: int, start: int, end: int) -> list[Tensor]:
+        """The tensors of one step over positions ``[start, end)`` into block ``block`` (a session's
+        step as the hop there got it: its inputs, positions, and the mask of ``[0, end)``)."""
+        hidden = self.hidden(block, start, end)
+        mask = self._mask[:, :end] if self._mask is not None else None
+        if mask is not None and bool(mask.all()):
+            mask = None
+        return step_inputs(hidden, self.position_ids()[:, start:end], mask)
+
+    def receipts(self, block: int) -> list[Receipt]:
+        """The receipts of the steps the hop starting at ``block`` ran, oldest first (any server's)."""
+        return list(self._receipts.get(block, ()))
+
     def truncate(self, position: int) -> None:
-        """Forget positions ``[position, ...)`` (a rollback)."""
+        """Forget positions ``[position, ...)`` (a rollback), and the receipts of steps that reached them."""
+        for receipts in self._receipts.values():
+            receipts[:] = [r for r in receipts if r.position + r.n <= position]
         for block in list(self._hidden):
             whole = self.at(block)
             self._hidden[block] = [whole[:, :position]] if whole is not None and position else []
@@ -112,6 +149,7 @@ class SpanHistory:
 
     def clear(self) -> None:
         self._hidden.clear()
+        self._receipts.clear()
         self._positions.clear()
         self._mask = None
 

@@ -36,9 +36,12 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from shoal.client.audit import Verification
 from shoal.client.blocks import BlockSequence, BlockSession
 from shoal.client.prompts import PromptTuning
+from shoal.client.repair import generate_repaired
 from shoal.client.speculation import PlannedDrafts, SpeculationStats, WindowPlanner, max_window, windowed
+from shoal.errors import ShoalError
 from shoal.models.base import ClientHead
 
 __all__ = ["DistributedModelForCausalLM", "SessionCache"]
@@ -99,9 +102,16 @@ class SessionCache(Cache):
         return common
 
     def record(self, input_ids: Tensor | None, n: int) -> None:
-        """Note ``n`` tokens the session just consumed (``input_ids`` None: embeddings only)."""
+        """Note ``n`` tokens the session consumes (``input_ids`` None: embeddings only); before the
+        step, so that ids past the position stay readable when it raises :class:`LieDetected`."""
         new = input_ids.to("cpu", torch.long) if input_ids is not None else torch.full((self._ids.shape[0], n), -1)
         self._ids = torch.cat([self.token_ids, new], dim=1)
+
+    def consumed_ids(self, length: int) -> Tensor:
+        """The ids of the first ``length`` tokens sent, even past a rollback (a repair resumes from them)."""
+        if length > self._ids.shape[1] or bool((self._ids[:, :length] < 0).any()):
+            raise ShoalError(f"no token ids to resume from at {length} (sent as embeddings?)")
+        return self._ids[:, :length]
 
     def close(self) -> None:
         if not self.closed:
@@ -308,8 +318,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is None:
             out = self._stateless(wire, position_ids, mask)
         else:  # sessions are for inference: their steps are not differentiable
-            out = cache.session.step(wire.detach(), position_ids, mask)
             cache.record(input_ids, n)
+            out = cache.session.step(wire.detach(), position_ids, mask)
         out = out[:, prepended:].to(device=hidden.device, dtype=self.dtype)
         logits = self.head.logits(_positions_to_keep(out, logits_to_keep))
         loss = None
@@ -325,12 +335,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             return self.blocks.forward(wire, position_ids, mask)
         return self.blocks.forward(wire, position_ids, mask, prompts=deep.to(self.wire_dtype))
 
+    @property
+    def verification(self) -> Verification:
+        """What audit mode did (``from_pretrained(verify="audit")``; see :mod:`shoal.client.audit`)."""
+        return getattr(self.blocks, "verification", None) or Verification()
+
     def generate(self, *args: Any, **kwargs: Any):
         """transformers' ``generate``; without an active session, one is opened for this call and
-        closed afterwards (also when generation raises)."""
+        closed afterwards (also when generation raises). In audit mode a lie found is repaired, and
+        ``hold_back=True`` holds a streamer's tokens until audited (:mod:`shoal.client.repair`)."""
         outer, self._opened = self._opened, []
         try:
-            return super().generate(*args, **kwargs)
+            return generate_repaired(self, super().generate, args, kwargs)
         finally:
             opened, self._opened = self._opened, outer
             for cache in opened:
@@ -357,6 +373,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if max_cache_length > (room := cache.get_max_cache_shape()):
             raise ValueError(f"generate needs {max_cache_length} positions, the session has {room}")
         model_kwargs[CACHE_KEY] = cache
+        self._per_thread.generation = (cache, generation_config, model_kwargs.get("attention_mask"))  # for repairs
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):  # fmt: skip

@@ -109,7 +109,8 @@ class ChainRecovery:
         self.needs = (TRAIN,) if prompts is not None else ()
         self.cache_tokens = request.batch_size * request.max_length
 
-    def _open_hop(self, span: ServerSpan, timeout: float | None = None) -> Awaitable[Hop]:
+    def open_hop(self, span: ServerSpan, timeout: float | None = None) -> Awaitable[Hop]:
+        """A session on ``span``'s server as this policy opens them (a chain's hop, or an auditor)."""
         prompts = () if self.prompts is None else (self.prompts[span.start : span.end].contiguous(),)
         return Hop.open(self.node, span, self.request, timeout, prompts)
 
@@ -121,7 +122,7 @@ class ChainRecovery:
             route = self.planner.route_inference(
                 0, cache_tokens=self.cache_tokens, push=self.push, exclude=failed, needs=self.needs
             )
-            results = await asyncio.gather(*(self._open_hop(span) for span in route), return_exceptions=True)
+            results = await asyncio.gather(*(self.open_hop(span) for span in route), return_exceptions=True)
             errors = [(span, r) for span, r in zip(route, results, strict=True) if isinstance(r, BaseException)]
             if not errors:
                 return list(results)
@@ -235,7 +236,7 @@ class ChainRecovery:
                     hops.append(reused)
                     continue
                 try:
-                    hop = await self._open_hop(span, RECOVERY_TIMEOUT)
+                    hop = await self.open_hop(span, RECOVERY_TIMEOUT)
                 except ShoalError as exc:
                     raise _RebuildFailed(span, exc) from exc
                 opened.append(hop)

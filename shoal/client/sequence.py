@@ -6,7 +6,9 @@ Stateless forwards draw a route each; sessions (:class:`~shoal.client.session.Re
 one and survive server failures. A forward whose input (or deep prompts) requires grad is
 differentiable: :mod:`shoal.client.training` sends its backward to the servers that computed it.
 The synchronous methods (called from transformers' generate) hand coroutines to the process's
-client event loop (:mod:`shoal.client.runtime`).
+client event loop (:mod:`shoal.client.runtime`). A forward to a server that announced
+:data:`~shoal.wire.schema.RECEIPTS` asks for a signed receipt and checks it (:mod:`shoal.verify.receipts`):
+one that does not vouch for the answer bans the server for an hour and re-routes, like a failure.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from shoal.client.audit import Verification
 from shoal.client.directory import ServerDirectory
 from shoal.client.driver import codec_for
 from shoal.client.history import step_inputs
@@ -29,9 +32,10 @@ from shoal.protocols import BLOCKS
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import AdapterChoice, ServerSpan
 from shoal.transport import BaseNode, Node, StartNode, Ticket, TransportConfig
+from shoal.verify.receipts import LIAR_BAN_SECONDS, ReceiptError, expected_receipt, verify_receipt
 from shoal.wire import Codec, Message
 from shoal.wire.codecs import carried
-from shoal.wire.schema import TRAIN, ForwardRequest, InfoReply
+from shoal.wire.schema import RECEIPTS, TRAIN, ForwardReply, ForwardRequest, InfoReply, Receipt
 from shoal.wire.tensors import roundtrip
 
 log = logging.getLogger(__name__)
@@ -52,8 +56,10 @@ class RemoteSequence:
         *,
         push: bool = True,
         compression: Codec = Codec.RAW,
+        verification: Verification | None = None,
     ):
         self.node = node
+        self.verification = verification if verification is not None else Verification()  # audit mode: the counters
         self.runtime = runtime
         self.directory = directory
         self.num_blocks = num_blocks
@@ -79,6 +85,7 @@ class RemoteSequence:
         start_node: StartNode = Node.start,
         min_quality: Quantization = DEFAULT_MIN_QUALITY,
         adapter: AdapterChoice | None = None,
+        verification: Verification | None = None,
     ) -> RemoteSequence:
         """Tickets with a swarm id: join the swarm through any of them and route over its table
         (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets:
@@ -86,7 +93,8 @@ class RemoteSequence:
         the server list and latencies (0: never). ``start_node``: how the client's node starts
         (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside this process).
         ``min_quality``: route only over servers whose weights are at least this good.
-        ``adapter``: route only over servers serving this LoRA adapter, and run with it."""
+        ``adapter``: route only over servers serving this LoRA adapter, and run with it.
+        ``verification``: audit mode and its counters (:mod:`shoal.client.audit`; default: off)."""
         runtime = runtime or shared_loop()
         tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
         if not tickets:
@@ -102,7 +110,8 @@ class RemoteSequence:
                     min_quality=min_quality, adapter=adapter,
                 )  # fmt: skip
                 await directory.refresh()
-                sequence = cls(node, runtime, directory, num_blocks, push=push, compression=compression)
+                sequence = cls(node, runtime, directory, num_blocks, push=push, compression=compression,
+                               verification=verification)  # fmt: skip
                 directory.start()
                 return sequence
             except BaseException:
@@ -121,7 +130,12 @@ class RemoteSequence:
         return session.chain if session is not None else list(self._route)
 
     def describe_route(self) -> list[dict]:
-        return [{"peer": s.peer_id, "start": s.start, "end": s.end} for s in self.chain]
+        """The chain, and whether an auditor checks each span (``verified``; audit mode)."""
+        verified = self._session.verified() if self._session is not None else {}
+        return [
+            {"peer": s.peer_id, "start": s.start, "end": s.end, "verified": verified.get((s.start, s.end), False)}
+            for s in self.chain
+        ]
 
     @property
     def adapter(self) -> str | None:
@@ -170,7 +184,7 @@ class RemoteSequence:
                 except ShoalError as exc:
                     recoveries += 1
                     failed.add(span.peer_id)
-                    directory.failed(span.peer_id)
+                    directory.failed(span.peer_id, LIAR_BAN_SECONDS if isinstance(exc, ReceiptError) else None)
                     log.warning("forward through %s failed (%s); re-routing", span.peer_id[:10], exc)
                     if recoveries > MAX_RECOVERIES:
                         raise gave_up(directory, failed, block, exc, needs) from exc
@@ -193,12 +207,15 @@ class RemoteSequence:
         """(the input sent, ``span``'s output). ``exact``: the input sent is what the server
         decodes (the codec's round trip of ``hidden``), for a backward to recompute on."""
         codec = carried(codec_for(span, self.compression), hidden.dtype)
-        sent = roundtrip(hidden, codec) if exact else hidden
+        asks = span.supports(RECEIPTS)
+        sent = roundtrip(hidden, codec) if exact or asks else hidden  # a receipt digests what the server decodes
         tensors = step_inputs(sent, position_ids, mask)
         if prompts is not None:
             tensors.append(prompts[span.start : span.end].contiguous())
-        meta = ForwardRequest(prompts=prompts is not None, adapter=self.adapter)
+        meta = ForwardRequest(prompts=prompts is not None, adapter=self.adapter, receipt=asks)
         reply = await self.node.request(span.ticket, BLOCKS, Message("forward", 1, meta, tensors, (codec,)))
+        if asks:
+            check_forward_receipt(span, reply.reply(ForwardReply).receipt, tensors, reply.tensors[0])
         return sent, reply.tensors[0]
 
     def open_session(self, batch_size: int, max_length: int, prompts: Tensor | None = None) -> RemoteSession:
@@ -225,4 +242,15 @@ class RemoteSequence:
         self.runtime.run(shutdown())
 
 
-__all__ = ["RemoteSequence"]
+def check_forward_receipt(span: ServerSpan, receipt: Receipt | None, sent: list[Tensor], output: Tensor) -> Receipt:
+    """``span``'s receipt of a forward (request id 1): the span, the tensors sent (as the server
+    decodes them) and the output received; raises a :class:`~shoal.verify.receipts.ReceiptError`."""
+    info = span.info
+    expected = expected_receipt(
+        start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
+        session="", position=0, step=1, sent=sent, output=output,
+    )  # fmt: skip
+    return verify_receipt(receipt, span.peer_id, expected)
+
+
+__all__ = ["RemoteSequence", "check_forward_receipt"]

@@ -9,24 +9,31 @@ servers only through :class:`~shoal.client.feedback.RouteFeedback`.
 
 * a hop that fails mid-step is aborted and rebuilt; the step goes on from the first hop replaced;
 * a reply flagged ``draining`` (the server is leaving) moves that span the same way, before the
-  next step; while nobody can take over, the leaving server keeps serving.
+  next step; while nobody can take over, the leaving server keeps serving;
+* in audit mode (:mod:`shoal.client.audit`), every hop has an auditor that gets the hop's recorded
+  inputs every ``audit_every`` positions (and when :meth:`RemoteSession.audit` is called); a liar
+  found by a majority is banned, the session rolled back to its first wrong output and the liar's
+  hop replaced, and the step (or ``audit``) raises :class:`~shoal.client.audit.LieDetected`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from shoal.client.audit import Conviction, LieDetected, Verification
+from shoal.client.auditors import Audits
 from shoal.client.blocks import SessionPositions
 from shoal.client.driver import ChainDriver, HopFailed
 from shoal.client.history import SpanHistory
 from shoal.client.hops import Hop, close_all
-from shoal.client.recovery import ChainRecovery, Rebuilt, RecoveryRecord
+from shoal.client.recovery import MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
 from shoal.errors import BadRequest, ShoalError
 from shoal.routing import ServerSpan
-from shoal.wire.schema import OpenRequest
+from shoal.verify.receipts import ReceiptError
+from shoal.wire.schema import RECEIPTS, OpenRequest, Receipt
 
 if TYPE_CHECKING:
     from shoal.client.sequence import RemoteSequence
@@ -57,6 +64,15 @@ class RemoteSession(SessionPositions):
         self._chain: list[ServerSpan] = []  # the last chain installed (still readable once closed)
         self._closed = False
         self.recoveries: list[RecoveryRecord] = []  # what happened, in order
+        self.verification: Verification = sequence.verification
+        self._push = sequence.push
+        self._audits: Audits | None = None
+        if self.verification.auditing:
+            self._audits = Audits(
+                sequence.node, directory, directory, self._recovery, self._driver.replay, self.verification,
+                compression=sequence.compression, request_deadline=sequence.node.config.deadlines.request,
+                adapter=adapter,
+            )  # fmt: skip
 
     @property
     def closed(self) -> bool:
@@ -64,6 +80,8 @@ class RemoteSession(SessionPositions):
 
     def _rolled_back(self, position: int) -> None:
         self._history.truncate(position)
+        if self._audits is not None:
+            self._audits.rolled_back(position)
 
     @property
     def chain(self) -> list[ServerSpan]:
@@ -74,14 +92,36 @@ class RemoteSession(SessionPositions):
     def cache_tokens(self) -> int:
         return self.batch_size * self.max_length
 
+    def verified(self) -> dict[tuple[int, int], bool]:
+        """Whether an auditor checks each hop's span ``(start, end)`` (all False: not auditing)."""
+        if self._audits is None:
+            return {(s.start, s.end): False for s in self._chain}
+        return self._audits.verified()
+
+    @property
+    def audited_position(self) -> int:
+        """Positions ``[0, result)`` whose outputs every checked hop's auditor confirmed (the whole
+        session when nothing is audited): the tokens up to and at it stand."""
+        return self._audits.checked_up_to(self._position) if self._audits is not None else self._position
+
     # ---- opening and closing -------------------------------------------------------------------
 
     async def open(self) -> None:
         self._install(await self._recovery.open_chain())
+        await self._follow(())
 
     def _install(self, hops: Sequence[Hop]) -> None:
+        if self._audits is not None:
+            # an audit pins a lie on a hop only if it computed on the inputs recorded for it: for a
+            # pushed hop, its receipts prove that (the driver checks them); without, the client sends
+            self._driver.push = self._push and self._driver.receipts and all(h.span.supports(RECEIPTS) for h in hops)
         self._driver.install(hops)
         self._chain = self._driver.chain
+
+    async def _follow(self, adopted: Collection[int]) -> None:
+        """The audits follow the chain just installed (``adopted``: blocks whose history a replay made)."""
+        if self._audits is not None:
+            await self._audits.follow(self._driver.hops, self._history, self._position, adopted)
 
     def close(self) -> None:
         if not self._closed:
@@ -90,14 +130,49 @@ class RemoteSession(SessionPositions):
             self._driver.install(())
             self._history.clear()
             self.runtime.run(close_all(hops))
+            if self._audits is not None:
+                self.runtime.run(self._audits.close())
 
     # ---- steps ---------------------------------------------------------------------------------
 
     def step(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """One step; in audit mode, every ``audit_every`` positions, the audits (may raise
+        :class:`LieDetected`: the step's output is void, the session rolled back)."""
         n = self._check_step(hidden, attention_mask)
         out = self.runtime.run(self._step(hidden, position_ids, attention_mask))
         self._position += n
+        if self._audits is not None and self._audits.due(self._position):
+            self.runtime.run(self._audit_round())
         return out
+
+    def audit(self) -> None:
+        """Audit every position not audited yet, until every checked hop is audited up to the
+        session's position (``generate`` calls it before it returns). Raises :class:`LieDetected`."""
+        if self._audits is None or self._closed:
+            return
+        for _ in range(MAX_RECOVERIES):
+            if not self._audits.pending(self._position):
+                return
+            self.runtime.run(self._audit_round())
+        raise ShoalError(f"audits still pending after {MAX_RECOVERIES} rounds (auditors kept failing)")
+
+    async def _audit_round(self) -> None:
+        conviction = await self._audits.round(self._history, self._position)
+        if conviction is not None:
+            await self._repair(conviction)
+
+    async def _repair(self, conviction: Conviction) -> None:
+        """Roll back to the first wrong output, replace the liar's hop if it is still on the chain,
+        and raise :class:`LieDetected`."""
+        position = conviction.position
+        self.verification.rollbacks += 1
+        self.position = position  # the history and the audits forget what follows
+        if conviction.replace:
+            hop = self._driver.hops[conviction.index]
+            await hop.abort()
+            cause = ShoalError(f"server {hop.span.peer_id[:10]} lied from position {position}")
+            await self._recover(conviction.index, cause, frozenset({hop.span.peer_id}))
+        raise LieDetected(position, conviction.peer, conviction.blocks)
 
     async def _step(self, hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> Tensor:
         driver, position = self._driver, self._position
@@ -106,17 +181,21 @@ class RemoteSession(SessionPositions):
             peer = driver.hops[leaving].span.peer_id
             _, failed = await self._recover(leaving, ShoalError(f"server {peer[:10]} is draining"), failed, drain=True)
         inputs: dict[int, Tensor] = {0: hidden}  # block -> this step's input there
+        receipts: dict[int, Receipt] = {}  # block -> the signed receipt of the hop starting there
         index = 0
         while True:
             try:
-                await driver.run(index, inputs, position_ids, mask, position)
+                await driver.run(index, inputs, position_ids, mask, position, receipts)
                 break
             except HopFailed as failure:
                 if isinstance(failure.cause, BadRequest):  # our request was wrong: another server would
                     raise failure.cause from None  # refuse it too; the session stays usable
+                if isinstance(failure.cause, ReceiptError) and self._audits is not None:
+                    self._audits.convict(failure.cause.peer)  # its signed receipt says another computation
                 await driver.hops[failure.index].abort()
                 index, failed = await self._recover(failure.index, failure.cause, failed)
-        self._history.record(inputs, driver.starts, position_ids, mask, position + hidden.shape[1])
+        starts = driver.starts | {self.num_blocks} if self._audits is not None else driver.starts
+        self._history.record(inputs, starts, position_ids, mask, position + hidden.shape[1], receipts)
         return inputs[self.num_blocks]
 
     async def _recover(
@@ -143,6 +222,7 @@ class RemoteSession(SessionPositions):
             self._history.adopt(block, output)
         await close_all(list(rebuilt.retired))
         self.recoveries.append(rebuilt.record)
+        await self._follow(rebuilt.boundaries.keys())
         return rebuilt.first, rebuilt.failed
 
 

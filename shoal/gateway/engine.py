@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.logits_process import TopPLogitsWarper
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from shoal.client.model import SessionCache
+from shoal.client.sampling import PositionSeededSampler
 from shoal.client.session import RemoteSession
 from shoal.errors import UsageError
 
@@ -210,30 +210,6 @@ class _Watch(StoppingCriteria):
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
-class _SeededSample(LogitsProcessor):
-    """Samples the next token and leaves only that token possible, so ``generate`` runs greedy over it.
-
-    Each draw has its own generator, seeded from the request's seed and the token's position: a seed
-    reproduces the answer whatever else runs concurrently, and whatever speculation did (a draft's
-    windows depend on timing; the target's token at a position is drawn the same way regardless,
-    and a draft that agrees with the target draws what the target will, so it is accepted)."""
-
-    def __init__(self, temperature: float, top_p: float, seed: int | None):
-        self.temperature = temperature
-        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
-        self.seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperature
-        if self.top_p is not None:
-            scores = self.top_p(input_ids, scores)
-        probs = torch.softmax(scores, dim=-1)
-        position = input_ids.shape[-1]
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % 2**63)
-        token = torch.multinomial(probs.cpu(), 1, generator=generator).to(scores.device)
-        return torch.full_like(scores, -float("inf")).scatter_(1, token, 0.0)
-
-
 class Engine:
     """The gateway's model: ``model_id`` is the name clients use, ``model`` the client model."""
 
@@ -338,7 +314,7 @@ class Engine:
         speculation = self.speculation or Speculation()
         processors = LogitsProcessorList()
         if sampling.temperature > 0:
-            processors.append(_SeededSample(sampling.temperature, sampling.top_p, sampling.seed))
+            processors.append(PositionSeededSampler(sampling.temperature, sampling.top_p, sampling.seed))
         watch = _Watch(stream, len(prompt), on_text, cancel)
         input_ids = torch.tensor([list(prompt)], dtype=torch.long)
         drafting = speculation.generate_kwargs(self.tokenizer)

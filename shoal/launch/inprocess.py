@@ -29,6 +29,7 @@ from shoal.server.backend import compute_thread
 from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer
 from shoal.transport import BaseNode, MemoryNetwork, StartNode, Ticket, TransportConfig
+from shoal.transport.identity import generate_key
 
 #: Turns a loaded server into the one that serves (e.g. :func:`testkit.faults.make_faulty`).
 Prepare = Callable[[BlockServer], BlockServer]
@@ -95,11 +96,12 @@ class InProcessSwarm:
         settings = {**self._settings, **settings}
         config = ServerConfig(model=str(self.model_dir), blocks=span, transport=self.transport, **settings)
         compute = compute_thread(config.num_threads)
+        key = generate_key()  # the node's, and the one its receipts are signed with
         try:
-            server = compute.submit(load_block_server, config, span, None, compute).result()
+            server = compute.submit(load_block_server, config, span, None, compute, secret_key=key).result()
             if prepare is not None:
                 server = prepare(server)
-            node = self.runtime.run(self.start_node(self.transport, {BLOCKS: server.handle}))
+            node = self.runtime.run(self.start_node(self.transport, {BLOCKS: server.handle}, secret_key=key))
         except BaseException:
             compute.shutdown(wait=False, cancel_futures=True)
             raise

@@ -36,6 +36,7 @@ class RouteInfo:
     capabilities: frozenset[str] = frozenset()
     quantization: Quantization = Quantization.NONE  # how the server holds its weights (clients set a minimum)
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters it runs its span with: (name, digest), sorted
+    dtype: str | None = None  # what it computes in ("float32", "bfloat16"...; from its info, records do not say)
 
 
 @dataclass(frozen=True)

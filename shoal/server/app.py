@@ -43,8 +43,9 @@ from shoal.swarm.service import SWARM, SwarmService
 from shoal.swarm.table import RecordTable
 from shoal.transport import Node, Ticket, load_or_create_identity
 from shoal.transport.identity import generate_key
+from shoal.verify.receipts import ReceiptSigner
 from shoal.wire import error_message
-from shoal.wire.schema import SpanInfo
+from shoal.wire.schema import CAPABILITIES, RECEIPTS, SpanInfo
 
 log = logging.getLogger(__name__)
 MAX_DEFERRALS = 3  # re-checks in a row a server leaves a move to another one
@@ -56,12 +57,14 @@ def load_block_server(
     span: BlockRange,
     on_fingerprints: Callable[[list[str]], None] | None = None,
     executor: Executor | None = None,
+    secret_key: bytes | None = None,
 ) -> BlockServer:
     """Load blocks ``span`` (and nothing else), one block at a time and each quantised as it comes
     (``config.quant``), and wrap them for serving. ``on_fingerprints`` hears the span's fingerprints
     (of the checkpoint's tensors) once every block is read, before warm-up, so the server can
     announce itself as joining. Call it on ``executor``, the thread that will compute (see
-    :func:`shoal.server.backend.compute_thread`)."""
+    :func:`shoal.server.backend.compute_thread`). ``secret_key``: the node's, to sign receipts
+    with; without it the server does not announce :data:`~shoal.wire.schema.RECEIPTS`."""
     started = time.perf_counter()
     model_dir = resolve_model(config.model, blocks=span)
     hf_config = load_config(model_dir)
@@ -83,6 +86,7 @@ def load_block_server(
         version=__version__,
         quantization=config.quant,
         adapters=adapters.infos() if adapters is not None else (),
+        capabilities=CAPABILITIES if secret_key is not None else CAPABILITIES - {RECEIPTS},
     )
     log.info(
         "loaded blocks %d:%d of %s (%s weights) in %.1f s", start, end, info.model,
@@ -90,9 +94,11 @@ def load_block_server(
     )  # fmt: skip
     backend = SpanBackend(built, hf_config.hidden_size, config.device, executor, adapters)
     backend.warm_up()
+    signer = ReceiptSigner(secret_key) if secret_key is not None else None
     return BlockServer(
-        backend, info, CacheBudget(config.cache_tokens), config.max_sessions_per_peer, config.session_idle_timeout
-    )
+        backend, info, CacheBudget(config.cache_tokens), config.max_sessions_per_peer, config.session_idle_timeout,
+        signer,
+    )  # fmt: skip
 
 
 def load_adapters(span: BlockSpan, adapters: tuple[tuple[str, Path], ...], hf_config):
@@ -336,7 +342,8 @@ async def serve(
                 with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
                     loop.call_soon_threadsafe(presence.announce_span, span, fingerprints, State.JOINING)
 
-        server = await loop.run_in_executor(compute, load_block_server, config, span, fingerprints_known, compute)
+        loader = functools.partial(load_block_server, secret_key=key)  # receipts are signed with the node key
+        server = await loop.run_in_executor(compute, loader, config, span, fingerprints_known, compute)
         server.attach(node)
         return server
 

@@ -5,27 +5,18 @@ nothing, against the server-wide budget) and freed when the client closes it, th
 (client vanished) or no message arrives within the idle timeout.
 
 Server-to-server push: a ``step`` may carry the rest of the chain (``push``: the next servers'
-tickets, session ids and session tokens). The server then hands its output straight to the next
-server (a ``push`` message on a stream between the two servers) before answering its own client, so
-the next hop starts without a round trip through the client. The receiving server checks the
-session token it issued at ``open`` (only a holder of the token can drive the session), runs the
-step and answers on the session's client stream, and so on down the chain. Every server still
-answers the client with its output: the client keeps them to replay a span's history when a
-server fails.
+tickets, session ids and tokens). The server hands its output straight to the next server (a
+``push`` on a server-to-server stream) before answering its own client; that server checks the
+session token it issued at ``open``, runs the step and answers on the session's client stream, and
+so on. Every server still answers the client (who keeps the outputs to replay a span's history).
 
-Training (capability ``train``): ``backward`` recomputes a stateless pass with autograd and answers
-the gradient of its inputs (:meth:`SpanBackend.backward <shoal.server.backend.SpanBackend.backward>`,
-at the compute thread's lowest priority); forwards, backwards and sessions may carry deep prompts
-(a session's come with its ``open`` and join every step) and name one of the server's LoRA adapters.
-
-Drain (the server is leaving): new sessions, forwards and backwards get ``unavailable``; steps of
-open sessions are still served, flagged ``draining`` so their clients move to other servers at their
-next step; whatever is left when the drain times out is closed.
-
-Codecs: a server answers in kind. Its output travels in the codec the step's hidden states came in
-(:mod:`shoal.wire.codecs`), to the client and, pushed, to the next server, so both decode the very
-same tensor (the client's replay history holds what the next server computed on). The client sends
-a codec only to a server that announced it, and pushes only between servers that use the same one.
+Training (``train``): ``backward`` answers the gradient of a stateless pass's inputs (recomputed
+with autograd, at the lowest priority); requests may carry deep prompts and name a LoRA adapter.
+Drain (leaving): new work gets ``unavailable``; open sessions' steps are served flagged ``draining``.
+Codecs: the output travels in the codec the hidden states came in (:mod:`shoal.wire.codecs`), to
+the client and, pushed, to the next server, so both decode the very same tensor. Receipts
+(``receipts``, :mod:`shoal.verify.receipts`): a step, push or forward that asks gets a receipt
+signed with the node key (a push asks on for the next server).
 """
 
 from __future__ import annotations
@@ -58,9 +49,11 @@ from shoal.protocols import BLOCKS
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
 from shoal.transport import MessageStream, Node, Ticket
+from shoal.verify.receipts import ReceiptSigner, server_receipt
 from shoal.wire import Codec, InvalidMessage, Message, codecs, error_message
 from shoal.wire.schema import (
     BackwardRequest,
+    ForwardReply,
     ForwardRequest,
     InfoReply,
     OpenReply,
@@ -104,8 +97,10 @@ class BlockServer:
         budget: CacheBudget,
         max_sessions_per_peer: int,
         idle_timeout: float,
+        signer: ReceiptSigner | None = None,  # the node key: signs receipts (RECEIPTS) when asked
     ):
         self.backend = backend
+        self.signer = signer
         self.info = info
         self.budget = budget
         self.max_sessions_per_peer = max_sessions_per_peer
@@ -122,6 +117,8 @@ class BlockServer:
 
     def attach(self, node: Node) -> None:
         """The endpoint this server answers on (pushes to the next server leave through it)."""
+        if self.signer is not None and self.signer.peer_id != node.id:
+            raise ValueError("the receipt key is not the node's: its receipts would not verify")
         self.node = node
 
     def describe(self) -> InfoReply:
@@ -192,7 +189,9 @@ class BlockServer:
         out = await self.backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter)
         self.counters.forward_requests += 1
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
-        return Message("result", request.id, tensors=[out], codecs=_in_kind(out, request))
+        codecs_out = _in_kind(out, request)  # first: raises if the codec cannot carry the output
+        reply = ForwardReply(receipt=server_receipt(self.signer, self.info, request, out) if meta.receipt else None)
+        return Message("result", request.id, reply, [out], codecs_out)
 
     async def _backward(self, request: Message) -> Message:
         """The gradients of a stateless pass's inputs; they travel raw (no codec)."""
@@ -353,6 +352,7 @@ class BlockServer:
             position=message.meta.position,
             step=message.id,
             push=route[1:],
+            receipt=message.meta.receipt,
         )
         tensors = [reply.tensors[0], *message.tensors[1:]]  # our output, the same positions and mask
         try:
@@ -406,7 +406,7 @@ class BlockServer:
             return
         self.counters.pushes_received += 1
         session.last_active = asyncio.get_running_loop().time()
-        step = StepRequest(session=session.id, position=meta.position, push=meta.push)
+        step = StepRequest(session=session.id, position=meta.position, push=meta.push, receipt=meta.receipt)
         try:
             await self._serve_step(session, Message("step", meta.step, step, message.tensors, message.codecs))
         except Exception:
@@ -431,8 +431,10 @@ class BlockServer:
         self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1
         self.counters.positions_processed += hidden.shape[1]
-        reply = StepReply(position=position + hidden.shape[1])
-        return Message("result", message.id, reply, [out], _in_kind(out, message))
+        codecs_out = _in_kind(out, message)
+        receipt = server_receipt(self.signer, self.info, message, out, session.id, position) if meta.receipt else None
+        reply = StepReply(position=position + hidden.shape[1], receipt=receipt)
+        return Message("result", message.id, reply, [out], codecs_out)
 
 
 def _in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:

@@ -38,7 +38,8 @@ CODEC_FP16 = Codec.FP16.capability  # float32 tensors as float16
 CODEC_Q8 = Codec.Q8.capability  # float32 tensors as int8 blocks of 64 with a scale each
 TRAIN = "train"  # the backward kind; deep prompts (``prompts``) on forward, backward and open
 ADAPTERS = "adapters"  # ``adapter`` on forward, backward and open: run with one of the server's LoRA adapters
-CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, *(codec.capability for codec in Codec)})
+RECEIPTS = "receipts"  # ``receipt`` on step, push and forward: the reply carries a signed Receipt
+CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, RECEIPTS, *(codec.capability for codec in Codec)})
 
 Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
 StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
@@ -48,6 +49,8 @@ Session = Annotated[SessionId, msgspec.Meta(max_length=64)]
 AdapterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 Digest = Annotated[str, msgspec.Meta(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 Capabilities = Annotated[frozenset[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=64)]
+Digest16 = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+Signature = Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
 
 
 class Meta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -160,6 +163,32 @@ class ForwardRequest(Meta):
 
     prompts: bool = False  # needs TRAIN: the last tensor is the span's deep prompts (as OpenRequest's)
     adapter: AdapterName | None = None  # needs ADAPTERS
+    receipt: bool = False  # needs RECEIPTS: answer with a ForwardReply carrying a signed Receipt
+
+
+class Receipt(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What a server computed, signed by its node key (:mod:`shoal.verify.receipts`): blocks
+    ``[start, end)`` of the weights ``weights`` names, for ``session`` ("" for a forward) at cache
+    positions ``[position, position + n)``, step (or forward request) ``step``; ``inputs`` and
+    ``outputs`` digest the tensors it decoded and the output its receiver decodes. Compact on
+    purpose (an array, about 170 bytes): one rides on every step reply of every hop."""
+
+    weights: Digest16  # shoal.verify.receipts.weights_digest of the span's fingerprints and quantization
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    end: Annotated[int, msgspec.Meta(ge=1)]
+    session: Session
+    position: Position
+    n: Position
+    step: StepId
+    inputs: Digest16
+    outputs: Digest16
+    signature: Signature  # ed25519 by the server's node key (its peer id) over the other fields
+
+
+class ForwardReply(Meta):
+    """``forward``'s result when it asked for a receipt (else the result's metadata is empty)."""
+
+    receipt: Receipt | None = None
 
 
 class BackwardRequest(Meta):
@@ -192,12 +221,14 @@ class StepRequest(Meta):
     session: Session
     position: Position  # the session's length before this step
     push: PushRoute = ()  # needs PUSH: the rest of the chain, to hand the output on to
+    receipt: bool = False  # needs RECEIPTS: the reply carries a signed Receipt (pushed on to the chain)
 
 
 class StepReply(Meta):
     position: Position  # the session's length after the step
     pushed: bool | None = None  # whether the hand-off to push[0] went out (None: no push asked)
     draining: bool = False  # the server is leaving: move this span before the next step
+    receipt: Receipt | None = None  # when the step asked for one
 
 
 class PushRequest(Meta):
@@ -208,6 +239,7 @@ class PushRequest(Meta):
     position: Position
     step: StepId  # the client's step id: the reply goes out under it; older ones are dropped
     push: PushRoute = ()
+    receipt: bool = False  # needs RECEIPTS: as the client's step asked (it asks a whole push segment or none)
 
 
 class ErrorReply(Meta):
@@ -275,12 +307,14 @@ __all__ = [
     "MAX_PUSH_HOPS",
     "MAX_SESSION_LENGTH",
     "PUSH",
+    "RECEIPTS",
     "TRAIN",
     "AdapterInfo",
     "AdapterName",
     "BackwardRequest",
     "Empty",
     "ErrorReply",
+    "ForwardReply",
     "ForwardRequest",
     "Gossip",
     "Hello",
@@ -293,6 +327,7 @@ __all__ = [
     "Ping",
     "PushHop",
     "PushRequest",
+    "Receipt",
     "ServerCounters",
     "SessionId",
     "SpanInfo",

@@ -36,6 +36,7 @@ from shoal.wire.schema import (
     BackwardRequest,
     Empty,
     ErrorReply,
+    ForwardReply,
     ForwardRequest,
     Gossip,
     Hello,
@@ -47,6 +48,7 @@ from shoal.wire.schema import (
     Ping,
     PushHop,
     PushRequest,
+    Receipt,
     ServerCounters,
     SpanInfo,
     StepReply,
@@ -58,17 +60,21 @@ pytestmark = pytest.mark.timeout(60)
 
 SHAPES = [(), (0,), (0, 3), (1,), (7,), (2, 3, 4), (1, 1, 1, 1, 5)]
 HOP = PushHop(ticket="shoal1ticket", session="next-session", token="t0ken")
+RECEIPT = Receipt(
+    weights=b"w" * 16, start=2, end=4, session="s-1", position=17, n=1, step=9, inputs=b"i" * 16, outputs=b"o" * 16,
+    signature=b"s" * 64,
+)  # fmt: skip
 
 #: One metadata value of every kind a peer sends (``result`` carries a reply struct: see REPLIES).
 REQUESTS: dict[str, Meta] = {
     "hello": Hello(),
     "ping": Ping(echo=False),
     "info": Empty(),
-    "forward": ForwardRequest(prompts=True, adapter="style-v1"),
+    "forward": ForwardRequest(prompts=True, adapter="style-v1", receipt=True),
     "backward": BackwardRequest(adapter="a.b_c-2"),
     "open": OpenRequest(max_length=128, batch_size=3, prompts=True, adapter="style-v1"),
-    "step": StepRequest(session="s-1", position=17, push=(HOP, PushHop("t2", "s2", "k2"))),
-    "push": PushRequest(session="s-2", token="k", position=4, step=9, push=(HOP,)),
+    "step": StepRequest(session="s-1", position=17, push=(HOP, PushHop("t2", "s2", "k2")), receipt=True),
+    "push": PushRequest(session="s-2", token="k", position=4, step=9, push=(HOP,), receipt=True),
     "close": Empty(),
     "gossip": Gossip(op="table"),
     "error": ErrorReply(code="wire", message="bad frame", reason="bad_frame"),
@@ -91,6 +97,9 @@ REPLIES: list[Meta] = [
     ),
     OpenReply(session="s-1", token="k", max_length=128),
     StepReply(position=18, pushed=True),
+    StepReply(position=18, receipt=RECEIPT),
+    ForwardReply(receipt=msgspec.structs.replace(RECEIPT, session="", position=0)),
+    ForwardReply(),
     Empty(),
 ]
 

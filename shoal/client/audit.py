@@ -1,0 +1,217 @@
+"""Audit mode (``verify="audit"``): a second server checks every hop of a session, a third settles a dispute.
+
+For each hop ``[a, b)`` of a session's chain the client keeps an *auditor*: an ordinary inference
+session on another server whose span is exactly ``[a, b)`` and which computes what the hop's server
+does (same weight format and adapters, :func:`shoal.client.directory.replicas`). Every ``K`` new
+positions (``audit_every``), and once more before ``generate`` returns, each auditor gets ONE step
+with the positions it has not seen, ``[audited, position)``: the audited hop's recorded inputs there
+(the session's history at block ``a``). Its outputs are compared with what the audited server
+returned for the same positions (the history at block ``b``) within the calibrated tolerance
+(:mod:`shoal.verify.compare`). The audited server cannot tell an audit from other traffic: it is a
+session elsewhere. The cost is one step per ``K`` positions per hop, on other servers. This module
+holds the decisions; :mod:`shoal.client.auditors` the sessions, steps and forwards.
+
+A disagreement at position ``p`` is settled by a third replica: a stateless ``forward`` of positions
+``[0, end)`` of the recorded inputs (no cache needed), compared at ``[p, end)`` with both. The two
+that agree are the majority; the third is the liar, banned for good
+(:meth:`~shoal.client.feedback.RouteFeedback.convicted`). A lying auditor is replaced (nothing was
+computed from its outputs). A lying hop is repaired by the session: it rolls back to the first wrong
+position, replaces the hop and raises :class:`LieDetected` for ``generate`` to regenerate from there
+(:mod:`shoal.client.repair`). Without a third replica the dispute is *unsettled*: nobody is banned,
+and the span is reported unverified from then on (its auditor closed), as is a span for which no
+second replica exists at all. Generation never waits for a replica to appear.
+
+Limits: stateless forwards (``use_cache=False``, training) are not audited; a span's replicas are
+assumed to compute in the same dtype (the directory does not know a server's compute dtype); the
+receipts of a pushed hop (:mod:`shoal.client.driver`) are what makes its recorded inputs the ones
+it computed on, so without them the session does not push (:meth:`RemoteSession._install`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shoal.client.hops import Hop
+from shoal.errors import ShoalError, UsageError
+from shoal.ids import BlockRange, PeerId
+from shoal.verify.compare import Tolerance, tolerance_for
+from shoal.wire import Codec
+
+VERIFY_MODES = ("off", "audit")
+DEFAULT_AUDIT_EVERY = 8
+
+__all__ = [
+    "DEFAULT_AUDIT_EVERY",
+    "Conviction",
+    "LieDetected",
+    "Track",
+    "Verdict",
+    "Verification",
+    "audit_due",
+    "check_verify",
+    "majority",
+    "successor",
+    "take_spare",
+    "tolerance_of",
+]
+
+
+def check_verify(verify: str, audit_every: int) -> str:
+    """``verify`` if it is a mode this client runs; raises :class:`UsageError` otherwise."""
+    if verify == "redundant":
+        raise UsageError("verify='redundant' (every step on a second chain) is not built yet: use 'audit' or 'off'")
+    if verify not in VERIFY_MODES:
+        raise UsageError(f"verify must be one of 'off', 'audit', not {verify!r}")
+    if audit_every < 1:
+        raise UsageError(f"audit_every must be at least 1 position, got {audit_every}")
+    return verify
+
+
+@dataclass
+class Verification:
+    """What audits did, over every session of one client (``model.verification``). Counts: ``audits``
+    (auditor steps), ``audited_positions`` (positions they covered), ``disagreements`` (audits whose
+    outputs differed beyond tolerance), ``settled`` / ``unsettled`` (disputes a third replica decided,
+    or could not), ``bans`` (servers convicted: ``banned`` names them), ``rollbacks`` (repairs of a
+    session). ``unverified_blocks``: how many blocks of the latest session's chain nothing checks
+    (``unverified`` lists them)."""
+
+    mode: str = "off"
+    audit_every: int = DEFAULT_AUDIT_EVERY
+    audits: int = 0
+    audited_positions: int = 0
+    disagreements: int = 0
+    settled: int = 0
+    unsettled: int = 0
+    bans: int = 0
+    rollbacks: int = 0
+    unverified_blocks: int = 0
+    banned: tuple[PeerId, ...] = ()
+    unverified: tuple[int, ...] = ()
+
+    @property
+    def auditing(self) -> bool:
+        return self.mode == "audit"
+
+    def convicted(self, peer: PeerId) -> None:
+        self.bans += 1
+        self.banned = (*self.banned, peer)
+
+
+class LieDetected(ShoalError):
+    """A server of the session's chain returned wrong hidden states from ``position`` on (a majority
+    of replicas said so). The session is rolled back to ``position`` and the liar replaced; the token
+    at ``position`` (computed from honest logits before it) and everything before stand. ``generate``
+    handles it (it regenerates from there); a caller stepping a session by hand re-sends from there."""
+
+    def __init__(self, position: int, peer: PeerId | None, blocks: BlockRange):
+        who = f"server {peer[:10]}" if peer is not None else "a server since replaced"
+        super().__init__(f"{who} lied on blocks {blocks} from position {position}: rolled back there")
+        self.position = position
+        self.peer = peer
+        self.blocks = blocks
+
+
+class Verdict(enum.Enum):
+    AUDITED = "audited"  # the audited server is the odd one out: it lied
+    AUDITOR = "auditor"  # the auditor did
+    UNSETTLED = "unsettled"  # no majority (or no third replica)
+
+
+def audit_due(audited: int, position: int, every: int) -> bool:
+    """Whether a hop checked up to ``audited`` needs an audit now that the session holds ``position``."""
+    return position - audited >= every
+
+
+def majority(audited_vs_third: int | None, auditor_vs_third: int | None) -> Verdict:
+    """Who lied, from where a third replica first disagrees with the audited server and with the
+    auditor (None: agrees throughout): the one it disagrees with, if it agrees with the other."""
+    if audited_vs_third is not None and auditor_vs_third is None:
+        return Verdict.AUDITED
+    if auditor_vs_third is not None and audited_vs_third is None:
+        return Verdict.AUDITOR
+    return Verdict.UNSETTLED
+
+
+#: How coarse each float dtype's rounding is (the coarsest of a comparison's dtypes sets its tolerance).
+_COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def tolerance_of(wire: torch.dtype, computed: str | None, codec: Codec) -> Tolerance:
+    """How far honest outputs may differ: hidden states travelling as ``wire``, computed by the
+    servers in ``computed`` (a dtype name, as their info says; None: not known), sent as ``codec``.
+    The coarsest rounding counts; a lossy codec rounds to about bfloat16."""
+    dtypes = [wire if wire in _COARSENESS else torch.float32]
+    named = getattr(torch, computed, None) if computed else None
+    if named in _COARSENESS:
+        dtypes.append(named)
+    if codec in (Codec.BF16, Codec.FP16, Codec.Q8):
+        dtypes.append(torch.bfloat16)
+    return tolerance_for(max(dtypes, key=_COARSENESS.__getitem__))
+
+
+@dataclass
+class Track:
+    """The audit of one hop: its auditor (None: nobody checks it) and the positions ``[0, audited)``
+    checked so far (the auditor's cache holds at least those). ``unverified``: no auditor could be
+    had, or a dispute stayed unsettled; the span is reported unverified and no longer audited.
+
+    The history at the hop's end block holds its own outputs from ``since`` on; before that, those
+    of the hop it replaced (``before``: that server, when it had exactly this span; None when the
+    chain had other boundaries there, and a lie cannot be pinned on one server)."""
+
+    hop: Hop
+    audited: int
+    since: int = 0
+    before: PeerId | None = None
+    auditor: Hop | None = None
+    unverified: bool = False
+
+    @property
+    def checked(self) -> bool:
+        return self.auditor is not None and not self.unverified
+
+    def producer(self, position: int) -> PeerId | None:
+        """The server whose output the history holds at ``position`` of the hop's end block."""
+        return self.hop.span.peer_id if position >= self.since else self.before
+
+
+@dataclass(frozen=True)
+class Conviction:
+    """An audit proved the outputs of hop ``index``'s span wrong from ``position`` on: the session
+    rolls back there and, if they are the hop's own (``replace``), replaces the hop. ``peer``: who
+    computed them (None: not one server, see :attr:`Track.before`); convicted already."""
+
+    index: int
+    peer: PeerId | None
+    blocks: BlockRange
+    position: int
+    replace: bool
+
+
+def successor(hop: Hop, left: Sequence[Track], position: int, adopted: bool) -> Track:
+    """The track of a new hop. Its replay's output became its end block's history (``adopted``):
+    everything is its own and is audited from 0. Else the history there is the old chain's up to
+    ``position``: what the tracks that left had not audited of it is audited still (the tokens
+    stand on it), and pinned on the old server if it had exactly this span."""
+    if adopted:
+        return Track(hop, audited=0)
+    span = hop.span
+    overlapping = [t for t in left if t.hop.span.start < span.end and span.start < t.hop.span.end]
+    audited = min((t.audited for t in overlapping), default=position)
+    before = next((t.hop.span.peer_id for t in overlapping if t.hop.span.blocks == span.blocks), None)
+    return Track(hop, audited=min(audited, position), since=position, before=before)
+
+
+def take_spare(spare: list[Hop], hop: Hop, banned: Collection[str]) -> Hop | None:
+    """An auditor of a hop that left whose span is ``hop``'s and that is neither ``hop``'s server nor banned."""
+    for auditor in spare:
+        peer = auditor.span.peer_id
+        if auditor.span.blocks == hop.span.blocks and peer != hop.span.peer_id and peer not in banned:
+            spare.remove(auditor)
+            return auditor
+    return None

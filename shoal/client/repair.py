@@ -1,0 +1,194 @@
+"""``generate`` that survives a lie: when an audit (:mod:`shoal.client.audit`) proves a server wrong, the
+session has been rolled back to the first wrong position ``p`` and the liar replaced; generation goes
+on from there, as if the lie had never been told.
+
+The token at ``p`` was chosen from the logits at ``p - 1``, which were honest; the logits from ``p``
+on were not. So the consumed ids ``[0, p]`` stand (or the prompt, when ``p`` lies inside it), and
+transformers' ``generate`` is called again from them, with the same generation config, the same
+session (it holds ``[0, p)`` and takes only what follows) and the remaining budget: lengths count
+from the ORIGINAL prompt. Repeated until an attempt ends with every position audited (at most
+:data:`MAX_REPAIRS` repairs). Greedy answers then equal an honest run; sampled ones do when the
+sampler seeds each draw by position (:class:`~shoal.client.sampling.PositionSeededSampler`), since
+transformers' own sampling draws from the global generator.
+
+Streaming: ``generate(..., streamer=s, hold_back=True)`` gives ``s`` each token only once every hop
+is audited past it, so it never sees a token the answer replaces; the lag is up to ``audit_every``
+tokens (plus a step's window with speculation), and the last ones come when the final audit passes.
+Without ``hold_back``, ``s`` gets tokens as they are generated: after a repair it has seen the tokens
+from the first wrong position to where the lie was caught (up to ``audit_every`` of them), then gets
+the regenerated tokens from that position on, after them (a streamer cannot take tokens back). It is
+told ``end()`` once. With ``return_dict_in_generate``, scores and logits cover the last attempt only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from shoal.client.audit import LieDetected
+from shoal.errors import ShoalError, UsageError
+
+log = logging.getLogger(__name__)
+
+MAX_REPAIRS = 8
+
+__all__ = ["MAX_REPAIRS", "HeldStreamer", "generate_repaired", "resume_length"]
+
+
+def resume_length(lie_position: int, prefix: int, prompt_length: int) -> int:
+    """How many token ids a repaired generation resumes from after a lie at session position
+    ``lie_position`` (``prefix``: trained prompt positions before the tokens): those at ``[0, p]``
+    (token space), or the whole prompt when the lie is inside it (its tokens are given, not made)."""
+    return max(lie_position - prefix + 1, prompt_length)
+
+
+class HeldStreamer:
+    """Stands between ``generate`` and the caller's streamer in audit mode: passes the prompt once,
+    ``end()`` once, and with ``hold_back`` only tokens at positions every hop is audited past
+    (``frontier()``: the session's audited position in token space, None before a session exists)."""
+
+    def __init__(self, inner, hold_back: bool, frontier: Callable[[], int | None]):
+        self.inner = inner
+        self.hold_back = hold_back
+        self.frontier = frontier
+        self._length: int | None = None  # token ids put so far (prompt included) in this attempt
+        self._held: list[tuple[int, Tensor]] = []  # (position after the put's last token, its tokens)
+        self._batch = 1
+
+    def put(self, value: Tensor) -> None:
+        if self._length is None:  # the first attempt's prompt
+            self._batch = value.shape[0] if value.dim() == 2 else 1
+            self._length = value.shape[-1]
+            self.inner.put(value)
+            return
+        if self._length < 0:  # a repaired attempt's prompt: the ids the caller has seen or held
+            self._length = value.shape[-1]
+            return
+        n = value.shape[-1] if value.dim() == 2 or self._batch == 1 else 1
+        self._length += n
+        if not self.hold_back:
+            self.inner.put(value)
+            return
+        self._held.append((self._length, value))
+        self.release()
+
+    def release(self, everything: bool = False) -> None:
+        """Pass on the held tokens the audits have confirmed (all of them: ``everything``)."""
+        frontier = self.frontier()
+        while self._held and (everything or (frontier is not None and self._held[0][0] - 1 <= frontier)):
+            self.inner.put(self._held.pop(0)[1])
+
+    def restart(self, length: int) -> None:
+        """A repair resumes from ``length`` ids: held tokens after them are dropped."""
+        self._held = [(end, tokens) for end, tokens in self._held if end <= length]
+        self._length = -1
+
+    def end(self) -> None:
+        """``generate``'s own ``end()`` (of each attempt): deferred until the answer is final."""
+
+    def finish(self) -> None:
+        self.release(everything=True)
+        self.inner.end()
+
+
+def generate_repaired(model, generate: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``generate(*args, **kwargs)``, then the final audit; on :class:`LieDetected`, again from the
+    honest prefix (see the module docstring). ``model``: the :class:`DistributedModelForCausalLM`."""
+    hold_back = bool(kwargs.pop("hold_back", False))
+    if not model.verification.auditing:
+        if hold_back:
+            raise UsageError("hold_back holds tokens until they are audited: load the model with verify='audit'")
+        return generate(*args, **kwargs)
+    args, kwargs = list(args), dict(kwargs)
+    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    streamer, prompt_mask = None, kwargs.get("attention_mask")
+    if kwargs.get("streamer") is not None:
+        streamer = kwargs["streamer"] = HeldStreamer(kwargs["streamer"], hold_back, lambda: _frontier(model))
+    for repairs in range(MAX_REPAIRS + 1):
+        model._per_thread.generation = None
+        try:
+            out = generate(*args, **kwargs)
+            generation = model._per_thread.generation
+            audit = getattr(generation[0].session, "audit", None) if generation is not None else None
+            if audit is not None:
+                audit()  # what the last audit round did not cover: may raise LieDetected
+        except LieDetected as lie:
+            generation = model._per_thread.generation
+            if generation is None or not isinstance(prompt, Tensor) or repairs == MAX_REPAIRS:
+                raise ShoalError(f"cannot repair generate after {repairs} repairs: {lie}") from lie
+            log.warning("%s; regenerating from there", lie)
+            if repairs == 0 and prompt_mask is None:  # the mask generate made of the prompt (pad tokens masked)
+                inferred = generation[2]
+                prompt_mask = torch.ones_like(prompt, dtype=torch.long) if inferred is None else inferred
+            args, kwargs = _resumed(prompt, prompt_mask, lie, generation[0], generation[1], args, kwargs)
+            if streamer is not None:
+                streamer.restart(_ids_of(args, kwargs).shape[1])
+            continue
+        if streamer is not None:
+            streamer.finish()
+        return _as_one_run(out, prompt, model.generation_config) if repairs else out
+    raise AssertionError("unreachable")
+
+
+def _frontier(model) -> int | None:
+    """Tokens ``[0, result)`` every audited hop of this thread's generation is checked for."""
+    generation = model._per_thread.generation
+    if generation is None:
+        return None
+    cache = generation[0]
+    return getattr(cache.session, "audited_position", cache.session.position) - cache.prefix
+
+
+def _ids_of(args: list, kwargs: dict) -> Tensor:
+    return args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+
+
+def _resumed(
+    prompt: Tensor, prompt_mask: Tensor, lie: LieDetected, cache, config, args: list, kwargs: dict
+) -> tuple[list, dict]:
+    """The arguments of the attempt after ``lie``: the honest ids, their mask (the prompt's, then
+    ones: a generated token that happens to be the pad id is no padding), the original total
+    length, the same session."""
+    from shoal.client.model import CACHE_KEY
+
+    length = resume_length(lie.position, cache.prefix, prompt.shape[1])
+    if lie.position < cache.prefix:
+        cache.rollback(0)  # the trained prompts themselves were answered wrongly: send them again
+    ids = prompt if length == prompt.shape[1] else cache.consumed_ids(length).to(prompt.device)
+    kwargs = dict(kwargs)
+    mask = prompt_mask
+    grown = torch.ones(mask.shape[0], max(length - mask.shape[1], 0), dtype=mask.dtype, device=mask.device)
+    kwargs["attention_mask"] = torch.cat([mask, grown], dim=1)[:, :length]
+    kwargs.update(max_length=config.max_length, max_new_tokens=None, min_length=config.min_length,
+                  min_new_tokens=None, **{CACHE_KEY: cache})  # fmt: skip
+    kwargs.pop("input_ids", None)
+    kwargs.pop("inputs", None)
+    return [ids, *args[1:]], kwargs
+
+
+def _as_one_run(out: Any, prompt: Tensor, config) -> Any:
+    """A batch's rows that ended (EOS) before a repair's resume point went on generating in the
+    repaired attempt, where one run pads them: pad after each row's first EOS, and end the answer
+    where the last row ended, as one run would."""
+    sequences = out if isinstance(out, Tensor) else getattr(out, "sequences", None)
+    eos, pad = config.eos_token_id, config.pad_token_id
+    if sequences is None or sequences.shape[0] == 1 or eos is None:
+        return out
+    eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos], device=sequences.device)
+    generated = sequences[:, prompt.shape[1] :]
+    ended = torch.isin(generated, eos_ids)
+    if not bool(ended.any(dim=1).all()):
+        return out
+    first = ended.long().argmax(dim=1)
+    after = torch.arange(generated.shape[1], device=sequences.device)[None] > first[:, None]
+    if pad is not None:
+        generated.masked_fill_(after, pad if not isinstance(pad, list) else pad[0])
+    end = prompt.shape[1] + int(first.max()) + 1
+    if isinstance(out, Tensor):
+        return out[:, :end]
+    out.sequences = sequences[:, :end]
+    return out

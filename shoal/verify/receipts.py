@@ -1,0 +1,278 @@
+"""Signed step receipts: a server's signed statement of what it computed, and the client's checks.
+
+A :class:`~shoal.wire.schema.Receipt` names the weights (a digest of the span's fingerprints and
+quantization), the blocks, the session ("" for a stateless forward), the cache positions
+``[position, position + n)``, the step id, and digests of the inputs the server decoded and of the
+output its receiver decodes. The server signs it with its node key: ed25519 over
+``b"shoal/receipt/1\\0" + msgpack(every field but the signature)``, so a peer id (the hex public
+key, as in :mod:`shoal.swarm.records`) is all a verifier needs, and a receipt cannot pass for a
+record or anything else signed with the same key.
+
+Digests (:func:`tensor_digest`): sha256 over each tensor's dtype, shape and raw bytes, truncated to
+16 bytes (collisions need ~2^64 work; a server gains nothing from a second preimage of its own
+output). sha256 rather than blake2b/blake3: this machine's CPUs hash sha256 in hardware (1.3 GB/s
+against 0.6-0.9 GB/s for blake2b, measured), and it needs no extra dependency. A decode step of a
+576-wide model digests 2.3 KB (about 2 us); signing costs about 33 us, verifying about 110 us.
+
+The output digest is over the decoded tensor (the codec's round trip of the output, see
+:func:`shoal.wire.tensors.roundtrip`), so the client recomputes it from the tensor it received, and
+the next server of a push chain, which decodes the very same bytes, digests the same input: a
+server that pushes one tensor onward and answers another (equivocation) is caught when the next
+server's receipt of its inputs disagrees with the reply the client got (:class:`Equivocation`).
+Which of the two lied is not decided here: the earlier server is the suspect (a later one could
+frame it by signing a false input digest; recomputing on a third replica settles that).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+
+import msgspec
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from torch import Tensor
+
+from shoal.errors import ShoalError
+from shoal.wire import Message
+from shoal.wire.schema import Receipt, SpanInfo
+from shoal.wire.tensors import dtype_name, roundtrip, tensor_bytes
+
+SIGNING_CONTEXT = b"shoal/receipt/1\0"
+DIGEST_CONTEXT = b"shoal/tensors/1\0"
+WEIGHTS_CONTEXT = b"shoal/weights/1\0"
+DIGEST_BYTES = 16
+#: how long a server caught lying by its receipts stays out of this client's routes
+LIAR_BAN_SECONDS = 3600.0
+#: every field a receipt states (all but the signature), in wire order
+FIELDS = tuple(f for f in Receipt.__struct_fields__ if f != "signature")
+_encoder = msgspec.msgpack.Encoder()
+
+
+class ReceiptError(ShoalError):
+    """A server's receipt does not vouch for what it answered: a missing receipt, a bad signature,
+    or a field that differs from what was asked or received. ``hop``: the chain index of the
+    server held responsible (None outside a chain), ``peer``: its peer id, ``what``: the fields."""
+
+    def __init__(self, message: str, *, peer: str, hop: int | None = None, what: Sequence[str] = ()):
+        where = f"hop {hop} " if hop is not None else ""
+        super().__init__(f"{where}server {peer[:10]}: {message}")
+        self.peer = peer
+        self.hop = hop
+        self.what = tuple(what)
+
+
+class MissingReceipt(ReceiptError):
+    """Asked for a receipt, the reply carried none."""
+
+
+class BadSignature(ReceiptError):
+    """The receipt is not signed by the server's key."""
+
+
+class ReceiptMismatch(ReceiptError):
+    """The receipt states another computation than the one asked, or another output than the one
+    received."""
+
+
+class Equivocation(ReceiptError):
+    """A pushed hop's inputs differ from what the server before it answered the client: that server
+    (``peer``, at ``hop``) is the suspect of pushing one tensor and answering another; ``witness``
+    is the pushed server whose receipt shows it."""
+
+    def __init__(self, message: str, *, peer: str, hop: int | None, witness: str):
+        super().__init__(message, peer=peer, hop=hop, what=("inputs",))
+        self.witness = witness
+
+
+def tensor_digest(tensors: Sequence[Tensor]) -> bytes:
+    """16 bytes naming ``tensors`` exactly: their count, each one's dtype, shape and raw bytes."""
+    hasher = hashlib.sha256(DIGEST_CONTEXT)
+    hasher.update(len(tensors).to_bytes(2, "little"))
+    for tensor in tensors:
+        hasher.update(_encoder.encode((dtype_name(tensor.dtype), tuple(tensor.shape))))  # self-delimiting
+        hasher.update(tensor_bytes(tensor))
+    return hasher.digest()[:DIGEST_BYTES]
+
+
+@functools.lru_cache(maxsize=1024)
+def weights_digest(fingerprints: tuple[str, ...], quantization: str) -> bytes:
+    """What a receipt's ``weights`` must be for a span with these block fingerprints and weight format."""
+    body = _encoder.encode((list(fingerprints), quantization))
+    return hashlib.sha256(WEIGHTS_CONTEXT + body).digest()[:DIGEST_BYTES]
+
+
+def receipt_body(receipt: Receipt) -> bytes:
+    """The bytes a receipt's signature covers (after :data:`SIGNING_CONTEXT`)."""
+    return _encoder.encode(tuple(getattr(receipt, name) for name in FIELDS))
+
+
+class ReceiptSigner:
+    """A server's node key, signing receipts (ed25519; the peer id is the public key)."""
+
+    def __init__(self, secret_key: bytes):
+        self._key = Ed25519PrivateKey.from_private_bytes(secret_key)
+        self.peer_id = self._key.public_key().public_bytes_raw().hex()
+
+    def sign(self, receipt: Receipt) -> Receipt:
+        """``receipt`` (its signature field ignored) signed."""
+        signature = self._key.sign(SIGNING_CONTEXT + receipt_body(receipt))
+        return msgspec.structs.replace(receipt, signature=signature)
+
+
+def sign_receipt(
+    signer: ReceiptSigner,
+    *,
+    weights: bytes,
+    start: int,
+    end: int,
+    session: str,
+    position: int,
+    step: int,
+    inputs: Sequence[Tensor],
+    output: Tensor,
+) -> Receipt:
+    """The signed receipt of one computation: ``inputs`` as the server decoded them (hidden first),
+    ``output`` as its receiver decodes it."""
+    receipt = Receipt(
+        weights=weights,
+        start=start,
+        end=end,
+        session=session,
+        position=position,
+        n=inputs[0].shape[1],
+        step=step,
+        inputs=tensor_digest(inputs),
+        outputs=tensor_digest([output]),
+        signature=b"",
+    )
+    return signer.sign(receipt)
+
+
+def expected_receipt(
+    *,
+    start: int,
+    end: int,
+    fingerprints: Sequence[str],
+    quantization: str,
+    session: str,
+    position: int,
+    step: int,
+    sent: Sequence[Tensor],
+    output: Tensor,
+) -> Receipt:
+    """The receipt a client expects of blocks ``[start, end)`` given ``sent`` (the tensors the
+    server decodes, hidden first) when it received ``output``; unsigned. ``weights`` stays empty
+    (not compared) unless ``fingerprints`` covers the span."""
+    known = len(fingerprints) == end - start
+    return Receipt(
+        weights=weights_digest(tuple(fingerprints), quantization) if known else b"",
+        start=start,
+        end=end,
+        session=session,
+        position=position,
+        n=sent[0].shape[1],
+        step=step,
+        inputs=tensor_digest(sent),
+        outputs=tensor_digest([output]),
+        signature=b"",
+    )
+
+
+def server_receipt(
+    signer: ReceiptSigner | None, info: SpanInfo, request: Message, out: Tensor, session: str = "", position: int = 0
+) -> Receipt | None:
+    """What a server signs for ``request`` (a step, push or forward; ``session`` "" for a forward)
+    whose output is ``out``: its span, the inputs it decoded, and ``out`` as the receiver decodes it
+    (the codec's round trip: call after checking the codec carries it). None without a key (such a
+    server does not announce RECEIPTS)."""
+    if signer is None:
+        return None
+    return sign_receipt(
+        signer,
+        weights=weights_digest(tuple(info.fingerprints), info.quantization.value),
+        start=info.blocks.start,
+        end=info.blocks.end,
+        session=session,
+        position=position,
+        step=request.id,
+        inputs=request.tensors,
+        output=roundtrip(out, request.codec_of(0)),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _public_key(peer_id: str) -> Ed25519PublicKey | None:
+    try:
+        return Ed25519PublicKey.from_public_bytes(bytes.fromhex(peer_id))
+    except ValueError:
+        return None
+
+
+def signed_by(receipt: Receipt, peer_id: str) -> bool:
+    """Whether ``receipt`` carries ``peer_id``'s signature over its fields."""
+    key = _public_key(peer_id)
+    if key is None:
+        return False
+    try:
+        key.verify(receipt.signature, SIGNING_CONTEXT + receipt_body(receipt))
+    except InvalidSignature:
+        return False
+    return True
+
+
+def verify_receipt(
+    receipt: Receipt | None, peer_id: str, expected: Receipt, *, hop: int | None = None, previous: str | None = None
+) -> Receipt:
+    """Check ``receipt`` from ``peer_id`` against ``expected`` (what was asked and received; its
+    signature and, when empty, its ``weights`` are not compared). ``previous``: the peer id of the
+    server that pushed this hop its inputs (at ``hop - 1``): a differing input digest is then its
+    :class:`Equivocation`. Returns the receipt; raises a :class:`ReceiptError`."""
+    if receipt is None:
+        raise MissingReceipt("asked for a receipt, got none", peer=peer_id, hop=hop)
+    if not signed_by(receipt, peer_id):
+        raise BadSignature("the receipt is not signed by the server's key", peer=peer_id, hop=hop, what=("signature",))
+    wrong = [
+        name
+        for name in FIELDS
+        if getattr(receipt, name) != getattr(expected, name) and not (name == "weights" and not expected.weights)
+    ]
+    if wrong == ["inputs"] and previous is not None:
+        suspect = None if hop is None else hop - 1
+        raise Equivocation(
+            f"pushed hop {hop}'s server {peer_id[:10]} signed other inputs than this server answered",
+            peer=previous,
+            hop=suspect,
+            witness=peer_id,
+        )
+    if wrong:
+        stated = ", ".join(f"{name} {_shown(getattr(receipt, name))} (expected {_shown(getattr(expected, name))})"
+                           for name in wrong)  # fmt: skip
+        raise ReceiptMismatch(f"the receipt states {stated}", peer=peer_id, hop=hop, what=wrong)
+    return receipt
+
+
+def _shown(value: object) -> str:
+    return value.hex() if isinstance(value, bytes) else repr(value)
+
+
+__all__ = [
+    "LIAR_BAN_SECONDS",
+    "SIGNING_CONTEXT",
+    "BadSignature",
+    "Equivocation",
+    "MissingReceipt",
+    "Receipt",
+    "ReceiptError",
+    "ReceiptMismatch",
+    "ReceiptSigner",
+    "expected_receipt",
+    "receipt_body",
+    "server_receipt",
+    "sign_receipt",
+    "signed_by",
+    "tensor_digest",
+    "verify_receipt",
+    "weights_digest",
+]

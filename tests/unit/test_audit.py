@@ -1,0 +1,389 @@
+"""Audit mode's decisions and its rounds (shoal.client.audit, shoal.client.auditors, shoal.client.repair).
+
+The pure parts alone: when an audit is due, the majority rule, the tolerance a comparison gets, what a
+new hop's track inherits, where a repaired generation resumes, what a streamer holding tokens back
+lets through. Then :class:`~shoal.client.auditors.Audits` over stand-in servers (a position-wise
+function of the inputs, one of them adding noise from some position on) and a real
+:class:`~shoal.client.history.SpanHistory`: exactly which positions each round sends the auditor,
+who is convicted, where the lie starts, a lying auditor replaced, no third replica -> unsettled.
+Last, a real swarm in this process (tiny llama, 3 replicas of the liar's span): 32 greedy tokens equal
+local transformers, the liar is banned and never routed over again, and a streamer holding tokens
+back saw exactly the answer's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import Tensor
+
+from shoal.client import AutoDistributedModelForCausalLM
+from shoal.client.audit import (
+    Track,
+    Verdict,
+    Verification,
+    audit_due,
+    check_verify,
+    majority,
+    successor,
+    take_spare,
+    tolerance_of,
+)
+from shoal.client.auditors import Audits
+from shoal.client.history import SpanHistory
+from shoal.client.repair import HeldStreamer, _as_one_run, resume_length
+from shoal.errors import UsageError
+from shoal.ids import BlockRange, PeerId
+from shoal.routing import RouteInfo, ServerSpan
+from shoal.verify.compare import tolerance_for
+from shoal.wire import Codec
+from shoal.wire.schema import Receipt
+from tests.helpers.aio import run
+
+pytestmark = pytest.mark.timeout(60)
+
+SPAN = BlockRange(0, 2)
+HIDDEN = 8
+
+
+# ---- pure decisions -------------------------------------------------------------------------------
+
+
+def test_verify_modes():
+    assert check_verify("off", 8) == "off" and check_verify("audit", 1) == "audit"
+    with pytest.raises(UsageError, match=r"redundant.*not built yet"):
+        check_verify("redundant", 8)
+    with pytest.raises(UsageError, match="one of 'off', 'audit'"):
+        check_verify("paranoid", 8)
+    with pytest.raises(UsageError, match="audit_every"):
+        check_verify("audit", 0)
+
+
+def test_from_pretrained_refuses_redundant_before_any_io():
+    with pytest.raises(UsageError, match="not built yet"):
+        AutoDistributedModelForCausalLM.from_pretrained("no-such-model", [], verify="redundant")
+
+
+def test_an_audit_is_due_every_k_positions():
+    assert [p for p in range(0, 30) if audit_due(12, p, 8)] == list(range(20, 30))
+    assert audit_due(0, 12, 8)  # a prompt longer than K is audited at once
+    assert not audit_due(5, 5, 1)
+
+
+def test_majority_names_the_one_the_third_disagrees_with():
+    assert majority(audited_vs_third=0, auditor_vs_third=None) is Verdict.AUDITED
+    assert majority(audited_vs_third=None, auditor_vs_third=3) is Verdict.AUDITOR
+    assert majority(audited_vs_third=0, auditor_vs_third=0) is Verdict.UNSETTLED  # three different answers
+    assert majority(audited_vs_third=None, auditor_vs_third=None) is Verdict.UNSETTLED  # it sits between both
+
+
+def test_tolerance_is_the_coarsest_of_wire_compute_and_codec():
+    fp32, bf16 = tolerance_for(torch.float32), tolerance_for(torch.bfloat16)
+    assert tolerance_of(torch.float32, "float32", Codec.RAW) == fp32
+    assert tolerance_of(torch.float32, None, Codec.RAW) == fp32
+    assert tolerance_of(torch.float32, "bfloat16", Codec.RAW) == bf16  # servers computing in bf16
+    assert tolerance_of(torch.float32, "float32", Codec.Q8) == bf16  # a lossy codec on the wire
+    assert tolerance_of(torch.bfloat16, "float32", Codec.RAW) == bf16
+    assert tolerance_of(torch.float16, None, Codec.RAW) == tolerance_for(torch.float16)
+
+
+def test_a_repair_resumes_after_the_token_at_the_lie_or_from_the_prompt():
+    assert resume_length(lie_position=20, prefix=0, prompt_length=12) == 21  # ids [0, 20]: the token AT 20 stands
+    assert resume_length(lie_position=12, prefix=0, prompt_length=12) == 13
+    assert resume_length(lie_position=5, prefix=0, prompt_length=12) == 12  # inside the prompt: all of it
+    assert resume_length(lie_position=2, prefix=4, prompt_length=12) == 12  # inside trained prompts
+    assert resume_length(lie_position=24, prefix=4, prompt_length=12) == 21  # session positions count the prefix
+
+
+@dataclass(eq=False)
+class FakeHop:
+    span: ServerSpan
+    aborted: bool = False
+    closed: bool = False
+
+    async def abort(self) -> None:
+        self.aborted = True
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def span_of(peer: str, blocks: BlockRange = SPAN) -> ServerSpan:
+    return ServerSpan(PeerId(peer), blocks, ticket=peer, info=RouteInfo(dtype="float32"))
+
+
+def test_a_new_hop_inherits_what_the_old_one_left_unaudited():
+    old = Track(FakeHop(span_of("old")), audited=16, since=0)
+    new = successor(FakeHop(span_of("new")), [old], position=20, adopted=False)
+    assert (new.audited, new.since, new.before) == (16, 20, "old")
+    assert (new.producer(17), new.producer(20)) == ("old", "new")
+    wider = Track(FakeHop(span_of("wide", BlockRange(0, 4))), audited=12)
+    part = successor(FakeHop(span_of("part", BlockRange(2, 4))), [wider], position=20, adopted=False)
+    assert (part.audited, part.since, part.before) == (12, 20, None)  # no one server to blame before 20
+    fresh = successor(FakeHop(span_of("fresh")), [old], position=20, adopted=True)
+    assert (fresh.audited, fresh.since) == (0, 0)  # its replay's output is the history now: all its own
+    first = successor(FakeHop(span_of("first")), [], position=0, adopted=False)
+    assert (first.audited, first.since, first.before) == (0, 0, None)
+
+
+def test_a_spare_auditor_never_audits_its_own_server_nor_a_banned_one():
+    hop = FakeHop(span_of("a"))
+    same, banned, good = FakeHop(span_of("a")), FakeHop(span_of("x")), FakeHop(span_of("b"))
+    other_blocks = FakeHop(span_of("c", BlockRange(2, 4)))
+    spare = [same, banned, other_blocks, good]
+    assert take_spare(spare, hop, banned={"x"}) is good and spare == [same, banned, other_blocks]
+    assert take_spare(spare, hop, banned={"x"}) is None
+
+
+def test_a_held_streamer_passes_only_audited_tokens_and_the_prompt_once():
+    seen: list[list[int]] = []
+    frontier = {"at": 0}
+
+    class Collect:
+        ended = 0
+
+        def put(self, value: Tensor) -> None:
+            seen.append(value.flatten().tolist())
+
+        def end(self) -> None:
+            Collect.ended += 1
+
+    inner = Collect()
+    held = HeldStreamer(inner, hold_back=True, frontier=lambda: frontier["at"])
+    held.put(torch.tensor([[1, 2, 3]]))  # the prompt, positions 0-2
+    for token in (10, 11, 12):  # positions 3, 4, 5
+        held.put(torch.tensor([token]))
+    assert seen == [[1, 2, 3]]  # nothing audited past the prompt yet
+    frontier["at"] = 4  # positions [0, 4) audited: tokens at <= 4 stand
+    held.put(torch.tensor([13]))  # position 6
+    assert seen == [[1, 2, 3], [10], [11]]
+    held.end()  # generate's own end: deferred
+    held.restart(5)  # a lie at 4: ids [0, 5) stand, the held 12 and 13 are dropped
+    held.put(torch.tensor([[1, 2, 3, 10, 11]]))  # the repaired attempt's prompt: swallowed
+    held.put(torch.tensor([20]))  # position 5 again
+    assert seen == [[1, 2, 3], [10], [11]] and inner.ended == 0
+    held.finish()
+    assert seen == [[1, 2, 3], [10], [11], [20]] and inner.ended == 1
+
+    seen.clear()
+    passing = HeldStreamer(inner, hold_back=False, frontier=lambda: 0)
+    passing.put(torch.tensor([[1, 2]]))
+    passing.put(torch.tensor([7]))
+    passing.restart(3)
+    passing.put(torch.tensor([[1, 2, 7]]))
+    passing.put(torch.tensor([8]))
+    assert seen == [[1, 2], [7], [8]]  # without hold-back: every attempt's new tokens, the prompt once
+
+
+def test_one_run_pads_rows_that_ended_before_a_repair_and_ends_with_the_last():
+    config = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    prompt = torch.tensor([[7, 7], [8, 8]])
+    out = torch.tensor([[7, 7, 5, 2, 9, 9], [8, 8, 6, 6, 2, 4]])  # row 0 went on after its EOS
+    assert _as_one_run(out, prompt, config).tolist() == [[7, 7, 5, 2, 0], [8, 8, 6, 6, 2]]
+    unfinished = torch.tensor([[7, 7, 5, 2, 9, 9], [8, 8, 6, 6, 6, 4]])
+    assert torch.equal(_as_one_run(unfinished, prompt, config), unfinished)  # a row still running: unchanged
+
+
+def test_the_history_keeps_receipts_and_forgets_those_past_a_rollback():
+    def receipt(position: int, n: int) -> Receipt:
+        zero = bytes(16)
+        return Receipt(zero, 0, 2, "s", position, n, position + 1, zero, zero, bytes(64))
+
+    history = SpanHistory(batch_size=1)
+    for position, n in ((0, 6), (6, 1), (7, 1)):
+        inputs = {0: torch.zeros(1, n, HIDDEN), 2: torch.ones(1, n, HIDDEN)}
+        positions = torch.arange(position, position + n)[None]
+        history.record(inputs, frozenset({0, 2}), positions, None, position + n, {0: receipt(position, n)})
+    assert [(r.position, r.n) for r in history.receipts(0)] == [(0, 6), (6, 1), (7, 1)] and history.receipts(2) == []
+    history.truncate(7)
+    assert [(r.position, r.n) for r in history.receipts(0)] == [(0, 6), (6, 1)]
+    window = history.window(0, 6, 7)
+    assert len(window) == 2 and window[1].tolist() == [[6]] and history.hidden(2, 0, 7).shape == (1, 7, HIDDEN)
+
+
+# ---- audit rounds over stand-in servers ------------------------------------------------------------
+
+
+def honest(hidden: Tensor) -> Tensor:
+    """What every honest server of SPAN computes: position-wise, so no cache is needed to stand in."""
+    return torch.tanh(hidden * 1.5) + 0.25
+
+
+@dataclass
+class Servers:
+    """Stand-in servers of SPAN by peer id: ``liars`` maps a peer to the position its lies start at."""
+
+    peers: list[str]
+    liars: dict[str, int] = field(default_factory=dict)
+    steps: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, position, n) of every step
+    forwards: list[tuple[str, int]] = field(default_factory=list)  # (peer, n) of every stateless forward
+    failed: list[str] = field(default_factory=list)
+    convicted: list[str] = field(default_factory=list)
+
+    def compute(self, peer: str, hidden: Tensor, position: int) -> Tensor:
+        out = honest(hidden)
+        lie = self.liars.get(peer)
+        if lie is not None:
+            positions = torch.arange(position, position + hidden.shape[1])
+            out = out + 0.5 * (positions >= lie).float()[None, :, None]
+        return out
+
+    # the recovery, planner, feedback, node and replay an Audits uses
+    cache_tokens, needs, prompts = 0, (), None
+
+    async def open_hop(self, span: ServerSpan, timeout: float | None = None) -> FakeHop:
+        return FakeHop(span)
+
+    def route_replica(self, like: ServerSpan, *, exclude=(), cache_tokens: int = 0, needs=()) -> ServerSpan | None:
+        return next((span_of(p) for p in self.peers if p not in exclude and p != like.peer_id), None)
+
+    def failed_peer(self, peer: str, ban_seconds: float | None = None) -> None:
+        self.failed.append(peer)
+
+    async def replay(self, hop: FakeHop, tensors: list[Tensor], n: int, position: int = 0) -> Tensor:
+        self.steps.append((hop.span.peer_id, position, n))
+        return self.compute(hop.span.peer_id, tensors[0], position)
+
+    async def request(self, ticket, protocol, message, timeout=None):
+        self.forwards.append((ticket, message.tensors[0].shape[1]))
+        return SimpleNamespace(tensors=[self.compute(ticket, message.tensors[0], 0)])
+
+
+def audits_over(servers: Servers, every: int = 4) -> tuple[Audits, Verification]:
+    verification = Verification("audit", every)
+    feedback = SimpleNamespace(failed=servers.failed_peer, convicted=servers.convicted.append)
+    audits = Audits(servers, servers, feedback, servers, servers.replay, verification, compression=Codec.RAW,
+                    request_deadline=5.0)  # fmt: skip
+    return audits, verification
+
+
+class Session:
+    """Steps of a one-hop chain over SPAN served by ``peer``, recorded as a session records them."""
+
+    def __init__(self, servers: Servers, audits: Audits, peer: str = "a", seed: int = 0):
+        self.servers, self.audits = servers, audits
+        self.hop = FakeHop(span_of(peer))
+        self.history = SpanHistory(batch_size=1)
+        self.position = 0
+        self.generator = torch.Generator().manual_seed(seed)
+        run(audits.follow([self.hop], self.history, 0, ()))
+
+    def step(self, n: int):
+        """One step of ``n`` positions; the audit round's conviction, if one was due."""
+        hidden = torch.randn(1, n, HIDDEN, generator=self.generator)
+        out = self.servers.compute(self.hop.span.peer_id, hidden, self.position)
+        end = self.position + n
+        positions = torch.arange(self.position, end)[None]
+        self.history.record({0: hidden, 2: out}, frozenset({0, 2}), positions, None, end)
+        self.position = end
+        return run(self.audits.round(self.history, end)) if self.audits.due(end) else None
+
+
+def test_each_round_sends_the_auditor_only_the_positions_it_has_not_seen():
+    servers = Servers(["a", "b", "c"])
+    audits, verification = audits_over(servers, every=4)
+    session = Session(servers, audits)
+    assert session.step(6) is None  # a prefill longer than K: audited at once
+    for _ in range(10):
+        assert session.step(1) is None
+    assert run(audits.round(session.history, session.position)) is None  # the final audit: what is left
+    assert servers.steps == [("b", 0, 6), ("b", 6, 4), ("b", 10, 4), ("b", 14, 2)]
+    assert servers.forwards == [] and servers.convicted == []
+    assert (verification.audits, verification.audited_positions, verification.disagreements) == (4, 16, 0)
+    assert audits.verified() == {(0, 2): True} and verification.unverified_blocks == 0
+    assert not audits.pending(16) and audits.checked_up_to(16) == 16
+
+
+def test_a_lying_server_is_convicted_from_its_first_wrong_position():
+    servers = Servers(["a", "b", "c"], liars={"a": 9})
+    audits, verification = audits_over(servers, every=4)
+    session = Session(servers, audits)
+    convictions = [session.step(n) for n in (6, 1, 1, 1, 1)]  # rounds at 6 and at 10
+    assert convictions[:4] == [None] * 4
+    conviction = convictions[4]
+    assert (conviction.index, conviction.peer, conviction.blocks, conviction.position) == (0, "a", SPAN, 9)
+    assert conviction.replace  # its own output: the session replaces its hop
+    assert servers.forwards == [("c", 10)]  # the third replica recomputed [0, 10) statelessly
+    assert servers.convicted == ["a"] and verification.banned == ("a",)
+    assert (verification.disagreements, verification.settled, verification.bans) == (1, 1, 1)
+    audits.rolled_back(9)  # the session rolls back to the lie
+    assert [(t.audited, t.since) for t in audits.tracks] == [(6, 0)]
+
+
+def test_a_lying_auditor_is_replaced_and_its_positions_audited_again():
+    servers = Servers(["a", "b", "c"], liars={"b": 7})
+    audits, verification = audits_over(servers, every=4)
+    session = Session(servers, audits)
+    assert [session.step(n) for n in (6, 1, 1, 1, 1)] == [None] * 5
+    assert servers.convicted == ["b"] and verification.banned == ("b",)
+    track = audits.tracks[0]
+    assert track.auditor.span.peer_id == "c" and track.audited == 6  # [6, 10) not vouched for yet
+    assert servers.steps[-1] == ("c", 0, 6)  # the new auditor got the history it had checked, to cache
+    assert run(audits.round(session.history, session.position)) is None
+    assert servers.steps[-1] == ("c", 6, 4) and track.audited == 10
+
+
+def test_without_a_third_replica_a_dispute_is_unsettled_and_nobody_banned():
+    servers = Servers(["a", "b"], liars={"a": 7})
+    audits, verification = audits_over(servers, every=4)
+    session = Session(servers, audits)
+    assert [session.step(n) for n in (6, 1, 1, 1, 1)] == [None] * 5
+    assert (verification.disagreements, verification.unsettled, verification.bans) == (1, 1, 0)
+    assert servers.convicted == [] and verification.unverified == (0, 1) and verification.unverified_blocks == 2
+    assert audits.verified() == {(0, 2): False} and not audits.due(100)  # no longer audited: never waited for
+
+
+def test_a_span_without_a_second_replica_is_unverified_from_the_start():
+    servers = Servers(["a"])
+    audits, verification = audits_over(servers)
+    session = Session(servers, audits)
+    assert session.step(12) is None and servers.steps == []
+    assert verification.unverified_blocks == 2 and audits.verified() == {(0, 2): False}
+
+
+# ---- a real swarm ---------------------------------------------------------------------------------
+
+
+def test_greedy_generation_through_a_liar_equals_the_honest_run(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from shoal.launch import InProcessSwarm
+    from testkit.faults import Noise, When
+    from testkit.faulty import make_faulty
+    from testkit.tiny import save_checkpoint, tiny_model
+    from tests.helpers.byzantine import connect_over, peer_of, steer_through, would_route_over
+
+    low, high = BlockRange(0, 2), BlockRange(2, 4)
+    model_dir = save_checkpoint(tiny_model("llama", seed=0), tmp_path / "model")
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    prompt = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(100))
+    expected = reference.generate(prompt, max_new_tokens=32, do_sample=False)
+    streamed: list[int] = []
+
+    class Collect:
+        def put(self, value: Tensor) -> None:
+            streamed.extend(value.flatten().tolist())
+
+        def end(self) -> None:
+            streamed.append(-1)
+
+    fault = Noise(0.1, seed=3, when=When(from_position=21))
+    with InProcessSwarm(model_dir, []) as swarm:
+        lows = [swarm.add(low), swarm.add(low)]
+        highs = [swarm.add(high), swarm.add(high)]
+        liar = swarm.add(high, lambda server: make_faulty(server, [fault]))
+        with connect_over(swarm, [*lows, *highs, liar], verify="audit", audit_every=8) as model:
+            assert steer_through(model, [lows[0], liar]) == [peer_of(lows[0]), peer_of(liar)]
+            got = model.generate(prompt, max_new_tokens=32, do_sample=False, streamer=Collect(), hold_back=True)
+            assert torch.equal(got, expected)
+            assert liar.server.record.entries(), "the liar never lied: the test is void"
+            verification = model.verification
+            assert verification.banned == (peer_of(liar),) and verification.rollbacks == 1, verification
+            assert verification.unverified_blocks == 0 and verification.unsettled == 0, verification
+            assert not would_route_over(model, liar)
+            assert all(entry["verified"] for entry in model.blocks.describe_route())
+            assert peer_of(liar) not in {s.peer_id for s in model.blocks.chain}
+    assert streamed == [*got[0].tolist(), -1]  # held back until audited: never a token the repair replaced
