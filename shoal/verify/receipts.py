@@ -135,7 +135,16 @@ def sign_receipt(
 ) -> Receipt:
     """The signed receipt of one computation: ``inputs`` as the server decoded them (hidden first),
     ``output`` as its receiver decodes it."""
-    receipt = Receipt(
+    return signer.sign(_unsigned(weights, start, end, session, position, step, inputs, output))
+
+
+def _unsigned(
+    weights: bytes, start: int, end: int, session: str, position: int, step: int, inputs: Sequence[Tensor],
+    output: Tensor,
+) -> Receipt:  # fmt: skip
+    """The receipt of blocks ``[start, end)`` computing ``output`` from ``inputs`` (hidden first), unsigned:
+    what a server signs and what a client expects are built the same way."""
+    return Receipt(
         weights=weights,
         start=start,
         end=end,
@@ -147,7 +156,6 @@ def sign_receipt(
         outputs=tensor_digest([output]),
         signature=b"",
     )
-    return signer.sign(receipt)
 
 
 def expected_receipt(
@@ -166,18 +174,8 @@ def expected_receipt(
     server decodes, hidden first) when it received ``output``; unsigned. ``weights`` stays empty
     (not compared) unless ``fingerprints`` covers the span."""
     known = len(fingerprints) == end - start
-    return Receipt(
-        weights=weights_digest(tuple(fingerprints), quantization) if known else b"",
-        start=start,
-        end=end,
-        session=session,
-        position=position,
-        n=sent[0].shape[1],
-        step=step,
-        inputs=tensor_digest(sent),
-        outputs=tensor_digest([output]),
-        signature=b"",
-    )
+    weights = weights_digest(tuple(fingerprints), quantization) if known else b""
+    return _unsigned(weights, start, end, session, position, step, sent, output)
 
 
 def server_receipt(
