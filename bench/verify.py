@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      do_sample=False)  # fmt: skip
                 times[mode].append(time.perf_counter() - started)
                 tokens[mode].append(out[0, PROMPT_TOKENS:])
-        audits = {mode: msgspec.structs.asdict(model.verification) if hasattr(model.verification, "__struct_fields__")
-                  else vars(model.verification).copy() for mode, model in clients.items()}  # fmt: skip
+        audits = {mode: vars(model.verification).copy() for mode, model in clients.items()}
     tok_s = {mode: args.new_tokens / statistics.median(t) for mode, t in times.items()}
     reference = tokens["off"][0]
     result = {
