@@ -30,6 +30,7 @@ from shoal.client.feedback import RouteFeedback, RoutePlanner
 from shoal.client.history import SpanHistory
 from shoal.client.hops import Hop, close_all
 from shoal.client.recovery import RECOVERY_TIMEOUT, ChainRecovery, Replay
+from shoal.client.witness import Witness
 from shoal.errors import ShoalError
 from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
@@ -74,8 +75,10 @@ class Audits:
         compression: Codec,
         request_deadline: float,
         adapter: str | None = None,
+        witness: Witness | None = None,
     ):
         self.node = node
+        self.witness = witness  # testifies against the servers convicted here
         self.planner = planner
         self.feedback = feedback
         self.recovery = recovery
@@ -169,6 +172,8 @@ class Audits:
 
     async def close(self) -> None:
         await close_all([t.auditor for t in self.tracks if t.auditor is not None])
+        if self.witness is not None:
+            await self.witness.close()
 
     def _tolerance(self, span: ServerSpan, recorded: Tensor) -> Tolerance:
         return tolerance_of(recorded.dtype, span.info.dtype, self.compression)
@@ -196,6 +201,8 @@ class Audits:
                     liar = track.producer(wrong)
                     if liar is not None:
                         self.convict(liar)
+                        if self.witness is not None:  # before the session rolls its history back
+                            self.witness.report(track.hop.span, liar, wrong, history)
                     replace = wrong >= track.since
                     return Conviction(dispute.index, liar, track.hop.span.blocks, wrong, replace)
                 if verdict is Verdict.AUDITOR:

@@ -109,8 +109,12 @@ class ChainDriver:
         push: bool = True,
         compression: Codec = Codec.RAW,
         receipts: bool = True,
+        adapter: str | None = None,
+        prompts: bool = False,
     ):
         self.feedback = feedback
+        self.adapter = adapter  # what the session's servers run with: their receipts state it
+        self.prompts = prompts
         self.request_deadline = request_deadline
         self.push = push
         self.compression = compression
@@ -202,7 +206,7 @@ class ChainDriver:
                     pushed_by = hops[k - 1] if k > sent_to else None
                     try:
                         receipt = self._check(hop, k, reply.receipt, message.tensors[0], sent, step_id, position,
-                                              pushed_by)  # fmt: skip
+                                              message.codec_of(0), pushed_by)  # fmt: skip
                     except ReceiptError as exc:  # the hop of the server blamed (the earlier one for equivocation)
                         raise HopFailed(k if exc.hop is None else exc.hop, exc) from exc
                     if receipts is not None:
@@ -227,7 +231,7 @@ class ChainDriver:
         message = await self._reply(hop, step_id, n)
         reply = message.reply(StepReply)
         if asks:  # a ReceiptError fails the replacement, as any error would
-            self._check(hop, None, reply.receipt, message.tensors[0], tensors, step_id, position)
+            self._check(hop, None, reply.receipt, message.tensors[0], tensors, step_id, position, message.codec_of(0))
         return message.tensors[0]
 
     def _check(
@@ -239,17 +243,20 @@ class ChainDriver:
         sent: Sequence[Tensor],
         step_id: int,
         position: int,
+        codec: Codec,
         pushed_by: Hop | None = None,
     ) -> Receipt:
         """``hop``'s receipt of a step, checked against what was asked, ``sent`` (the tensors its
         server decoded, if honest) and ``output`` (what the client received). A failed check bans
         the server it blames (``pushed_by``, the hop before, when the inputs differ from what that
-        one answered: equivocation) and raises the :class:`ReceiptError`."""
+        one answered: equivocation) and raises the :class:`ReceiptError`. ``codec``: the one the
+        output came in."""
         span = hop.span
         info = span.info
         expected = expected_receipt(
             start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
-            session=hop.session, position=position, step=step_id, sent=sent, output=output,
+            session=hop.session, position=position, step=step_id, sent=sent, output=output, codec=codec,
+            adapter=self.adapter, prompts=self.prompts,
         )  # fmt: skip
         previous = pushed_by.span.peer_id if pushed_by is not None else None
         try:

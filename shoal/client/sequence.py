@@ -215,7 +215,8 @@ class RemoteSequence:
         meta = ForwardRequest(prompts=prompts is not None, adapter=self.adapter, receipt=asks)
         reply = await self.node.request(span.ticket, BLOCKS, Message("forward", 1, meta, tensors, (codec,)))
         if asks:
-            check_forward_receipt(span, reply.reply(ForwardReply).receipt, tensors, reply.tensors[0])
+            receipt = reply.reply(ForwardReply).receipt
+            check_forward_receipt(span, receipt, tensors, reply, adapter=self.adapter, prompts=prompts is not None)
         return sent, reply.tensors[0]
 
     def open_session(self, batch_size: int, max_length: int, prompts: Tensor | None = None) -> RemoteSession:
@@ -242,13 +243,18 @@ class RemoteSequence:
         self.runtime.run(shutdown())
 
 
-def check_forward_receipt(span: ServerSpan, receipt: Receipt | None, sent: list[Tensor], output: Tensor) -> Receipt:
+def check_forward_receipt(
+    span: ServerSpan, receipt: Receipt | None, sent: list[Tensor], reply: Message, *, adapter: str | None,
+    prompts: bool,
+) -> Receipt:  # fmt: skip
     """``span``'s receipt of a forward (request id 1): the span, the tensors sent (as the server
-    decodes them) and the output received; raises a :class:`~shoal.verify.receipts.ReceiptError`."""
+    decodes them), the output ``reply`` carries, ``adapter`` and deep ``prompts`` as asked; raises a
+    :class:`~shoal.verify.receipts.ReceiptError`."""
     info = span.info
     expected = expected_receipt(
         start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
-        session="", position=0, step=1, sent=sent, output=output,
+        session="", position=0, step=1, sent=sent, output=reply.tensors[0], codec=reply.codec_of(0),
+        adapter=adapter, prompts=prompts,
     )  # fmt: skip
     return verify_receipt(receipt, span.peer_id, expected)
 

@@ -30,6 +30,7 @@ from shoal.client.driver import ChainDriver, HopFailed
 from shoal.client.history import SpanHistory
 from shoal.client.hops import Hop, close_all
 from shoal.client.recovery import MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
+from shoal.client.witness import Witness
 from shoal.errors import BadRequest, ShoalError
 from shoal.routing import ServerSpan
 from shoal.verify.receipts import ReceiptError
@@ -50,10 +51,11 @@ class RemoteSession(SessionPositions):
         self.runtime = sequence.runtime
         self.num_blocks = sequence.num_blocks
         directory = sequence.directory
-        self._driver = ChainDriver(
-            directory, sequence.node.config.deadlines.request, push=sequence.push, compression=sequence.compression
-        )
         adapter = directory.adapter.name if directory.adapter is not None else None
+        self._driver = ChainDriver(
+            directory, sequence.node.config.deadlines.request, push=sequence.push, compression=sequence.compression,
+            adapter=adapter, prompts=prompts is not None,
+        )  # fmt: skip
         request = OpenRequest(
             max_length=max_length, batch_size=batch_size, prompts=prompts is not None, adapter=adapter
         )
@@ -71,7 +73,7 @@ class RemoteSession(SessionPositions):
             self._audits = Audits(
                 sequence.node, directory, directory, self._recovery, self._driver.replay, self.verification,
                 compression=sequence.compression, request_deadline=sequence.node.config.deadlines.request,
-                adapter=adapter,
+                adapter=adapter, witness=Witness(sequence.node, directory, self.verification),
             )  # fmt: skip
 
     @property

@@ -190,7 +190,10 @@ class BlockServer:
         self.counters.forward_requests += 1
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
         codecs_out = _in_kind(out, request)  # first: raises if the codec cannot carry the output
-        reply = ForwardReply(receipt=server_receipt(self.signer, self.info, request, out) if meta.receipt else None)
+        receipt = None
+        if meta.receipt:
+            receipt = server_receipt(self.signer, self.info, request, out, adapter=meta.adapter, prompts=meta.prompts)
+        reply = ForwardReply(receipt=receipt)
         return Message("result", request.id, reply, [out], codecs_out)
 
     async def _backward(self, request: Message) -> Message:
@@ -432,7 +435,10 @@ class BlockServer:
         self.counters.steps += 1
         self.counters.positions_processed += hidden.shape[1]
         codecs_out = _in_kind(out, message)
-        receipt = server_receipt(self.signer, self.info, message, out, session.id, position) if meta.receipt else None
+        receipt = None
+        if meta.receipt:
+            receipt = server_receipt(self.signer, self.info, message, out, session.id, position,
+                                     adapter=session.adapter, prompts=session.prompts is not None)  # fmt: skip
         reply = StepReply(position=position + hidden.shape[1], receipt=receipt)
         return Message("result", message.id, reply, [out], codecs_out)
 

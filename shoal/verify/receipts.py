@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from torch import Tensor
 
 from shoal.errors import ShoalError
-from shoal.wire import Message
+from shoal.wire import Codec, Message
 from shoal.wire.schema import Receipt, SpanInfo
 from shoal.wire.tensors import dtype_name, roundtrip, tensor_bytes
 
@@ -132,15 +132,20 @@ def sign_receipt(
     step: int,
     inputs: Sequence[Tensor],
     output: Tensor,
+    codec: Codec = Codec.RAW,
+    adapter: str | None = None,
+    prompts: bool = False,
 ) -> Receipt:
     """The signed receipt of one computation: ``inputs`` as the server decoded them (hidden first),
-    ``output`` as its receiver decodes it."""
-    return signer.sign(_unsigned(weights, start, end, session, position, step, inputs, output))
+    ``output`` as its receiver decodes it (travelling in ``codec``), with ``adapter`` and deep
+    ``prompts`` or without."""
+    unsigned = _unsigned(weights, start, end, session, position, step, inputs, output, codec, adapter, prompts)
+    return signer.sign(unsigned)
 
 
 def _unsigned(
     weights: bytes, start: int, end: int, session: str, position: int, step: int, inputs: Sequence[Tensor],
-    output: Tensor,
+    output: Tensor, codec: Codec, adapter: str | None, prompts: bool,
 ) -> Receipt:  # fmt: skip
     """The receipt of blocks ``[start, end)`` computing ``output`` from ``inputs`` (hidden first), unsigned:
     what a server signs and what a client expects are built the same way."""
@@ -154,6 +159,9 @@ def _unsigned(
         step=step,
         inputs=tensor_digest(inputs),
         outputs=tensor_digest([output]),
+        codec=codec,
+        adapter=adapter or "",
+        prompts=prompts,
         signature=b"",
     )
 
@@ -169,24 +177,37 @@ def expected_receipt(
     step: int,
     sent: Sequence[Tensor],
     output: Tensor,
+    codec: Codec = Codec.RAW,
+    adapter: str | None = None,
+    prompts: bool = False,
 ) -> Receipt:
     """The receipt a client expects of blocks ``[start, end)`` given ``sent`` (the tensors the
-    server decodes, hidden first) when it received ``output``; unsigned. ``weights`` stays empty
-    (not compared) unless ``fingerprints`` covers the span."""
+    server decodes, hidden first) when it received ``output`` in ``codec``, asking for ``adapter``
+    and deep ``prompts`` or not; unsigned. ``weights`` stays empty (not compared) unless
+    ``fingerprints`` covers the span."""
     known = len(fingerprints) == end - start
     weights = weights_digest(tuple(fingerprints), quantization) if known else b""
-    return _unsigned(weights, start, end, session, position, step, sent, output)
+    return _unsigned(weights, start, end, session, position, step, sent, output, codec, adapter, prompts)
 
 
 def server_receipt(
-    signer: ReceiptSigner | None, info: SpanInfo, request: Message, out: Tensor, session: str = "", position: int = 0
+    signer: ReceiptSigner | None,
+    info: SpanInfo,
+    request: Message,
+    out: Tensor,
+    session: str = "",
+    position: int = 0,
+    *,
+    adapter: str | None = None,
+    prompts: bool = False,
 ) -> Receipt | None:
     """What a server signs for ``request`` (a step, push or forward; ``session`` "" for a forward)
     whose output is ``out``: its span, the inputs it decoded, and ``out`` as the receiver decodes it
-    (the codec's round trip: call after checking the codec carries it). None without a key (such a
-    server does not announce RECEIPTS)."""
+    (the codec's round trip: call after checking the codec carries it), run with ``adapter`` and
+    deep ``prompts`` or without. None without a key (such a server does not announce RECEIPTS)."""
     if signer is None:
         return None
+    codec = request.codec_of(0)
     return sign_receipt(
         signer,
         weights=weights_digest(tuple(info.fingerprints), info.quantization.value),
@@ -196,7 +217,10 @@ def server_receipt(
         position=position,
         step=request.id,
         inputs=request.tensors,
-        output=roundtrip(out, request.codec_of(0)),
+        output=roundtrip(out, codec),
+        codec=codec,
+        adapter=adapter,
+        prompts=prompts,
     )
 
 

@@ -28,6 +28,7 @@ MAX_SESSION_LENGTH = 1 << 20
 MAX_BATCH = 1024
 MAX_PUSH_HOPS = 64
 MAX_STEP_ID = 1 << 32
+MAX_EVIDENCE_STEPS = 1 << 16  # receipts in one piece of evidence
 
 #: Every capability this version of shoal knows, announced by servers (``info``, records) and by
 #: every node (``hello``). Gate each new optional field or kind on one of these.
@@ -39,7 +40,8 @@ CODEC_Q8 = Codec.Q8.capability  # float32 tensors as int8 blocks of 64 with a sc
 TRAIN = "train"  # the backward kind; deep prompts (``prompts``) on forward, backward and open
 ADAPTERS = "adapters"  # ``adapter`` on forward, backward and open: run with one of the server's LoRA adapters
 RECEIPTS = "receipts"  # ``receipt`` on step, push and forward: the reply carries a signed Receipt
-CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, RECEIPTS, *(codec.capability for codec in Codec)})
+EVIDENCE = "evidence"  # the evidence kind: the server judges another's signed lie (shoal.server.judge)
+CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, RECEIPTS, EVIDENCE, *(codec.capability for codec in Codec)})
 
 Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
 StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
@@ -182,6 +184,11 @@ class Receipt(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     step: StepId
     inputs: Digest16
     outputs: Digest16
+    # how the output travelled (its digest is of the codec's round trip): a judge of evidence
+    # compares within that codec's tolerance, and nobody can claim a tighter one for it
+    codec: Codec
+    adapter: Annotated[str, msgspec.Meta(max_length=64)]  # the LoRA adapter it ran with ("" none)
+    prompts: bool  # whether deep prompts joined the inputs (evidence cannot show them: not judged)
     signature: Signature  # ed25519 by the server's node key (its peer id) over the other fields
 
 
@@ -248,6 +255,36 @@ class ErrorReply(Meta):
     reason: Text | None = None  # wire errors: the frame problem's tag
 
 
+class EvidenceRequest(Meta):
+    """Evidence that server ``accused`` lied on blocks ``[start, end)`` of ``model`` (needs
+    EVIDENCE; sent only to servers that serve those blocks). Tensors:
+    ``[receipts u8, output [B, n, H], hidden [B, P, H], position_ids [B, P], attention_mask [B, P]?]``.
+
+    ``receipts``: msgpack of a list of ``steps`` :class:`Receipt` (they do not fit a header), every
+    step the accused signed for one session, in order, covering its cache positions ``[0, P)``
+    contiguously; the last is the disputed step. ``output``: what the disputed step answered, as
+    its receiver decoded it (the last receipt's ``outputs``). ``hidden``, ``position_ids`` and the
+    mask: the inputs of block ``start`` at those positions as the accused decoded them (each
+    receipt's ``inputs`` digests its slice, with the mask of ``[0, its end)`` when anything there
+    is padded). The judge recomputes and confirms the lie or rejects the evidence
+    (:mod:`shoal.server.judge`)."""
+
+    model: Text
+    accused: Digest  # a peer id: 64 hex digits
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    end: Annotated[int, msgspec.Meta(ge=1)]
+    steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_EVIDENCE_STEPS)]
+
+
+class EvidenceReply(Meta):
+    """The judge's finding: ``confirmed`` (it signed and gossips a verdict), else ``reason``: a short
+    tag (``forged``, ``replayed``, ``framing``, ``not_judged``...) naming why, with ``detail``."""
+
+    confirmed: bool
+    reason: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    detail: Text = ""
+
+
 # ---- shoal/swarm -------------------------------------------------------------------------------
 
 
@@ -265,6 +302,7 @@ KIND_META: dict[str, type[Meta] | None] = {
     "open": OpenRequest,  # open an inference session
     "step": StepRequest,  # one inference step of a session
     "push": PushRequest,  # a server hands its step output to the next server of the chain
+    "evidence": EvidenceRequest,  # another server's signed lie, to judge (needs EVIDENCE)
     "close": Empty,  # close a session
     "gossip": Gossip,  # swarm record exchange; payload as one u8 tensor
     "result": None,  # a successful reply
@@ -302,8 +340,10 @@ __all__ = [
     "CODEC_FP16",
     "CODEC_Q8",
     "CODEC_RAW",
+    "EVIDENCE",
     "KINDS",
     "KIND_META",
+    "MAX_EVIDENCE_STEPS",
     "MAX_PUSH_HOPS",
     "MAX_SESSION_LENGTH",
     "PUSH",
@@ -314,6 +354,8 @@ __all__ = [
     "BackwardRequest",
     "Empty",
     "ErrorReply",
+    "EvidenceReply",
+    "EvidenceRequest",
     "ForwardReply",
     "ForwardRequest",
     "Gossip",

@@ -204,8 +204,8 @@ def test_a_forward_asks_for_a_receipt_and_an_old_client_gets_empty_metadata(swar
 
     check = sequence_module.check_forward_receipt
 
-    def spy(*args):
-        checked.append(check(*args))
+    def spy(*args, **kwargs):
+        checked.append(check(*args, **kwargs))
         return checked[-1]
 
     monkeypatch.setattr(sequence_module, "check_forward_receipt", spy)

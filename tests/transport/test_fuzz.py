@@ -38,6 +38,7 @@ from shoal.wire.schema import (
     KIND_META,
     BackwardRequest,
     Empty,
+    EvidenceRequest,
     ForwardRequest,
     Gossip,
     Hello,
@@ -274,7 +275,7 @@ def _wrong_type(type_: mi.Type) -> Any:
     """A value of another msgpack type than ``type_`` accepts."""
     if isinstance(type_, (mi.IntType, mi.FloatType)):
         return "7"
-    if isinstance(type_, (mi.StrType, mi.BytesType)):
+    if isinstance(type_, (mi.StrType, mi.BytesType)) or (isinstance(type_, mi.EnumType) and issubclass(type_.cls, str)):
         return 7
     if isinstance(type_, mi.BoolType):
         return 1
@@ -302,6 +303,8 @@ def _out_of_range(type_: mi.Type, valid: Any) -> Iterator[tuple[str, Any]]:
         if type_.pattern is not None:
             candidates = ("-x", " x", "x y", "x/y", "")
             yield "off pattern", next(c for c in candidates if not re.search(type_.pattern, c))
+    elif isinstance(type_, mi.EnumType):
+        yield "not a member", "x-no-such-member"
     elif isinstance(type_, mi.CollectionType) and (type_.max_length is not None or type_.min_length):
         assert valid, "a sample with at least one item is needed to build a collection out of range"
         if type_.max_length is not None:
@@ -367,6 +370,7 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
         "step": StepRequest(session=session, position=0, push=(hop,), receipt=True),
         "push": PushRequest(session=session, token=token, position=0, step=1, push=(hop,), receipt=True),
         "close": Empty(),
+        "evidence": EvidenceRequest(model="m", accused="ab" * 32, start=0, end=2, steps=3),
         "gossip": Gossip(op="table"),
     }
 
@@ -374,7 +378,7 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
 def meta_mutations(samples: dict[str, Meta]) -> list[MetaMutation]:
     out = []
     for kind, sample in samples.items():
-        valid = msgspec.to_builtins(sample)
+        valid = msgspec.to_builtins(sample, builtin_types=(bytes,))  # bytes stay bytes (msgpack bin)
         for field, how, meta, names in field_mutations(type(sample), valid):
             out.append(MetaMutation(kind, field, how, meta, names))
     return out

@@ -24,6 +24,7 @@ from shoal.wire import (
     MAX_FRAME_PAYLOAD,
     WIRE_VERSION,
     Assembler,
+    Codec,
     InvalidMessage,
     Limits,
     Message,
@@ -36,6 +37,8 @@ from shoal.wire.schema import (
     BackwardRequest,
     Empty,
     ErrorReply,
+    EvidenceReply,
+    EvidenceRequest,
     ForwardReply,
     ForwardRequest,
     Gossip,
@@ -62,7 +65,7 @@ SHAPES = [(), (0,), (0, 3), (1,), (7,), (2, 3, 4), (1, 1, 1, 1, 5)]
 HOP = PushHop(ticket="shoal1ticket", session="next-session", token="t0ken")
 RECEIPT = Receipt(
     weights=b"w" * 16, start=2, end=4, session="s-1", position=17, n=1, step=9, inputs=b"i" * 16, outputs=b"o" * 16,
-    signature=b"s" * 64,
+    codec=Codec.BF16, adapter="style-v1", prompts=False, signature=b"s" * 64,
 )  # fmt: skip
 
 #: One metadata value of every kind a peer sends (``result`` carries a reply struct: see REPLIES).
@@ -76,6 +79,7 @@ REQUESTS: dict[str, Meta] = {
     "step": StepRequest(session="s-1", position=17, push=(HOP, PushHop("t2", "s2", "k2")), receipt=True),
     "push": PushRequest(session="s-2", token="k", position=4, step=9, push=(HOP,), receipt=True),
     "close": Empty(),
+    "evidence": EvidenceRequest(model="m", accused="ab" * 32, start=2, end=4, steps=3),
     "gossip": Gossip(op="table"),
     "error": ErrorReply(code="wire", message="bad frame", reason="bad_frame"),
 }
@@ -100,6 +104,8 @@ REPLIES: list[Meta] = [
     StepReply(position=18, receipt=RECEIPT),
     ForwardReply(receipt=msgspec.structs.replace(RECEIPT, session="", position=0)),
     ForwardReply(),
+    EvidenceReply(confirmed=True),
+    EvidenceReply(confirmed=False, reason="framing", detail="recomputed outputs agree"),
     Empty(),
 ]
 
