@@ -78,7 +78,8 @@ class Verification:
     outputs differed beyond tolerance), ``settled`` / ``unsettled`` (disputes a third replica decided,
     or could not), ``bans`` (servers convicted: ``banned`` names them), ``rollbacks`` (repairs of a
     session). ``unverified_blocks``: how many blocks of the latest session's chain nothing checks
-    (``unverified`` lists them)."""
+    (``unverified`` lists them). Evidence of a conviction (:mod:`shoal.client.witness`): pieces
+    ``evidence_sent`` to judges, and the judges' findings, ``evidence_confirmed`` / ``evidence_rejected``."""
 
     mode: str = "off"
     audit_every: int = DEFAULT_AUDIT_EVERY
@@ -90,6 +91,9 @@ class Verification:
     bans: int = 0
     rollbacks: int = 0
     unverified_blocks: int = 0
+    evidence_sent: int = 0
+    evidence_confirmed: int = 0
+    evidence_rejected: int = 0
     banned: tuple[PeerId, ...] = ()
     unverified: tuple[int, ...] = ()
 
