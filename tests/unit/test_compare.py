@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 DTYPES = [torch.float32, torch.bfloat16]
 #: The smallest noise (relative to the output's norm) claimed detected per dtype, bf16's on two or more
 #: consecutive positions (bench/calibrate_verify.py: honest spikes up to ~1.2e-5 in fp32, ~0.065 in bf16).
-CLAIMED_SMALLEST_NOISE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+CLAIMED_SMALLEST_NOISE = {torch.float32: 5e-4, torch.bfloat16: 5e-2}
 N = 24  # positions of every case
 
 
@@ -224,7 +224,7 @@ def test_shape_mismatches_raise():
 
 def test_tolerance_constants():
     fp32, bf16 = tolerance_for(torch.float32), tolerance_for(torch.bfloat16)
-    assert fp32 == tolerance_for(torch.float32, "cpu") == Tolerance(5e-5)
+    assert fp32 == tolerance_for(torch.float32, "cpu") == Tolerance(3e-4)
     assert bf16 == Tolerance(0.13, sustained=0.035)
     assert fp32.relative < tolerance_for(torch.float16).relative < bf16.relative
     assert CLAIMED_SMALLEST_NOISE[torch.float32] <= 1e-3 and CLAIMED_SMALLEST_NOISE[torch.bfloat16] <= 5e-2
