@@ -4,13 +4,13 @@
 
 The ~270M random llama of ``bench.generate`` (hidden 1024, 16 layers), 2 spans (blocks 0-7, 8-15)
 x 3 replicas, one torch thread per server, all in this process (``shoal.launch.InProcessSwarm``, on
-the in-memory network: the 2 cores here are shared by the six servers and the client). Three
-clients over the same servers: ``verify="off"`` and ``verify="audit"`` with ``audit_every`` 8 and
-16; each generates ``--new-tokens`` greedy tokens from a 64-token prompt, modes alternating in
+the in-memory network: the 2 cores here are shared by the six servers and the client). Four
+clients over the same servers: ``verify="off"``, ``verify="audit"`` with ``audit_every`` 8 and
+16, and ``verify="redundant"`` (every step also on a second chain of the other replicas, checked
+after each step); each generates ``--new-tokens`` greedy tokens from a 64-token prompt, modes alternating in
 every round. ``tok_s_*`` are medians over rounds; ``ratio_*`` are over ``off``. Every mode's tokens
 must equal (``tokens_equal``), and honest servers must never disagree (``disagreements``).
-``receipt_bytes_per_step``: a step reply's receipt as encoded on the wire (per hop). Redundant
-execution is not built yet, so ``tok_s_redundant`` is absent.
+``receipt_bytes_per_step``: a step reply's receipt as encoded on the wire (per hop).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ MODES = {
     "off": {},
     "audit_k8": {"verify": "audit", "audit_every": 8},
     "audit_k16": {"verify": "audit", "audit_every": 16},
+    "redundant": {"verify": "redundant"},
 }
 
 
@@ -84,8 +85,10 @@ def main(argv: list[str] | None = None) -> dict:
         "tok_s_off": tok_s["off"],
         "tok_s_audit_k8": tok_s["audit_k8"],
         "tok_s_audit_k16": tok_s["audit_k16"],
+        "tok_s_redundant": tok_s["redundant"],
         "ratio_audit_k8": tok_s["audit_k8"] / tok_s["off"],
         "ratio_audit_k16": tok_s["audit_k16"] / tok_s["off"],
+        "ratio_redundant": tok_s["redundant"] / tok_s["off"],
         "receipt_bytes_per_step": receipt_bytes(1024),
         "tokens_equal": all(torch.equal(t, reference) for runs in tokens.values() for t in runs),
         "disagreements": sum(a.get("disagreements", 0) for a in audits.values()),

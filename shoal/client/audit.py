@@ -21,6 +21,14 @@ position, replaces the hop and raises :class:`LieDetected` for ``generate`` to r
 and the span is reported unverified from then on (its auditor closed), as is a span for which no
 second replica exists at all. Generation never waits for a replica to appear.
 
+Redundant mode (``verify="redundant"``) is this machinery with an audit after EVERY step
+(``audit_every`` is 1: it must be left unset or be 1) and auditors that form a second chain
+disjoint from the main one: no server of the session's chain audits any hop (a replica is never
+its own check, nor the check of a hop whose neighbour it serves). So every step also runs on the
+second chain, the hops' outputs are compared on the same inputs (all hops in parallel), the first
+disagreement is settled by a third replica, and a lie is caught at the step that told it, before
+the next token is chosen from it. A ``hold_back`` streamer lags by one step at most.
+
 Limits: stateless forwards (``use_cache=False``, training) are not audited; a span's replicas are
 assumed to compute in the same dtype (the directory does not know a server's compute dtype); the
 receipts of a pushed hop (:mod:`shoal.client.driver`) are what makes its recorded inputs the ones
@@ -33,19 +41,17 @@ import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from shoal.client.hops import Hop
 from shoal.errors import ShoalError, UsageError
 from shoal.ids import BlockRange, PeerId
-from shoal.verify.compare import Tolerance, tolerance_for
-from shoal.wire import Codec
+from shoal.verify.compare import tolerance_of
 
-VERIFY_MODES = ("off", "audit")
+VERIFY_MODES = ("off", "audit", "redundant")
 DEFAULT_AUDIT_EVERY = 8
 
 __all__ = [
     "DEFAULT_AUDIT_EVERY",
+    "Caught",
     "Conviction",
     "LieDetected",
     "Track",
@@ -57,18 +63,29 @@ __all__ = [
     "successor",
     "take_spare",
     "tolerance_of",
+    "verification_for",
 ]
 
 
-def check_verify(verify: str, audit_every: int) -> str:
-    """``verify`` if it is a mode this client runs; raises :class:`UsageError` otherwise."""
-    if verify == "redundant":
-        raise UsageError("verify='redundant' (every step on a second chain) is not built yet: use 'audit' or 'off'")
+def check_verify(verify: str, audit_every: int | None = None) -> str:
+    """``verify`` if it is a mode this client runs with ``audit_every`` (None: the mode's default);
+    raises :class:`UsageError` otherwise. Redundant mode checks every step: an ``audit_every``
+    other than 1 contradicts it."""
     if verify not in VERIFY_MODES:
-        raise UsageError(f"verify must be one of 'off', 'audit', not {verify!r}")
-    if audit_every < 1:
+        raise UsageError(f"verify must be one of 'off', 'audit', 'redundant', not {verify!r}")
+    if audit_every is not None and audit_every < 1:
         raise UsageError(f"audit_every must be at least 1 position, got {audit_every}")
+    if verify == "redundant" and audit_every not in (None, 1):
+        raise UsageError(f"verify='redundant' checks every step: audit_every={audit_every} contradicts it (omit it)")
     return verify
+
+
+def verification_for(verify: str, audit_every: int | None = None) -> Verification:
+    """The counters of a client in mode ``verify`` (checked by :func:`check_verify`); audits every
+    ``audit_every`` positions (audit mode, default :data:`DEFAULT_AUDIT_EVERY`) or every step (redundant)."""
+    mode = check_verify(verify, audit_every)
+    every = 1 if mode == "redundant" else audit_every if audit_every is not None else DEFAULT_AUDIT_EVERY
+    return Verification(mode, every)
 
 
 @dataclass
@@ -79,7 +96,9 @@ class Verification:
     or could not), ``bans`` (servers convicted: ``banned`` names them), ``rollbacks`` (repairs of a
     session). ``unverified_blocks``: how many blocks of the latest session's chain nothing checks
     (``unverified`` lists them). Evidence of a conviction (:mod:`shoal.client.witness`): pieces
-    ``evidence_sent`` to judges, and the judges' findings, ``evidence_confirmed`` / ``evidence_rejected``."""
+    ``evidence_sent`` to judges, and the judges' findings, ``evidence_confirmed`` / ``evidence_rejected``.
+    ``caught``: each conviction, with the blocks and the first position its comparison (or its
+    receipt) proved wrong."""
 
     mode: str = "off"
     audit_every: int = DEFAULT_AUDIT_EVERY
@@ -96,14 +115,32 @@ class Verification:
     evidence_rejected: int = 0
     banned: tuple[PeerId, ...] = ()
     unverified: tuple[int, ...] = ()
+    caught: tuple[Caught, ...] = ()
 
     @property
     def auditing(self) -> bool:
-        return self.mode == "audit"
+        """Whether sessions have auditors (audit and redundant mode)."""
+        return self.mode in ("audit", "redundant")
 
-    def convicted(self, peer: PeerId) -> None:
+    @property
+    def redundant(self) -> bool:
+        """Whether every step is checked, on a second chain disjoint from the main one."""
+        return self.mode == "redundant"
+
+    def convicted(self, peer: PeerId, blocks: BlockRange | None = None, position: int | None = None) -> None:
         self.bans += 1
         self.banned = (*self.banned, peer)
+        if blocks is not None and position is not None:
+            self.caught = (*self.caught, Caught(peer, blocks, position))
+
+
+@dataclass(frozen=True)
+class Caught:
+    """A conviction: ``peer``'s outputs of ``blocks`` were wrong from cache position ``position`` on."""
+
+    peer: PeerId
+    blocks: BlockRange
+    position: int
 
 
 class LieDetected(ShoalError):
@@ -139,23 +176,6 @@ def majority(audited_vs_third: int | None, auditor_vs_third: int | None) -> Verd
     if auditor_vs_third is not None and audited_vs_third is None:
         return Verdict.AUDITOR
     return Verdict.UNSETTLED
-
-
-#: How coarse each float dtype's rounding is (the coarsest of a comparison's dtypes sets its tolerance).
-_COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-def tolerance_of(wire: torch.dtype, computed: str | None, codec: Codec) -> Tolerance:
-    """How far honest outputs may differ: hidden states travelling as ``wire``, computed by the
-    servers in ``computed`` (a dtype name, as their info says; None: not known), sent as ``codec``.
-    The coarsest rounding counts; a lossy codec rounds to about bfloat16."""
-    dtypes = [wire if wire in _COARSENESS else torch.float32]
-    named = getattr(torch, computed, None) if computed else None
-    if named in _COARSENESS:
-        dtypes.append(named)
-    if codec in (Codec.BF16, Codec.FP16, Codec.Q8):
-        dtypes.append(torch.bfloat16)
-    return tolerance_for(max(dtypes, key=_COARSENESS.__getitem__))
 
 
 @dataclass

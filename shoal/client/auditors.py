@@ -2,7 +2,9 @@
 
 What is decided (who lied, when an audit is due, what a new hop's track inherits) is in
 :mod:`shoal.client.audit`, with the design; this module opens the sessions, sends the steps and
-forwards, and compares the answers. Everything runs on the client's event loop, called by the
+forwards, and compares the answers. In redundant mode (``verification.redundant``) the auditors
+are the second chain: no server of the session's chain is ever taken as an auditor, and one that
+joins the chain (a repair put it there) is replaced. Everything runs on the client's event loop, called by the
 session (:mod:`shoal.client.session`), which does the repair a :class:`~shoal.client.audit.Conviction` asks for.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -32,7 +34,7 @@ from shoal.client.hops import Hop, close_all
 from shoal.client.recovery import RECOVERY_TIMEOUT, ChainRecovery, Replay
 from shoal.client.witness import Witness
 from shoal.errors import ShoalError
-from shoal.ids import PeerId
+from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
 from shoal.routing import ServerSpan
 from shoal.transport import BaseNode
@@ -102,11 +104,16 @@ class Audits:
         left = [t for t in self.tracks if id(t.hop) not in staying]
         spare = [t.auditor for t in left if t.auditor is not None]
         tracks, staff = [], []
+        shunned = {*self.verification.banned, *self._chain_peers(hops)}
         for hop in hops:
             track = kept.get(id(hop))
+            if track is not None and track.auditor is not None and track.auditor.span.peer_id in shunned:
+                spare.append(track.auditor)  # redundant: it joined the main chain, so it checks nothing
+                track.auditor = None
+                staff.append(track)
             if track is None:
                 track = successor(hop, left, position, hop.span.end in adopted)
-                track.auditor = take_spare(spare, hop, self.verification.banned)
+                track.auditor = take_spare(spare, hop, shunned)
                 if track.auditor is None:
                     staff.append(track)
             tracks.append(track)
@@ -119,7 +126,7 @@ class Audits:
         """Open an auditor for ``track`` and bring its cache to ``track.audited`` (a replay of the
         recorded inputs); none to be had: the track is unverified."""
         span = track.hop.span
-        tried = {span.peer_id, *exclude, *self.verification.banned}
+        tried = {span.peer_id, *exclude, *self.verification.banned, *self._chain_peers(t.hop for t in self.tracks)}
         for _ in range(STAFF_TRIES):
             replica = self.planner.route_replica(span, exclude=tried, cache_tokens=self.recovery.cache_tokens,
                                                  needs=self.recovery.needs)  # fmt: skip
@@ -144,6 +151,10 @@ class Audits:
             return
         track.unverified = True
         log.warning("no second server for blocks %s: they are unverified", span.blocks)
+
+    def _chain_peers(self, hops: Iterable[Hop]) -> set[PeerId]:
+        """The servers no auditor may be: in redundant mode, every server of the main chain."""
+        return {hop.span.peer_id for hop in hops} if self.verification.redundant else set()
 
     def rolled_back(self, position: int) -> None:
         """Positions from ``position`` on are gone: the hops will compute them again, themselves."""
@@ -200,14 +211,14 @@ class Audits:
                     self.verification.settled += 1
                     liar = track.producer(wrong)
                     if liar is not None:
-                        self.convict(liar)
+                        self.convict(liar, track.hop.span.blocks, wrong)
                         if self.witness is not None:  # before the session rolls its history back
                             self.witness.report(track.hop.span, liar, wrong, history)
                     replace = wrong >= track.since
                     return Conviction(dispute.index, liar, track.hop.span.blocks, wrong, replace)
                 if verdict is Verdict.AUDITOR:
                     self.verification.settled += 1
-                    self.convict(peer)
+                    self.convict(peer, track.hop.span.blocks, dispute.position)
                     auditor, track.auditor = track.auditor, None
                     if auditor is not None:
                         await auditor.abort()
@@ -221,10 +232,10 @@ class Audits:
         finally:
             self._report()
 
-    def convict(self, peer: PeerId) -> None:
-        """Ban ``peer`` for good and count it (once)."""
+    def convict(self, peer: PeerId, blocks: BlockRange | None = None, position: int | None = None) -> None:
+        """Ban ``peer`` for good and count it (once), with the blocks and position it was caught at."""
         if peer not in self.verification.banned:
-            self.verification.convicted(peer)
+            self.verification.convicted(peer, blocks, position)
         self.feedback.convicted(peer)
 
     async def _audit(self, index: int, track: Track, history: SpanHistory, end: int) -> _Dispute | None:

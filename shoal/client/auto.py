@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from shoal.checkpoints import load_config, load_tensors, model_name, resolve_model
-from shoal.client.audit import DEFAULT_AUDIT_EVERY, Verification, check_verify
+from shoal.client.audit import verification_for
 from shoal.client.model import DistributedModelForCausalLM
 from shoal.client.prompts import PromptTuning
 from shoal.client.remote import RemoteSequence
@@ -46,7 +46,7 @@ class AutoDistributedModelForCausalLM:
         pre_seq_len: int = 0,
         adapter: str | None = None,
         verify: str = "off",
-        audit_every: int = DEFAULT_AUDIT_EVERY,
+        audit_every: int | None = None,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
@@ -66,11 +66,15 @@ class AutoDistributedModelForCausalLM:
         ``tuning_mode``: None, ``"ptune"`` or ``"deep_ptune"``, with ``pre_seq_len`` trainable prompt
         positions (see :mod:`shoal.client.prompts`; ``model.save_prompts`` / ``load_prompts``).
         ``adapter``: ``"NAME"`` or ``"NAME@DIGEST"`` (sha256 of the adapter's tensors): route only
-        over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"off"``,
-        or ``"audit"``: every hop of a session is checked by a second server every ``audit_every``
-        positions and before ``generate`` returns; a liar is banned and the answer repaired
-        (:mod:`shoal.client.audit`; ``model.verification`` counts what audits did)."""
-        verification = Verification(check_verify(verify, audit_every), audit_every)
+        over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"off"``;
+        ``"audit"``: every hop of a session is checked by a second server every ``audit_every``
+        positions (default 8) and before ``generate`` returns; or ``"redundant"``: every step also
+        runs on a second chain with no server of the main one, hop by hop on the same inputs, so a
+        lie is caught at the step that told it (``audit_every`` is then 1: leave it unset; any
+        other value raises :class:`UsageError`). Either way a disagreement is settled by a third
+        replica, the liar banned and the answer repaired (:mod:`shoal.client.audit`;
+        ``model.verification`` counts what audits did)."""
+        verification = verification_for(verify, audit_every)
         min_quality = parse_min_quality(min_quality)
         choice = AdapterChoice.parse(adapter) if adapter is not None else None
         if tuning_mode is None and pre_seq_len:

@@ -337,7 +337,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @property
     def verification(self) -> Verification:
-        """What audit mode did (``from_pretrained(verify="audit")``; see :mod:`shoal.client.audit`)."""
+        """What audits did (``from_pretrained(verify="audit" or "redundant")``; see :mod:`shoal.client.audit`)."""
         return getattr(self.blocks, "verification", None) or Verification()
 
     def generate(self, *args: Any, **kwargs: Any):

@@ -14,6 +14,7 @@ transformers' own sampling draws from the global generator.
 Streaming: ``generate(..., streamer=s, hold_back=True)`` gives ``s`` each token only once every hop
 is audited past it, so it never sees a token the answer replaces; the lag is up to ``audit_every``
 tokens (plus a step's window with speculation), and the last ones come when the final audit passes.
+In redundant mode every step is checked before the next one, so a token comes one step late.
 Without ``hold_back``, ``s`` gets tokens as they are generated: after a repair it has seen the tokens
 from the first wrong position to where the lie was caught (up to ``audit_every`` of them), then gets
 the regenerated tokens from that position on, after them (a streamer cannot take tokens back). It is
@@ -101,7 +102,10 @@ def generate_repaired(model, generate: Callable[..., Any], args: tuple, kwargs: 
     hold_back = bool(kwargs.pop("hold_back", False))
     if not model.verification.auditing:
         if hold_back:
-            raise UsageError("hold_back holds tokens until they are audited: load the model with verify='audit'")
+            raise UsageError(
+                "hold_back holds tokens until they are checked: load the model with verify='audit' "
+                "or verify='redundant'"
+            )
         return generate(*args, **kwargs)
     args, kwargs = list(args), dict(kwargs)
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))

@@ -13,7 +13,9 @@ servers only through :class:`~shoal.client.feedback.RouteFeedback`.
 * in audit mode (:mod:`shoal.client.audit`), every hop has an auditor that gets the hop's recorded
   inputs every ``audit_every`` positions (and when :meth:`RemoteSession.audit` is called); a liar
   found by a majority is banned, the session rolled back to its first wrong output and the liar's
-  hop replaced, and the step (or ``audit``) raises :class:`~shoal.client.audit.LieDetected`.
+  hop replaced, and the step (or ``audit``) raises :class:`~shoal.client.audit.LieDetected`;
+* in redundant mode the same, with the audits after every step on auditors that are none of the
+  chain's servers (a second chain).
 """
 
 from __future__ import annotations
@@ -138,8 +140,8 @@ class RemoteSession(SessionPositions):
     # ---- steps ---------------------------------------------------------------------------------
 
     def step(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        """One step; in audit mode, every ``audit_every`` positions, the audits (may raise
-        :class:`LieDetected`: the step's output is void, the session rolled back)."""
+        """One step; in audit mode, every ``audit_every`` positions (redundant: every step), the
+        audits (may raise :class:`LieDetected`: the step's output is void, the session rolled back)."""
         n = self._check_step(hidden, attention_mask)
         out = self.runtime.run(self._step(hidden, position_ids, attention_mask))
         self._position += n
@@ -193,7 +195,8 @@ class RemoteSession(SessionPositions):
                 if isinstance(failure.cause, BadRequest):  # our request was wrong: another server would
                     raise failure.cause from None  # refuse it too; the session stays usable
                 if isinstance(failure.cause, ReceiptError) and self._audits is not None:
-                    self._audits.convict(failure.cause.peer)  # its signed receipt says another computation
+                    blocks = driver.hops[failure.index].span.blocks  # its signed receipt says another computation
+                    self._audits.convict(failure.cause.peer, blocks, position)
                 await driver.hops[failure.index].abort()
                 index, failed = await self._recover(failure.index, failure.cause, failed)
         starts = driver.starts | {self.num_blocks} if self._audits is not None else driver.starts

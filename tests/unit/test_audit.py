@@ -22,6 +22,7 @@ from torch import Tensor
 
 from shoal.client import AutoDistributedModelForCausalLM
 from shoal.client.audit import (
+    Caught,
     Track,
     Verdict,
     Verification,
@@ -31,6 +32,7 @@ from shoal.client.audit import (
     successor,
     take_spare,
     tolerance_of,
+    verification_for,
 )
 from shoal.client.auditors import Audits
 from shoal.client.history import SpanHistory
@@ -54,17 +56,37 @@ HIDDEN = 8
 
 def test_verify_modes():
     assert check_verify("off", 8) == "off" and check_verify("audit", 1) == "audit"
-    with pytest.raises(UsageError, match=r"redundant.*not built yet"):
+    assert check_verify("redundant") == check_verify("redundant", 1) == "redundant"
+    with pytest.raises(UsageError, match=r"redundant.*checks every step: audit_every=8 contradicts it"):
         check_verify("redundant", 8)
-    with pytest.raises(UsageError, match="one of 'off', 'audit'"):
+    with pytest.raises(UsageError, match="one of 'off', 'audit', 'redundant'"):
         check_verify("paranoid", 8)
     with pytest.raises(UsageError, match="audit_every"):
         check_verify("audit", 0)
 
 
-def test_from_pretrained_refuses_redundant_before_any_io():
-    with pytest.raises(UsageError, match="not built yet"):
-        AutoDistributedModelForCausalLM.from_pretrained("no-such-model", [], verify="redundant")
+def test_each_mode_audits_at_its_own_period():
+    """Audit mode every ``audit_every`` (8 unless given), redundant mode every step; both audit."""
+    assert verification_for("audit") == Verification("audit", 8)
+    assert verification_for("audit", 3) == Verification("audit", 3)
+    redundant = verification_for("redundant")
+    assert (redundant.mode, redundant.audit_every) == ("redundant", 1) and redundant.auditing and redundant.redundant
+    assert not verification_for("audit").redundant and not verification_for("off").auditing
+
+
+def test_from_pretrained_refuses_contradictory_verify_arguments_before_any_io():
+    with pytest.raises(UsageError, match="audit_every=4 contradicts"):
+        AutoDistributedModelForCausalLM.from_pretrained("no-such-model", [], verify="redundant", audit_every=4)
+    with pytest.raises(UsageError, match="one of"):
+        AutoDistributedModelForCausalLM.from_pretrained("no-such-model", [], verify="always")
+
+
+def test_a_conviction_is_recorded_with_where_it_was_caught():
+    verification = Verification("redundant", 1)
+    verification.convicted(PeerId("liar"), SPAN, 17)
+    verification.convicted(PeerId("other"))  # convicted without a comparison's position: counted, not placed
+    assert verification.bans == 2 and verification.banned == ("liar", "other")
+    assert verification.caught == (Caught(PeerId("liar"), SPAN, 17),)
 
 
 def test_an_audit_is_due_every_k_positions():
@@ -252,8 +274,8 @@ class Servers:
         return SimpleNamespace(tensors=[self.compute(ticket, message.tensors[0], 0)])
 
 
-def audits_over(servers: Servers, every: int = 4) -> tuple[Audits, Verification]:
-    verification = Verification("audit", every)
+def audits_over(servers: Servers, every: int = 4, mode: str = "audit") -> tuple[Audits, Verification]:
+    verification = Verification(mode, every)
     feedback = SimpleNamespace(failed=servers.failed_peer, convicted=servers.convicted.append)
     audits = Audits(servers, servers, feedback, servers, servers.replay, verification, compression=Codec.RAW,
                     request_deadline=5.0)  # fmt: skip
@@ -342,6 +364,27 @@ def test_a_span_without_a_second_replica_is_unverified_from_the_start():
     session = Session(servers, audits)
     assert session.step(12) is None and servers.steps == []
     assert verification.unverified_blocks == 2 and audits.verified() == {(0, 2): False}
+
+
+def test_redundant_auditors_are_never_servers_of_the_main_chain():
+    """The stand-in planner offers any other server as a replica: in audit mode hop 0 gets the
+    server of hop 1 as its auditor; in redundant mode no server of the chain audits, and an auditor
+    that a repair puts on the chain is replaced (closed) at once."""
+    servers = Servers(["a", "b", "c", "d"])
+    first, second = FakeHop(span_of("a")), FakeHop(span_of("b", BlockRange(2, 4)))
+    audits, _ = audits_over(servers)
+    run(audits.follow([first, second], SpanHistory(batch_size=1), 0, ()))
+    assert [t.auditor.span.peer_id for t in audits.tracks] == ["b", "a"]  # audit mode: only the hop's own excluded
+
+    audits, _ = audits_over(servers, every=1, mode="redundant")
+    run(audits.follow([first, second], SpanHistory(batch_size=1), 0, ()))
+    assert [t.auditor.span.peer_id for t in audits.tracks] == ["c", "c"]
+    old_auditors = [t.auditor for t in audits.tracks]
+    third = FakeHop(span_of("c"))  # a repair replaced a by c, the auditor of both hops
+    run(audits.follow([third, second], SpanHistory(batch_size=1), 0, ()))
+    assert [t.hop for t in audits.tracks] == [third, second]
+    assert [t.auditor.span.peer_id for t in audits.tracks] == ["a", "a"]  # neither c nor b
+    assert all(auditor.closed for auditor in old_auditors)
 
 
 # ---- a real swarm ---------------------------------------------------------------------------------
