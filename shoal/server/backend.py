@@ -223,6 +223,42 @@ class SpanBackend:
         except ValueError as exc:  # the span's own consistency checks
             raise BadRequest(str(exc)) from None
 
+    async def recompute(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        start: int,
+        end: int,
+        *,
+        adapter: str | None = None,
+    ) -> torch.Tensor:
+        """Blocks ``[start, end)`` (within the span) of a stateless pass, at the lowest priority and
+        one task per block: judging another server's evidence (:mod:`shoal.server.judge`) must never
+        hold up this server's own sessions for more than a block's worth of it."""
+        if not self.span.start <= start < end <= self.span.end:
+            raise BadRequest(f"blocks {start}:{end} are not within this span {self.span.start}:{self.span.end}")
+        first = start - self.span.start
+        blocks = [self.span.sub_span(i, i + 1) for i in range(first, first + end - start)]
+
+        def through(block: BlockSpan, x: torch.Tensor) -> torch.Tensor:
+            with self._adapter(adapter), torch.inference_mode():
+                out = block(x.to(self.device), position_ids.to(self.device), _on(mask, self.device))
+                return out.to("cpu", hidden.dtype)
+
+        out = hidden
+        try:
+            for block in blocks:
+                out = await self._submit(Priority.TRAINING, through, block, out)
+        except ValueError as exc:  # the span's own consistency checks
+            raise BadRequest(str(exc)) from None
+        return out
+
+    async def in_background(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the compute thread at the lowest priority: tensor work off the event loop
+        (see :meth:`allocate_cache` for why not on it) that must not delay sessions (judging evidence)."""
+        return await self._submit(Priority.TRAINING, fn, *args)
+
     async def backward(
         self,
         hidden: torch.Tensor,

@@ -9,6 +9,7 @@ tickets, session ids and tokens). The server hands its output straight to the ne
 ``push`` on a server-to-server stream) before answering its own client; that server checks the
 session token it issued at ``open``, runs the step and answers on the session's client stream, and
 so on. Every server still answers the client (who keeps the outputs to replay a span's history).
+The hand-off itself is :mod:`shoal.server.push`.
 
 Training (``train``): ``backward`` answers the gradient of a stateless pass's inputs (recomputed
 with autograd, at the lowest priority); requests may carry deep prompts and name a LoRA adapter.
@@ -16,7 +17,8 @@ Drain (leaving): new work gets ``unavailable``; open sessions' steps are served 
 Codecs: the output travels in the codec the hidden states came in (:mod:`shoal.wire.codecs`), to
 the client and, pushed, to the next server, so both decode the very same tensor. Receipts
 (``receipts``, :mod:`shoal.verify.receipts`): a step, push or forward that asks gets a receipt
-signed with the node key (a push asks on for the next server).
+signed with the node key (a push asks on for the next server). Evidence (``evidence``): another
+server's signed lie, judged by :mod:`shoal.server.judge` (a liar convicted here gets no pushes).
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ from shoal.errors import (
     WireError,
 )
 from shoal.ids import PeerId, SessionId
-from shoal.protocols import BLOCKS
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
-from shoal.transport import MessageStream, Node, Ticket
+from shoal.server.judge import Judge
+from shoal.server.push import Pusher
+from shoal.transport import MessageStream, Node
 from shoal.verify.receipts import ReceiptSigner, server_receipt
 from shoal.wire import Codec, InvalidMessage, Message, codecs, error_message
 from shoal.wire.schema import (
@@ -58,7 +61,6 @@ from shoal.wire.schema import (
     InfoReply,
     OpenReply,
     OpenRequest,
-    PushHop,
     PushRequest,
     ServerCounters,
     SpanInfo,
@@ -67,7 +69,6 @@ from shoal.wire.schema import (
 )
 
 log = logging.getLogger(__name__)
-MAX_PUSH_TARGETS = 256
 
 
 @dataclass
@@ -111,15 +112,15 @@ class BlockServer:
         self._sessions: dict[SessionId, _Session] = {}
         self._per_peer: Counter[PeerId] = Counter()
         self._push_tasks: set[asyncio.Task] = set()
-        self._push_streams: dict[str, MessageStream] = {}
-        self._push_locks: dict[str, asyncio.Lock] = {}
-        self._tickets: dict[str, Ticket] = {}
+        self.judge = Judge(backend, info, self.counters)  # evidence of other servers' lies (EVIDENCE)
+        self.pusher = Pusher(self.counters, refuses=self.judge.convicted)  # never to a liar convicted here
 
     def attach(self, node: Node) -> None:
         """The endpoint this server answers on (pushes to the next server leave through it)."""
         if self.signer is not None and self.signer.peer_id != node.id:
             raise ValueError("the receipt key is not the node's: its receipts would not verify")
-        self.node = node
+        self.node = self.pusher.node = node
+        self.judge.peer_id = node.id
 
     def describe(self) -> InfoReply:
         return InfoReply(
@@ -146,6 +147,8 @@ class BlockServer:
                     await stream.send(await self._forward(request))
                 elif request.kind == "backward":
                     await stream.send(await self._backward(request))
+                elif request.kind == "evidence":
+                    await stream.send(await self.judge.judge(request, draining=self.draining))
                 elif request.kind == "open":
                     await self._run_session(stream, peer_id, request)
                     return
@@ -178,7 +181,7 @@ class BlockServer:
             if session.id in self._sessions and session.task is not None:
                 self.counters.sessions_drained += 1
                 session.task.cancel()
-        await self._drop_push_streams()
+        await self.pusher.close()
 
     async def _forward(self, request: Message) -> Message:
         if self.draining:
@@ -331,7 +334,7 @@ class BlockServer:
                 session.last_step = max(session.last_step, message.id)
             route = message.meta.push
             if route:
-                pushed = await self._push(reply, message, route)
+                pushed = await self.pusher.push(reply, message, route)
                 reply.meta = msgspec.structs.replace(reply.meta, pushed=pushed)
         except RemoteError as exc:
             self.counters.errors += 1
@@ -342,58 +345,6 @@ class BlockServer:
             await session.stream.send(reply)
         except ShoalError as exc:  # the client vanished: its session ends with its stream
             log.info("could not answer session %s: %s", session.id, exc)
-
-    async def _push(self, reply: Message, message: Message, route: tuple[PushHop, ...]) -> bool:
-        """Hand ``reply``'s output to the next server of ``route``; False if it could not be sent
-        (the client then drives that hop itself)."""
-        if self.node is None:
-            return False
-        ticket_text = route[0].ticket
-        meta = PushRequest(
-            session=route[0].session,
-            token=route[0].token,
-            position=message.meta.position,
-            step=message.id,
-            push=route[1:],
-            receipt=message.meta.receipt,
-        )
-        tensors = [reply.tensors[0], *message.tensors[1:]]  # our output, the same positions and mask
-        try:
-            ticket = self._ticket(ticket_text)
-            # keyed by the whole ticket: a peer restarted at new addresses gets a new stream
-            if len(self._push_streams) > MAX_PUSH_TARGETS:  # bounded: targets come from clients
-                await self._drop_push_streams()
-            lock = self._push_locks.setdefault(ticket_text, asyncio.Lock())
-            async with lock:
-                stream = self._push_streams.get(ticket_text)
-                if stream is None or stream.broken:
-                    stream = await self.node.open_stream(ticket, BLOCKS, timeout=2.0)
-                    self._push_streams[ticket_text] = stream
-                try:
-                    # in the codec of the client's reply: the next server decodes what the client does
-                    await stream.send(Message("push", stream.next_id(), meta, tensors, reply.codecs))
-                except ShoalError:
-                    self._push_streams.pop(ticket_text, None)
-                    raise
-        except (ShoalError, ValueError) as exc:
-            self.counters.pushes_failed += 1
-            log.info("push to the next server failed: %s", exc)
-            return False
-        self.counters.pushes_sent += 1
-        return True
-
-    async def _drop_push_streams(self) -> None:
-        streams, self._push_streams, self._push_locks = self._push_streams, {}, {}
-        for stream in streams.values():
-            await stream.finish()
-
-    def _ticket(self, text: str) -> Ticket:
-        ticket = self._tickets.get(text)
-        if ticket is None:
-            if len(self._tickets) > 1024:
-                self._tickets.clear()
-            ticket = self._tickets[text] = Ticket.parse(text)
-        return ticket
 
     async def _receive_push(self, meta: PushRequest, message: Message, peer_id: PeerId) -> None:
         """A step pushed by the previous server: checked against the session's token, then served

@@ -19,6 +19,8 @@ Exposed (all prefixed ``shoal_``)::
     sessions_active, sessions_opened_total, sessions_ended_total{reason}, sessions_rejected_total{reason}
     cache_capacity_tokens, cache_reserved_tokens, cache_free_tokens
     request_errors_total, pushes_total{outcome}
+    evidence_total{outcome="received"|"confirmed"|"rejected"}   others' lies judged (shoal.server.judge)
+    evidence_rejected_by_reason_total{reason}   malformed, not_judged, forged, replayed, framing
     rejected_records_total{reason}   swarm records refused by this server's table
     rejected_frames_total{reason}    malformed wire frames answered with a wire error
 """
@@ -40,8 +42,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 
 from shoal.swarm.records import State
+from shoal.verify.evidence import Reason
 
 log = logging.getLogger(__name__)
+#: The reasons a judge rejects evidence, each a counter of its own (``evidence_<reason>``)
+EVIDENCE_REASONS = tuple(reason.value for reason in Reason)
 
 __all__ = ["MetricsServer", "ServerCollector", "readiness", "start_metrics"]
 
@@ -148,6 +153,18 @@ class ServerCollector(Collector):
         for outcome in ("sent", "received", "failed", "rejected"):
             pushes.add_metric([outcome], getattr(c, f"pushes_{outcome}", 0))
         yield pushes
+        evidence = CounterMetricFamily(
+            "shoal_evidence", "Evidence of other servers' lies this server judged, by outcome", labels=["outcome"]
+        )
+        for outcome in ("received", "confirmed", "rejected"):
+            evidence.add_metric([outcome], getattr(c, f"evidence_{outcome}", 0))
+        yield evidence
+        rejected = CounterMetricFamily(
+            "shoal_evidence_rejected_by_reason", "Evidence this server rejected, by reason", labels=["reason"]
+        )
+        for reason in EVIDENCE_REASONS:
+            rejected.add_metric([reason], getattr(c, f"evidence_{reason}", 0))
+        yield rejected
 
 
 def readiness(server: Any, table: Any, peer: str) -> tuple[bool, dict]:

@@ -115,6 +115,16 @@ class ServerCounters(msgspec.Struct, kw_only=True):
     inference_ahead_of_forward: int = 0
     inference_ahead_of_training: int = 0
     forward_ahead_of_training: int = 0
+    # evidence of other servers' lies judged here (shoal.server.judge): received, confirmed (a verdict
+    # signed and gossiped), rejected; and the rejections by reason (the EvidenceReply's tag)
+    evidence_received: int = 0
+    evidence_confirmed: int = 0
+    evidence_rejected: int = 0
+    evidence_malformed: int = 0
+    evidence_not_judged: int = 0  # not this server's blocks or weights, too large, about itself, draining
+    evidence_forged: int = 0
+    evidence_replayed: int = 0
+    evidence_framing: int = 0  # the accused was honest: its outputs recompute within tolerance
 
 
 class AdapterInfo(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -1,0 +1,385 @@
+"""Evidence of a settled lie: what a client sends the other servers of the liar's blocks, and what they check.
+
+After a majority of replicas convicted a server of wrong outputs (:mod:`shoal.client.audit`), the
+client testifies (:mod:`shoal.client.witness`) with what anyone serving those blocks can recompute
+without trusting the client: the liar's own signed receipts of one session, from cache position 0
+up to the end ``P`` of the step that holds the first wrong position (the *disputed* step, the last
+receipt), the inputs of its first block at ``[0, P)`` (hidden states, position ids and mask, as the
+liar decoded them: each receipt's ``inputs`` digest names its slice exactly) and the disputed step's
+output as its receiver decoded it (the last receipt's ``outputs``). So a judge needs no history of
+its own, and a client cannot make up inputs or outputs the accused did not sign.
+
+A rollback re-sends steps over positions already computed: the latest receipt covering a position
+wins (the liar's cache holds what that step wrote). A re-sent step that splits an earlier one (it
+starts inside it) leaves positions no receipt names alone, and then there is no evidence to send.
+
+The judge (:mod:`shoal.server.judge`) runs :func:`check_evidence`, whose checks come in order, each
+failing with its :class:`Reason`: ``malformed`` (the tensors are not what the kind says),
+``not_judged`` (not this judge's model, blocks or weights, an adapter it lacks, deep prompts, which
+evidence cannot show, too large, or about the judge itself), ``forged`` (a receipt not signed by the
+accused, of other blocks, digests the tensors do not match, positions not contiguous from 0, mixed
+sessions); then the judge's own ``replayed`` (:class:`Ledger`: the same receipts judged before) and,
+after recomputing, ``framing`` (:func:`finding`: the accused's outputs agree with the recomputation
+within the tolerance of the coarsest of the output's dtype, the judge's compute dtype and the signed
+codec). Evidence is bounded: at most :data:`MAX_EVIDENCE_POSITIONS` positions and
+:data:`MAX_EVIDENCE_BYTES` of tensors; a lie later in a longer session is not testified to.
+
+Pure: no I/O; the client's history is read through :class:`History`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import torch
+from torch import Tensor
+
+from shoal.errors import ShoalError
+from shoal.ids import BlockRange, PeerId
+from shoal.verify.compare import Tolerance, first_disagreement
+from shoal.verify.receipts import signed_by, tensor_digest, weights_digest
+from shoal.wire import Message
+from shoal.wire.schema import MAX_BATCH, EvidenceRequest, Receipt, SpanInfo
+
+#: positions ``[0, P)`` one piece of evidence may cover at most (a judge recomputes all of them)
+MAX_EVIDENCE_POSITIONS = 8192
+#: bytes of tensors one piece of evidence may carry at most
+MAX_EVIDENCE_BYTES = 64 << 20
+EVIDENCE_CONTEXT = b"shoal/evidence/1\0"
+_encode = msgspec.msgpack.Encoder().encode
+_decode_receipts = msgspec.msgpack.Decoder(list[Receipt]).decode
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy(tensor: Tensor) -> Tensor:
+    """A contiguous copy made by numpy, not torch: the client builds evidence on its event loop
+    thread, where a torch copy large enough to go parallel would give that thread an OpenMP pool of
+    its own (see :func:`shoal.client.history.cat_serial`)."""
+    as_int = _SAME_SIZE_INT[tensor.element_size()]  # any dtype, bf16 and bool too, as same-size ints
+    return torch.from_numpy(tensor.view(as_int).numpy().copy()).view(tensor.dtype)
+
+
+class Reason(enum.StrEnum):
+    """Why a judge rejected evidence (the :class:`~shoal.wire.schema.EvidenceReply`'s ``reason``)."""
+
+    MALFORMED = "malformed"
+    NOT_JUDGED = "not_judged"
+    FORGED = "forged"
+    REPLAYED = "replayed"
+    FRAMING = "framing"
+
+
+class Rejected(ShoalError):
+    """The judge's finding against the evidence: ``reason`` and, in words, ``detail``."""
+
+    def __init__(self, reason: Reason, detail: str):
+        super().__init__(f"evidence rejected ({reason}): {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class NoEvidence(ShoalError):
+    """The client cannot build evidence of this lie (it logs why and testifies to nobody)."""
+
+
+class History(Protocol):
+    """What evidence is built from: a session's history (:class:`shoal.client.history.SpanHistory`)."""
+
+    def receipts(self, block: int) -> list[Receipt]: ...
+
+    def window(self, block: int, start: int, end: int) -> list[Tensor]: ...
+
+    def hidden(self, block: int, start: int, end: int) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One piece of evidence, ready to send (:meth:`message`) to any judge."""
+
+    meta: EvidenceRequest
+    tensors: list[Tensor] = field(repr=False)  # [receipts u8, output, hidden, position_ids, mask?]
+
+    @property
+    def positions(self) -> int:
+        return self.tensors[2].shape[1]
+
+    def message(self, request_id: int = 1) -> Message:
+        return Message("evidence", request_id, self.meta, self.tensors)
+
+
+def step_tensors(hidden: Tensor, position_ids: Tensor, mask: Tensor | None, start: int, end: int) -> list[Tensor]:
+    """The tensors a step over ``[start, end)`` sent (what its receipt's ``inputs`` digests): the
+    slices, and the mask of ``[0, end)`` only when something there is padded (as the client sends)."""
+    tensors = [hidden[:, start:end], position_ids[:, start:end]]
+    if mask is not None and not mask[:, :end].numpy().all():
+        tensors.append(mask[:, :end])
+    return tensors
+
+
+def covering_receipts(receipts: Sequence[Receipt], liar: PeerId, blocks: BlockRange, position: int) -> list[Receipt]:
+    """The liar's receipts of the session in which it answered ``position`` wrong, covering
+    ``[0, P)`` contiguously, the latest covering each position, the disputed step last. Raises
+    :class:`NoEvidence` when they do not."""
+    mine = [r for r in receipts if (r.start, r.end) == (blocks.start, blocks.end)]
+    disputed = None
+    for index in range(len(mine) - 1, -1, -1):  # the latest step covering the position
+        receipt = mine[index]
+        if receipt.position <= position < receipt.position + receipt.n and signed_by(receipt, liar):
+            disputed = index
+            break
+    if disputed is None:
+        raise NoEvidence(f"no receipt of {liar[:10]} covers position {position} of blocks {blocks}")
+    session = mine[disputed].session
+    kept: list[Receipt] = []
+    for receipt in mine[: disputed + 1]:
+        if receipt.session != session or not signed_by(receipt, liar):
+            continue
+        while kept and kept[-1].position >= receipt.position:  # re-sent: the later step overwrote it
+            kept.pop()
+        if kept and kept[-1].position + kept[-1].n > receipt.position:
+            raise NoEvidence(f"a re-sent step at {receipt.position} split the step at {kept[-1].position}")
+        kept.append(receipt)
+    expected = 0
+    for receipt in kept:
+        if receipt.position != expected:
+            raise NoEvidence(f"the liar's receipts do not cover positions {expected}:{receipt.position}")
+        expected += receipt.n
+    return kept
+
+
+def build_evidence(model: str, blocks: BlockRange, liar: PeerId, position: int, history: History) -> Evidence:
+    """Evidence that ``liar``, serving ``blocks`` of ``model``, answered wrong outputs at ``position``,
+    from ``history`` (copies: the history may be truncated right after). Every receipt's digests are
+    checked against the tensors taken (a judge would reject what they do not name); raises
+    :class:`NoEvidence` saying why there is none."""
+    chosen = covering_receipts(history.receipts(blocks.start), liar, blocks, position)
+    disputed = chosen[-1]
+    end = disputed.position + disputed.n
+    if end > MAX_EVIDENCE_POSITIONS:
+        raise NoEvidence(f"the disputed step ends at position {end}, past {MAX_EVIDENCE_POSITIONS}")
+    try:
+        window = history.window(blocks.start, 0, end)
+        output = history.hidden(blocks.end, disputed.position, end)
+    except ShoalError as exc:
+        raise NoEvidence(f"the history lacks the evidence's tensors: {exc}") from None
+    hidden, position_ids = window[0], window[1]
+    mask = window[2] if len(window) > 2 else None
+    for receipt in chosen:
+        sent = step_tensors(hidden, position_ids, mask, receipt.position, receipt.position + receipt.n)
+        if tensor_digest(sent) != receipt.inputs:
+            raise NoEvidence(f"the recorded inputs at {receipt.position} are not the ones the liar signed")
+    if tensor_digest([output]) != disputed.outputs:
+        raise NoEvidence("the recorded output of the disputed step is not the one the liar signed")
+    packed = torch.frombuffer(bytearray(_encode(chosen)), dtype=torch.uint8)
+    tensors = [packed, _copy(output), _copy(hidden), _copy(position_ids)]
+    if mask is not None:
+        tensors.append(_copy(mask))
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    if size > MAX_EVIDENCE_BYTES:
+        raise NoEvidence(f"{size} bytes of evidence, past {MAX_EVIDENCE_BYTES}")
+    meta = EvidenceRequest(model=model, accused=liar, start=blocks.start, end=blocks.end, steps=len(chosen))
+    return Evidence(meta, tensors)
+
+
+# ---- the judge's side ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What a judge serves, as far as judging goes: its model, blocks, weights, adapters, width, key."""
+
+    model: str
+    blocks: BlockRange
+    fingerprints: tuple[str, ...]
+    quantization: str
+    adapters: frozenset[str]
+    hidden_size: int
+    peer_id: PeerId
+
+    @classmethod
+    def of(cls, info: SpanInfo, peer_id: PeerId) -> Bench:
+        adapters = frozenset(a.name for a in info.adapters)
+        return cls(info.model, info.blocks, tuple(info.fingerprints), info.quantization.value, adapters,
+                   info.hidden_size, peer_id)  # fmt: skip
+
+    def weights(self, blocks: BlockRange) -> bytes:
+        """The weights digest a receipt of ``blocks`` (within this span) states when they are ours."""
+        first = blocks.start - self.blocks.start
+        return weights_digest(self.fingerprints[first : first + len(blocks)], self.quantization)
+
+
+@dataclass(frozen=True)
+class Case:
+    """Evidence that passed :func:`check_evidence`: what to recompute and what to compare it with."""
+
+    accused: PeerId
+    model: str
+    blocks: BlockRange
+    receipts: tuple[Receipt, ...] = field(repr=False)
+    output: Tensor = field(repr=False)  # [B, n, H]: the disputed step's answer
+    hidden: Tensor = field(repr=False)  # [B, P, H]: the inputs of block blocks.start at [0, P)
+    position_ids: Tensor = field(repr=False)
+    mask: Tensor | None = field(repr=False)
+    key: bytes  # names the evidence for replay checks: sha256 over the receipts' signatures
+    digest: bytes  # sha256 of the evidence (a verdict names it)
+
+    @property
+    def disputed(self) -> Receipt:
+        return self.receipts[-1]
+
+
+def _malformed(detail: str) -> Rejected:
+    return Rejected(Reason.MALFORMED, detail)
+
+
+def _tensors(tensors: Sequence[Tensor], bench: Bench) -> tuple[list[Receipt], Tensor, Tensor, Tensor, Tensor | None]:
+    """The evidence's tensors, checked for shape and dtype: (receipts, output, hidden, positions, mask)."""
+    if len(tensors) not in (4, 5):
+        raise _malformed(f"expected [receipts, output, hidden, position_ids, mask?], got {len(tensors)} tensors")
+    packed, output, hidden, position_ids = tensors[:4]
+    mask = tensors[4] if len(tensors) == 5 else None
+    if packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise _malformed(f"receipts must be a uint8 vector, got {packed.dtype} {list(packed.shape)}")
+    try:
+        receipts = _decode_receipts(packed.numpy().tobytes())
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _malformed(f"receipts are not a msgpack list of receipts: {exc}") from None
+    if hidden.dtype not in FLOAT_DTYPES or hidden.dim() != 3 or hidden.shape[-1] != bench.hidden_size:
+        raise _malformed(f"hidden must be float [B, P, {bench.hidden_size}], got {hidden.dtype} {list(hidden.shape)}")
+    batch, positions = hidden.shape[:2]
+    if not 1 <= batch <= MAX_BATCH or positions == 0:
+        raise _malformed(f"hidden must have 1 to {MAX_BATCH} rows and some positions, got {list(hidden.shape)}")
+    if output.dtype not in FLOAT_DTYPES or output.dim() != 3 or output.shape[0] != batch:
+        raise _malformed(f"output must be float [{batch}, n, H], got {output.dtype} {list(output.shape)}")
+    if output.shape[-1] != bench.hidden_size or not 1 <= output.shape[1] <= positions:
+        raise _malformed(f"output must be [{batch}, 1..{positions}, {bench.hidden_size}], got {list(output.shape)}")
+    if position_ids.dtype != torch.int64 or list(position_ids.shape) != [batch, positions]:
+        raise _malformed(f"position_ids must be int64 [{batch}, {positions}], got {list(position_ids.shape)}")
+    if mask is not None and (mask.dtype != torch.bool or list(mask.shape) != [batch, positions]):
+        raise _malformed(f"the mask must be bool [{batch}, {positions}], got {mask.dtype} {list(mask.shape)}")
+    return receipts, output, hidden, position_ids, mask
+
+
+def _judged_here(meta: EvidenceRequest, receipts: Sequence[Receipt], tensors: Sequence[Tensor], bench: Bench) -> None:
+    """Raises ``not_judged`` unless this judge can recompute the evidence as the accused did."""
+    blocks = BlockRange(meta.start, meta.end)
+    if meta.model != bench.model:
+        raise Rejected(Reason.NOT_JUDGED, f"about model {meta.model!r}; this server serves {bench.model!r}")
+    if not bench.blocks.start <= blocks.start < blocks.end <= bench.blocks.end:
+        raise Rejected(Reason.NOT_JUDGED, f"about blocks {blocks}; this server serves {bench.blocks}")
+    if meta.accused == bench.peer_id:
+        raise Rejected(Reason.NOT_JUDGED, "about this server itself")
+    positions, size = tensors[2].shape[1], sum(t.numel() * t.element_size() for t in tensors)
+    if positions > MAX_EVIDENCE_POSITIONS or size > MAX_EVIDENCE_BYTES:
+        raise Rejected(Reason.NOT_JUDGED, f"too large: {positions} positions, {size} bytes")
+    ours = bench.weights(blocks)
+    for receipt in receipts:
+        if receipt.prompts:
+            raise Rejected(Reason.NOT_JUDGED, "deep prompts joined the inputs (evidence cannot show them)")
+        if receipt.adapter and receipt.adapter not in bench.adapters:
+            raise Rejected(Reason.NOT_JUDGED, f"ran with adapter {receipt.adapter!r}, which this server lacks")
+        if receipt.weights != ours:
+            raise Rejected(Reason.NOT_JUDGED, "states other weights than this server's (fingerprints, quantization)")
+
+
+def _genuine(meta: EvidenceRequest, receipts: Sequence[Receipt], output, hidden, position_ids, mask) -> None:
+    """Raises ``forged`` unless every receipt is the accused's, of one session, contiguous from 0 to
+    the tensors' end, and names exactly the tensors sent."""
+    forged = lambda detail: Rejected(Reason.FORGED, detail)  # noqa: E731
+    first = receipts[0]
+    expected = 0
+    for receipt in receipts:
+        if (receipt.start, receipt.end) != (meta.start, meta.end):
+            raise forged(f"a receipt of blocks {receipt.start}:{receipt.end}, not {meta.start}:{meta.end}")
+        if (receipt.session, receipt.adapter) != (first.session, first.adapter):
+            raise forged("receipts of mixed sessions")
+        if receipt.position != expected:
+            raise forged(f"positions not contiguous: a receipt at {receipt.position}, expected {expected}")
+        expected += receipt.n
+    if expected != hidden.shape[1]:
+        raise forged(f"the receipts cover {expected} positions, the inputs {hidden.shape[1]}")
+    for receipt in receipts:  # the costly checks last
+        if not signed_by(receipt, meta.accused):
+            raise forged(f"the receipt at position {receipt.position} is not signed by the accused")
+        sent = step_tensors(hidden, position_ids, mask, receipt.position, receipt.position + receipt.n)
+        if tensor_digest(sent) != receipt.inputs:
+            raise forged(f"the inputs at position {receipt.position} are not the ones the accused signed")
+    if tensor_digest([output]) != receipts[-1].outputs:
+        raise forged("the output is not the one the accused signed")
+
+
+def check_evidence(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench) -> Case:
+    """Evidence sent to ``bench``, checked (malformed, not judged here, forged, in that order);
+    raises :class:`Rejected`. Replays and the recomputation are the judge's."""
+    receipts, output, hidden, position_ids, mask = _tensors(tensors, bench)
+    if len(receipts) != meta.steps or not receipts:
+        raise _malformed(f"the metadata says {meta.steps} receipts, the tensor holds {len(receipts)}")
+    if meta.end <= meta.start:
+        raise _malformed(f"empty blocks {meta.start}:{meta.end}")
+    _judged_here(meta, receipts, tensors, bench)
+    _genuine(meta, receipts, output, hidden, position_ids, mask)
+    key = hashlib.sha256(b"".join(r.signature for r in receipts)).digest()
+    digest = hashlib.sha256(EVIDENCE_CONTEXT + _encode(meta) + tensors[0].numpy().tobytes()).digest()
+    blocks = BlockRange(meta.start, meta.end)
+    return Case(meta.accused, meta.model, blocks, tuple(receipts), output, hidden, position_ids, mask, key, digest)
+
+
+def finding(case: Case, recomputed: Tensor, tolerance: Tolerance) -> int:
+    """The first position where the accused's disputed output disagrees with ``recomputed`` (the
+    judge's outputs at ``[0, P)``) beyond ``tolerance``; raises ``framing`` when it agrees."""
+    start = case.disputed.position
+    rows = recomputed[:, start:]
+    mask = case.mask[:, start:] if case.mask is not None else None
+    wrong = first_disagreement(rows, case.output.to(rows.dtype), tolerance, mask)
+    if wrong is None:
+        detail = f"the accused's outputs at {start}:{start + case.disputed.n} recompute within tolerance"
+        raise Rejected(Reason.FRAMING, detail)
+    return start + wrong
+
+
+class Ledger:
+    """The evidence a judge has taken up (by :attr:`Case.key`), the most recent ``capacity``: the same
+    receipts again are a replay. Bounded; an evicted one judged again only repeats its verdict."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._keys
+
+    def add(self, key: bytes) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def discard(self, key: bytes) -> None:
+        self._keys.pop(key, None)
+
+
+__all__ = [
+    "EVIDENCE_CONTEXT",
+    "MAX_EVIDENCE_BYTES",
+    "MAX_EVIDENCE_POSITIONS",
+    "Bench",
+    "Case",
+    "Evidence",
+    "History",
+    "Ledger",
+    "NoEvidence",
+    "Reason",
+    "Rejected",
+    "build_evidence",
+    "check_evidence",
+    "covering_receipts",
+    "finding",
+    "step_tensors",
+]
