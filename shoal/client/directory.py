@@ -1,9 +1,10 @@
 """The client's view of the servers it can route over, and what it has measured about them.
 
-Servers come from the swarm's table (tickets with a swarm id) or from asking each given peer
-(plain tickets). Round-trip times are measured with a blocks-protocol ``info`` request (so a
-server that is slow to answer looks slow), once at start and then in the background every
-``refresh_period`` seconds together with a fresh pull of the table: never on a step's path.
+Servers come from the swarm's table (tickets with a swarm id; servers the swarm convicted of lying
+are left out, :func:`shoal.swarm.verdicts.convicted`) or from asking each given peer (plain tickets).
+Round-trip times are measured with a blocks-protocol ``info`` request (so a server that is slow to
+answer looks slow), once at start and then in the background every ``refresh_period`` seconds
+together with a fresh pull of the table: never on a step's path.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from shoal.routing import (
 from shoal.swarm.records import State
 from shoal.swarm.service import decode_table, fetch_table
 from shoal.swarm.table import RecordTable
+from shoal.swarm.verdicts import convicted
 from shoal.transport import BaseNode, Ticket
 from shoal.wire import Message
 from shoal.wire.schema import InfoReply
@@ -73,7 +75,8 @@ async def fetch_infos(node: BaseNode, tickets: Sequence[Ticket], timeout: float)
 
 
 async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
-    """Pull the swarm's table through the first ticket that answers; the online servers of ``model``."""
+    """Pull the swarm's table through the first ticket that answers; the online servers of ``model``
+    that its verdicts do not convict."""
     swarm = next(t.swarm_id for t in tickets if t.swarm_id)
     table = RecordTable(swarm)
     for ticket in tickets:
@@ -89,8 +92,11 @@ async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
         raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
     spans = []
     num_blocks = table.model(model).num_blocks
+    liars = convicted(table, model)
+    if liars:
+        log.info("the swarm convicted %s of lying: not routed over", ", ".join(p[:10] for p in sorted(liars)))
     for record in table.servers(model):
-        if record.state is State.ONLINE:
+        if record.state is State.ONLINE and record.peer not in liars:
             ticket = Ticket(record.peer, record.addrs, record.relay, swarm)
             info = RouteInfo(
                 num_blocks=num_blocks,

@@ -115,16 +115,18 @@ class SwarmWatcher:
         if self._node is None:
             self._node = await Node.start(self.transport)
         timeout = self.transport.deadlines.connect + self.transport.deadlines.request
-        via, errors = None, []
+        via, errors, rejected = None, [], None
         for ticket in self._candidates():
             try:
-                self.table.merge_many(decode_table(await fetch_table(self._node, ticket, min(timeout, 5.0))))
+                payload = await fetch_table(self._node, ticket, min(timeout, 5.0))
+                self.table.merge_many(decode_table(payload))
                 via = self._via = ticket.peer_id
+                rejected = dict(payload.rejected)  # what that member refused (forged records, verdicts)
                 break
             except ShoalError as exc:
                 errors.append(f"{ticket.peer_id[:10]}: {exc}")
         self.table.expire()
-        status = summarize(self.table, time.time())
+        status = summarize(self.table, time.time(), rejected=rejected)
         for server in (s for m in status["models"] for s in m["servers"]):
             signed = self.table.get(f"s:{server['peer']}")
             server["step_ms"] = signed.record.step_ms if signed is not None else 0.0

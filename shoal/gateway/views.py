@@ -50,6 +50,7 @@ def swarm_graph(status: dict, routes: list[list[dict]]) -> dict:
             names[s["peer"]] = model["name"]
     for s in servers_of(status):
         entry = {"peer": s["peer"], "state": s["state"], "start": s["start"], "end": s["end"]}
+        entry["convicted"] = s.get("convicted", False)  # the swarm's verdicts convict it of lying
         nodes.append({**entry, "model": names.get(s["peer"])})
     listed = {n["peer"] for n in nodes}
     edges = [

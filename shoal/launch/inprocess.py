@@ -11,6 +11,10 @@ e.g. behind the WAN emulator). Servers and clients share the client runtime's ev
         model = swarm.connect()  # an AutoDistributedModelForCausalLM over every server
         model.generate(...)
         swarm.kill(BlockRange(0, 2))  # abrupt: its streams end, as if the process died
+
+With ``swarm="name"`` every server also takes part in a swarm as ``shoal serve --join`` does (its
+swarm presence: signed records, gossip over the same network, its verdicts as a judge), each joining
+through the first live server; tickets then carry the swarm id, so a client pulls the swarm's table.
 """
 
 from __future__ import annotations
@@ -21,19 +25,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal.checkpoints import model_fingerprints
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.ids import BlockRange
 from shoal.protocols import BLOCKS
-from shoal.server.app import load_block_server
+from shoal.server.app import _LoadingGate, _Presence, load_block_server
 from shoal.server.backend import compute_thread
 from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer
+from shoal.swarm.gossip import GossipConfig
+from shoal.swarm.service import SWARM
 from shoal.transport import BaseNode, MemoryNetwork, StartNode, Ticket, TransportConfig
 from shoal.transport.identity import generate_key
 
 #: Turns a loaded server into the one that serves (e.g. :func:`testkit.faults.make_faulty`).
 Prepare = Callable[[BlockServer], BlockServer]
 LOOPBACK = TransportConfig(bind_addr="127.0.0.1:0")
+#: gossip for in-process swarms: news spreads within a few tenths of a second
+FAST_GOSSIP = GossipConfig(period=0.2)
 
 
 @dataclass
@@ -45,10 +54,11 @@ class LocalServer:
     node: BaseNode
     compute: ThreadPoolExecutor
     alive: bool = True
+    presence: _Presence | None = None  # its part in the swarm (``InProcessSwarm(swarm=...)``)
 
     @property
     def ticket(self) -> Ticket:
-        return self.node.ticket()
+        return self.node.ticket(self.presence.service.table.swarm if self.presence is not None else None)
 
 
 class InProcessSwarm:
@@ -68,8 +78,12 @@ class InProcessSwarm:
         transport: TransportConfig = LOOPBACK,
         prepare: Prepare | None = None,
         runtime: LoopThread | None = None,
+        swarm: str | None = None,
+        gossip: GossipConfig = FAST_GOSSIP,
     ):
         self.model_dir = Path(model_dir)
+        self.swarm_id = swarm
+        self.gossip = gossip
         self.runtime = runtime or shared_loop()
         self.network = MemoryNetwork() if start_node is None else None
         self.start_node: StartNode = self.network.start if self.network is not None else start_node
@@ -94,6 +108,8 @@ class InProcessSwarm:
         ``max_sessions_per_peer``, ``session_idle_timeout``, ``num_threads``, and any other
         :class:`~shoal.server.config.ServerConfig` field, e.g. ``quant``) override the swarm's."""
         settings = {**self._settings, **settings}
+        if self.swarm_id is not None:  # announced as given: no throughput measurement
+            settings = {"throughput": 100.0, "gossip": self.gossip, "join": tuple(self.tickets()[:1]), **settings}
         config = ServerConfig(model=str(self.model_dir), blocks=span, transport=self.transport, **settings)
         compute = compute_thread(config.num_threads)
         key = generate_key()  # the node's, and the one its receipts are signed with
@@ -101,14 +117,30 @@ class InProcessSwarm:
             server = compute.submit(load_block_server, config, span, None, compute, secret_key=key).result()
             if prepare is not None:
                 server = prepare(server)
-            node = self.runtime.run(self.start_node(self.transport, {BLOCKS: server.handle}, secret_key=key))
+            handlers = {BLOCKS: server.handle}
+            if self.swarm_id is not None:
+                handlers[SWARM] = lambda stream, peer: local.presence.service.handle(stream, peer)
+            node = self.runtime.run(self.start_node(self.transport, handlers, secret_key=key))
         except BaseException:
             compute.shutdown(wait=False, cancel_futures=True)
             raise
         server.attach(node)
         local = LocalServer(span, server, node, compute)
         self.servers.append(local)
+        if self.swarm_id is not None:
+            self.runtime.run(self._join(config, local, key))
         return local
+
+    async def _join(self, config: ServerConfig, local: LocalServer, key: bytes) -> None:
+        """What ``shoal serve`` does once its span is loaded: join, announce the span online."""
+        gate = _LoadingGate()
+        gate.server = local.server
+        presence = local.presence = _Presence(config, local.node, key, self.swarm_id, gate, local.compute)
+        await presence.service.join()
+        presence.service.start()
+        await presence.measure()
+        presence.announcement.model_fingerprints = model_fingerprints(presence.model_dir)
+        presence.announce_online()
 
     def server(self, span: BlockRange) -> LocalServer:
         """The first live server of ``span``."""
@@ -142,6 +174,8 @@ class InProcessSwarm:
         (peers' streams fail at once) and it computes no more."""
         local = target if isinstance(target, LocalServer) else self.server(target)
         local.alive = False
+        if local.presence is not None:
+            self.runtime.run(local.presence.service.stop())
         self.runtime.run(local.node.close())
         local.compute.shutdown(wait=False, cancel_futures=True)
         return local
@@ -149,6 +183,8 @@ class InProcessSwarm:
     def drain(self, target: BlockRange | LocalServer, timeout: float = 5.0) -> None:
         """Leave gracefully, as a server does on SIGTERM: open sessions move away, then it closes."""
         local = target if isinstance(target, LocalServer) else self.server(target)
+        if local.presence is not None:
+            self.runtime.run(local.presence.leave())  # its offline record first, as on SIGTERM
         self.runtime.run(local.server.drain(timeout))
         self.kill(local)
 
@@ -163,6 +199,8 @@ class InProcessSwarm:
             if local.alive:
                 local.alive = False
                 try:
+                    if local.presence is not None:
+                        self.runtime.run(local.presence.service.stop(), timeout=10)
                     self.runtime.run(local.node.close(), timeout=10)
                 finally:
                     local.server.backend.shutdown()
@@ -175,4 +213,4 @@ class InProcessSwarm:
         self.close()
 
 
-__all__ = ["LOOPBACK", "InProcessSwarm", "LocalServer", "Prepare"]
+__all__ = ["FAST_GOSSIP", "LOOPBACK", "InProcessSwarm", "LocalServer", "Prepare"]

@@ -13,6 +13,7 @@ from shoal.quantization import Quantization
 from shoal.swarm.gossip import GossipConfig
 from shoal.swarm.records import ModelRecord, ServerRecord, SignedRecord, State, sign
 from shoal.swarm.service import SwarmService
+from shoal.swarm.verdicts import convicted
 from shoal.transport import META, Node
 from shoal.wire import Message
 from shoal.wire.schema import CAPABILITIES, Ping
@@ -94,14 +95,16 @@ class Announcement:
         return self.server_record(time.time())
 
     def next_hops(self) -> list[str]:
-        """Servers of our model (not offline) whose span starts where ours ends, in the table's order."""
+        """Servers of our model (not offline, not convicted of lying by the swarm) whose span starts
+        where ours ends, in the table's order."""
         if self.service is None:
             return []
         now = time.time()
+        liars = convicted(self.service.table, self.model, now)
         return [
             r.peer
             for r in self.service.table.servers(self.model)
-            if r.start == self.blocks.end and r.peer != self.node.id and r.expires > now
+            if r.start == self.blocks.end and r.peer != self.node.id and r.expires > now and r.peer not in liars
         ]
 
     async def _ping_ms(self, peer: str) -> float | None:

@@ -41,6 +41,7 @@ from shoal.server.throughput import announced_throughput, cached_compute, defaul
 from shoal.swarm.records import State
 from shoal.swarm.service import SWARM, SwarmService
 from shoal.swarm.table import RecordTable
+from shoal.swarm.verdicts import VerdictKeeper
 from shoal.transport import Node, Ticket, load_or_create_identity
 from shoal.transport.identity import generate_key
 from shoal.verify.receipts import ReceiptSigner
@@ -158,8 +159,14 @@ class _Presence:
             quantization=config.quant,
         )  # fmt: skip
         table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
-        self.service = SwarmService(node, table, config.gossip, list(config.join), self.announcement.records)
+        self.service = SwarmService(node, table, config.gossip, list(config.join), self.own_records)
         self.announcement.service = self.service
+        self.verdicts = VerdictKeeper(key, self.service.publish)
+        self.publish_verdict = self.verdicts.add  # the judge's sink: signed, gossiped, re-signed while online
+
+    def own_records(self) -> list:
+        """Due for (re)publication: the server's records, and its verdicts until it leaves."""
+        return [*self.announcement.records(), *([] if self.leaving else self.verdicts.due())]
 
     @property
     def announced(self) -> bool:
@@ -273,6 +280,8 @@ class _Presence:
 
     def announce_online(self) -> None:
         server = self.gate.server
+        if (judge := getattr(server, "judge", None)) is not None:  # every span served judges into our verdicts
+            judge.publish_verdict, judge.swarm = self.publish_verdict, self.service.table.swarm
         self.announcement.cache_tokens_free = server.budget.free_tokens
         self.announcement.adapters = tuple((a.name, a.digest) for a in server.info.adapters)
         self.announce_span(server.info.blocks, server.info.fingerprints, State.ONLINE)

@@ -1,8 +1,10 @@
-"""Signed, expiring swarm records: what a server hosts, and what a model is.
+"""Signed, expiring swarm records: what a server hosts, what a model is, and which server a judge
+found lying (a verdict, :class:`VerdictRecord`; who is convicted: :mod:`shoal.swarm.verdicts`).
 
 A record travels as ``msgpack([body, signature])``. ``body`` is the canonical msgpack list of the
 record's fields; the signature is ed25519 over ``b"shoal/record/1\\0" + body`` by the key of the
-peer the record names (a server signs its own record; a model record is signed by its publisher).
+peer the record names (a server signs its own record; a model record is signed by its publisher, a
+verdict by its judge).
 Peer ids are ed25519 public keys in hex (the same keys iroh uses for node ids).
 """
 
@@ -17,15 +19,21 @@ from dataclasses import dataclass
 import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from msgspec import DecodeError, ValidationError
+from msgspec.msgpack import Decoder
 
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, OnBlocks
 from shoal.quantization.formats import Quantization
+from shoal.verify.receipts import signed_by
+from shoal.wire.schema import Receipt
 
 SIGNING_CONTEXT = b"shoal/record/1\0"
 MAX_RECORD_BYTES = 8192
 MAX_FIELD_LEN = 512  # strings, lists
 FINGERPRINT_BYTES = 32
+EVIDENCE_DIGEST_BYTES = 32  # a verdict names its evidence by sha256
+MAX_RECEIPT_BYTES = 1024  # a receipt is about 150 bytes
 
 
 class RecordError(ShoalError):
@@ -165,8 +173,88 @@ class ModelRecord:
         return cls(_swarm(swarm), _peer(publisher), _str(name), num_blocks, tuple(fps), *_times(ts, exp))
 
 
-Record = ServerRecord | ModelRecord
-_KINDS: dict[str, type] = {ServerRecord.TAG: ServerRecord, ModelRecord.TAG: ModelRecord}
+@dataclass(frozen=True)
+class VerdictRecord(OnBlocks):
+    """``judge`` (a server of ``model``) recomputed evidence that ``accused`` answered wrong outputs
+    on ``blocks`` and found it lied. ``receipt``: the accused's signed receipt of the disputed step,
+    msgpack as on the wire, so any peer can check that the accused really computed on those blocks
+    (decoding checks its signature: a verdict cannot name a server over a step it never signed).
+    ``evidence``: sha256 of the evidence the judge recomputed. One per (judge, accused): a newer
+    verdict of the same judge supersedes the older one."""
+
+    swarm: str
+    judge: str
+    accused: str
+    model: str
+    blocks: BlockRange
+    evidence: bytes
+    receipt: bytes
+    timestamp: float
+    expires: float
+
+    TAG = "vrd"
+
+    @property
+    def key(self) -> str:
+        return f"v:{self.judge}:{self.accused}"
+
+    @property
+    def signer(self) -> str:
+        return self.judge
+
+    def fields(self) -> list:
+        return [
+            self.swarm, self.judge, self.accused, self.model, self.blocks.start, self.blocks.end, self.evidence,
+            self.receipt, self.timestamp, self.expires,
+        ]  # fmt: skip
+
+    @classmethod
+    def from_fields(cls, f: list) -> VerdictRecord:
+        _expect(len(f) == 10, "field count")
+        swarm, judge, accused, model, start, end, evidence, receipt, ts, exp = f
+        _expect(_is_int(start) and _is_int(end) and 0 <= start < end <= 1 << 20, "span")
+        _expect(isinstance(evidence, bytes) and len(evidence) == EVIDENCE_DIGEST_BYTES, "evidence")
+        _expect(isinstance(receipt, bytes) and 0 < len(receipt) <= MAX_RECEIPT_BYTES, "receipt")
+        record = cls(
+            _swarm(swarm), _peer(judge), _peer(accused), _str(model), BlockRange(start, end), evidence, receipt,
+            *_times(ts, exp),
+        )  # fmt: skip
+        _expect(record.judge != record.accused, "a judge cannot convict itself")
+        disputed = record.disputed  # raises bad_receipt if it does not decode
+        if disputed.start >= record.end or disputed.end <= record.start:
+            raise RecordError("bad_receipt", f"the receipt is of blocks {disputed.start}:{disputed.end}")
+        return record
+
+    @property
+    def disputed(self) -> Receipt:
+        """The accused's receipt, decoded (:class:`RecordError` ``bad_receipt`` if it does not)."""
+        try:
+            return _RECEIPT.decode(self.receipt)
+        except (DecodeError, ValidationError) as exc:
+            raise RecordError("bad_receipt", f"not a receipt: {exc}") from None
+
+    def check_signed(self) -> None:
+        """After the record's own signature: the receipt must carry the accused's (checked second,
+        so a forged record costs one signature check, not two)."""
+        if not _receipt_signed(self.receipt, self.accused):
+            raise RecordError("bad_receipt", f"the receipt is not signed by the accused {self.accused[:10]}")
+
+
+_RECEIPT = Decoder(Receipt)
+
+
+@functools.lru_cache(maxsize=4096)
+def _receipt_signed(receipt: bytes, accused: str) -> bool:
+    """Memoised: a verdict arrives several times through gossip, and is re-signed while it stands."""
+    return signed_by(_RECEIPT.decode(receipt), accused)
+
+
+Record = ServerRecord | ModelRecord | VerdictRecord
+_KINDS: dict[str, type] = {
+    ServerRecord.TAG: ServerRecord,
+    ModelRecord.TAG: ModelRecord,
+    VerdictRecord.TAG: VerdictRecord,
+}
 
 
 @dataclass(frozen=True)
@@ -262,7 +350,7 @@ def _verified(signer: str, body: bytes, signature: bytes) -> bool:
 
 def decode(data: bytes) -> SignedRecord:
     """Parse and verify one record, or raise :class:`RecordError` (``too_large``, ``malformed``,
-    ``bad_signature``)."""
+    ``bad_signature``, ``bad_receipt``)."""
     if not isinstance(data, bytes) or len(data) > MAX_RECORD_BYTES:
         raise RecordError("too_large", f"{len(data) if isinstance(data, bytes) else '?'} > {MAX_RECORD_BYTES} bytes")
     try:
@@ -278,4 +366,6 @@ def decode(data: bytes) -> SignedRecord:
         raise RecordError("malformed", str(exc)) from None
     if not _verified(record.signer, body, signature):
         raise RecordError("bad_signature", f"record {record.key} is not signed by {record.signer[:10]}")
+    if isinstance(record, VerdictRecord):
+        record.check_signed()
     return SignedRecord(record, data)

@@ -1,4 +1,6 @@
-"""``shoal swarm status``: the swarm's table as seen through one peer, as text or JSON."""
+"""``shoal swarm status``: the swarm's table as seen through one peer, as text or JSON: models,
+servers, coverage, the verdicts against servers and whether their quorum convicts
+(:mod:`shoal.swarm.verdicts`), and the records that peer rejected, by reason (forgeries show there)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from shoal.errors import UsageError
 from shoal.swarm.records import ServerRecord, State
 from shoal.swarm.service import SWARM, decode_table, fetch_table
 from shoal.swarm.table import RecordTable
+from shoal.swarm.verdicts import tally
 from shoal.transport import Node, Ticket, TransportConfig
 
 
@@ -23,7 +26,7 @@ async def swarm_status(ticket: Ticket, transport: TransportConfig) -> dict:
         payload = await fetch_table(node, ticket, transport.deadlines.request)
     table = RecordTable(ticket.swarm_id)
     table.merge_many(decode_table(payload))
-    return summarize(table, time.time())
+    return summarize(table, time.time(), rejected=payload.rejected)
 
 
 def _server(record: ServerRecord, now: float) -> dict:
@@ -41,7 +44,12 @@ def _server(record: ServerRecord, now: float) -> dict:
     }
 
 
-def summarize(table: RecordTable, now: float) -> dict:
+def summarize(table: RecordTable, now: float, rejected: dict[str, int] | None = None) -> dict:
+    """The status of ``table``; ``rejected``: the rejection counts to show (default: the table's own;
+    a status tool shows those of the peer it asked), less ``stale`` (gossip delivers copies of what a
+    peer holds all the time: not worth a look, unlike a forgery)."""
+    verdicts = [t for name in sorted({v.model for v in table.verdicts()}) for t in tally(table, name, now)]
+    liars = {(t.model, t.accused) for t in verdicts if t.convicts}
     models = []
     for model in sorted(table.models(), key=lambda m: m.name):
         servers = table.servers(model.name, include_offline=True)
@@ -56,12 +64,20 @@ def summarize(table: RecordTable, now: float) -> dict:
                 "num_blocks": model.num_blocks,
                 "coverage": coverage,
                 "uncovered": [i for i, n in enumerate(coverage) if n == 0],
-                "servers": [_server(r, now) for r in servers],
+                "servers": [{**_server(r, now), "convicted": (model.name, r.peer) in liars} for r in servers],
             }
         )
     listed = {s["peer"] for m in models for s in m["servers"]}
     orphans = [_server(r, now) for r in table.servers(include_offline=True) if r.peer not in listed]
-    return {"swarm": table.swarm, "models": models, "unverified_servers": orphans}
+    return {
+        "swarm": table.swarm,
+        "models": models,
+        "unverified_servers": orphans,
+        "verdicts": [t.as_json() for t in verdicts],
+        "rejected": {
+            why: n for why, n in sorted((table.rejected if rejected is None else rejected).items()) if why != "stale"
+        },
+    }
 
 
 def render(status: dict) -> str:
@@ -78,6 +94,15 @@ def render(status: dict) -> str:
             )
     for s in status["unverified_servers"]:
         lines.append(f"  (no model record) {s['peer'][:12]} [{s['start']}:{s['end']}) {s['state']}")
+    for v in status.get("verdicts", ()):
+        finding = "CONVICTED, not routed over" if v["convicts"] else "no quorum"
+        ignored = f", {len(v['ignored_judges'])} judges not counted" if v["ignored_judges"] else ""
+        lines.append(
+            f"verdict against {v['accused'][:12]} on {v['model']} [{v['start']}:{v['end']}): "
+            f"{len(v['judges'])} of {v['covering_servers']} covering servers{ignored}: {finding}"
+        )
+    if status.get("rejected"):
+        lines.append("rejected records: " + ", ".join(f"{why} {n}" for why, n in status["rejected"].items()))
     return "\n".join(lines)
 
 

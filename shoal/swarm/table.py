@@ -1,8 +1,9 @@
 """A peer's view of the swarm: the newest valid record per key, with every rejection counted.
 
 Merging is the only way in, so gossip, clients and tests all go through the same checks:
-signature, swarm, expiry, clock skew, lifetime, newer-than-held, size, and (for server records)
-fingerprints that match the swarm's model record.
+signature, swarm, expiry, clock skew, lifetime, newer-than-held, size, (for server records)
+fingerprints that match the swarm's model record, and (for verdicts, on decoding) a receipt the
+accused signed. Verdicts are only held here; who they convict is :mod:`shoal.swarm.verdicts`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from shoal.swarm.records import ModelRecord, RecordError, ServerRecord, SignedRecord, State, decode
+from shoal.swarm.records import ModelRecord, RecordError, ServerRecord, SignedRecord, State, VerdictRecord, decode
 
 log = logging.getLogger(__name__)
 
@@ -141,3 +142,12 @@ class RecordTable:
                 continue
             out.append(record)
         return sorted(out, key=lambda r: (r.model, r.start, r.peer))
+
+    def verdicts(self, model: str | None = None) -> list[VerdictRecord]:
+        """Verdicts held (against servers of ``model``), by accused then judge."""
+        out = [
+            s.record
+            for s in self._records.values()
+            if isinstance(s.record, VerdictRecord) and (model is None or s.record.model == model)
+        ]
+        return sorted(out, key=lambda v: (v.model, v.accused, v.judge))
