@@ -10,12 +10,18 @@
     GET  /healthz                   200 while the process answers
     GET  /readyz                    200 when the swarm can serve the model (every block has an online
                                     server); 503 with the reason (and the uncovered blocks) otherwise
-    GET  /metrics                   Prometheus text: completion tokens and speculative decoding's
-                                    rounds, drafted and accepted tokens since start (see GatewayCollector)
+    GET  /metrics                   Prometheus text: completion tokens, speculative decoding's rounds,
+                                    drafted and accepted tokens, and the client's verification counters
+                                    since start (see GatewayCollector)
 
 The dashboard, its JSON, the health checks and the metrics need no API key (probes, scrapers and
 browsers send none). When speculative decoding ran, a response's ``usage`` also carries
 ``"speculation": {rounds, drafted_tokens, accepted_tokens, acceptance_rate, mean_window}``.
+With verification on (``shoal api --verify audit``) a response also carries shoal's extension key
+``"shoal": {"verification": {mode, audit_every, unverified_blocks, audits, audited_positions,
+disagreements, settled, unsettled, bans, rollbacks}}`` (:func:`shoal.gateway.engine.checked`): a
+non-streamed body at its top level, a stream in the chunk with the ``finish_reason``. Streamed text
+then holds only audited tokens, so nothing shown is ever replaced by a repair.
 
 Every error is OpenAI's JSON shape, ``{"error": {"message", "type", "param", "code"}}``. Generation
 runs in a thread pool (one ``generate`` and one server-side session per request); a streaming client
@@ -39,7 +45,7 @@ from importlib.resources import files
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -81,6 +87,11 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def _extension(done: Completion) -> dict:
+    """shoal's top-level extension of a response (empty: nothing to add, the body stays OpenAI's)."""
+    return {"shoal": {"verification": dict(done.verification)}} if done.verification is not None else {}
+
+
 def _usage(done: Completion) -> dict:
     usage = {
         "prompt_tokens": done.prompt_tokens,
@@ -92,9 +103,26 @@ def _usage(done: Completion) -> dict:
     return usage
 
 
+#: The client's verification counters (:class:`~shoal.client.audit.Verification`) exported as
+#: ``shoal_verify_<name>_total``, with their help text.
+VERIFY_METRICS = (
+    ("audits", "Auditor steps: a second server recomputing a hop's new positions"),
+    ("audited_positions", "Positions auditors recomputed"),
+    ("disagreements", "Audits whose outputs differed from the audited server's beyond tolerance"),
+    ("settled", "Disputes a third replica decided"),
+    ("unsettled", "Disputes no third replica could decide (the span is unverified from then on)"),
+    ("bans", "Servers convicted of lying and never routed over again"),
+    ("rollbacks", "Sessions rolled back to a lie's first wrong position and regenerated"),
+    ("evidence_sent", "Pieces of evidence of a conviction sent to the liar's judges"),
+    ("evidence_confirmed", "Pieces of evidence a judge confirmed"),
+    ("evidence_rejected", "Pieces of evidence a judge rejected"),
+)
+
+
 class GatewayCollector(Collector):
-    """The engine's running totals (:class:`~shoal.gateway.engine.Totals`) as Prometheus samples,
-    read at scrape time; all zero without an engine (a dashboard-only gateway)."""
+    """The engine's running totals (:class:`~shoal.gateway.engine.Totals`) and its client's
+    verification counters as Prometheus samples, read at scrape time; all zero without an engine
+    (a dashboard-only gateway), whose verify mode reads ``off``."""
 
     def __init__(self, engine: Engine | None):
         self.engine = engine
@@ -115,6 +143,20 @@ class GatewayCollector(Collector):
         ]
         for name, text, key in gauges:
             yield GaugeMetricFamily(f"shoal_{name}", text, value=totals.get(key, 0.0))
+        yield from self._verification()
+
+    def _verification(self):
+        verification = self.engine.model.verification if self.engine is not None else None
+        mode = verification.mode if verification is not None else "off"
+        every = str(verification.audit_every) if verification is not None and mode != "off" else ""
+        yield InfoMetricFamily("shoal_verify", "How this gateway's client verifies servers",
+                               value={"mode": mode, "audit_every": every})  # fmt: skip
+        for name, text in VERIFY_METRICS:
+            value = getattr(verification, name, 0) if verification is not None else 0
+            yield CounterMetricFamily(f"shoal_verify_{name}", text, value=value)
+        unverified = verification.unverified_blocks if verification is not None else 0
+        text = "Blocks of the latest session's chain that no auditor checks"
+        yield GaugeMetricFamily("shoal_verify_unverified_blocks", text, value=unverified)
 
 
 class Gateway:
@@ -202,7 +244,7 @@ class Gateway:
                 except Exception as exc:  # failed mid-stream: the status line is sent already
                     yield _sse(_translate(exc).body())
                     return
-                yield _sse(chunk(wrap("") if first is None else {}, done.finish_reason))
+                yield _sse({**chunk(wrap("") if first is None else {}, done.finish_reason), **_extension(done)})
                 if body.include_usage:
                     yield _sse({**chunk(wrap("") if first is None else {}, None), "choices": [], "usage": _usage(done)})
                 yield _sse("[DONE]")
@@ -287,7 +329,8 @@ def build_app(
         message = {"role": "assistant", "content": done.text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
         head = {"id": ident, "object": "chat.completion", "created": created, "model": engine.model_id}
-        return JSONResponse({**head, "system_fingerprint": None, "choices": [choice], "usage": _usage(done)})
+        body = {**head, "system_fingerprint": None, "choices": [choice], "usage": _usage(done), **_extension(done)}
+        return JSONResponse(body)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -306,7 +349,7 @@ def build_app(
             events = await gateway.stream(request, prompt, body, chunk, None)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         done = await _guarded(gateway.run(request, prompt, body))
-        return JSONResponse({**chunk(done.text, done.finish_reason), "usage": _usage(done)})
+        return JSONResponse({**chunk(done.text, done.finish_reason), "usage": _usage(done), **_extension(done)})
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:

@@ -12,6 +12,9 @@ from shoal.cli.main import port_number, positive_float, positive_int
 from shoal.transport import Deadlines, NetworkProfile, Ticket, TransportConfig
 from shoal.wire import Codec
 
+#: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it).
+VERIFY_CHOICES = ("off", "audit", "redundant")
+
 
 def _client_network(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("swarm connection")
@@ -55,6 +58,25 @@ def add_speculation(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_verification(parser: argparse.ArgumentParser) -> None:
+    """``--verify MODE`` and ``--audit-every K``: check the untrusted servers' answers."""
+    group = parser.add_argument_group("verification of the servers")
+    group.add_argument(
+        "--verify",
+        choices=VERIFY_CHOICES,
+        default="off",
+        help="audit: a second server recomputes every hop each K positions, a third settles a dispute, a liar is "
+        "banned and the answer regenerated from its first wrong token; text is shown only once audited. "
+        "redundant: every step also runs on a disjoint second chain",
+    )
+    group.add_argument(
+        "--audit-every",
+        type=positive_int,
+        metavar="K",
+        help="positions between audits of a hop with --verify audit (default: 8); redundant checks every step",
+    )
+
+
 def _transport(args: argparse.Namespace) -> TransportConfig:
     return TransportConfig(
         profile=NetworkProfile(args.network),
@@ -84,6 +106,8 @@ def cmd_api(args: argparse.Namespace) -> int:
         compression=Codec(args.compression),
         draft=args.draft,
         prompt_lookup=args.prompt_lookup,
+        verify=args.verify,
+        audit_every=args.audit_every,
     )
     return serve_gateway(options)
 
@@ -112,6 +136,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         compression=Codec(args.compression),
         draft=args.draft,
         prompt_lookup=args.prompt_lookup,
+        verify=args.verify,
+        audit_every=args.audit_every,
     )
     return run_chat(options)
 
@@ -128,6 +154,7 @@ def add_commands(sub) -> None:
     api.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
     _compression(api)
     add_speculation(api)
+    add_verification(api)
     _client_network(api)
     api.set_defaults(func=cmd_api)
 
@@ -153,5 +180,6 @@ def add_commands(sub) -> None:
     chat.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
     _compression(chat)
     add_speculation(chat)
+    add_verification(chat)
     _client_network(chat)
     chat.set_defaults(func=cmd_chat)

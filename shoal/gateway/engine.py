@@ -11,6 +11,16 @@ The engine keeps the sessions of the generations running now, so the dashboard c
 servers they run on (:meth:`Engine.routes`), and running totals of what it generated and what
 speculative decoding did (:class:`Totals`, the gateway's ``/metrics``).
 
+With verification on (a model loaded with ``verify="audit"`` or ``"redundant"``), a lie an audit
+finds rolls the session back and the answer is regenerated from there (:mod:`shoal.client.repair`).
+Text is then released only for tokens every hop is audited past (``generate(..., hold_back=True)``),
+so no delta ever holds a token the answer later replaces. That lag is up to ``audit_every``
+positions (plus a step's window with speculation; one step in redundant mode) while generating, and
+the last tokens come after one more audit round once generation ends. Stop strings and cancellation
+still act on the unaudited tokens: a stop in a lie ends the attempt, the final audit catches it and
+the repair generates on. Each answer's :class:`Completion` says what verification did meanwhile
+(:func:`checked`).
+
 Speculative decoding (:class:`Speculation`: ``--draft MODEL`` or ``--prompt-lookup N``) is
 transformers' assisted decoding over the distributed model, with shoal choosing each round's window
 (:mod:`shoal.client.speculation`). Greedy answers are the same tokens as without it; sampled ones
@@ -36,6 +46,7 @@ from shoal.client.session import RemoteSession
 from shoal.errors import UsageError
 
 __all__ = [
+    "VERIFY_COUNTERS",
     "Completion",
     "Engine",
     "GatewayError",
@@ -43,10 +54,13 @@ __all__ = [
     "Speculation",
     "TextStream",
     "Totals",
+    "checked",
     "load_draft",
 ]
 
 DEFAULT_MAX_TOKENS = 512  # when a request names no max_tokens (and the context leaves room)
+#: The client's verification counters (:class:`~shoal.client.audit.Verification`) an answer reports.
+VERIFY_COUNTERS = ("audits", "audited_positions", "disagreements", "settled", "unsettled", "bans", "rollbacks")
 
 
 class GatewayError(Exception):
@@ -78,6 +92,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     speculation: dict[str, float | int] | None = None  # SpeculationStats.summary() when speculation ran
+    verification: dict[str, Any] | None = None  # checked(...) when the model verifies (None: verify off)
 
 
 @dataclass(frozen=True)
@@ -184,6 +199,11 @@ class TextStream:
     def final(self) -> str:
         return self._text()
 
+    def stops_in(self, ids: Sequence[int]) -> bool:
+        """Whether the text of ``ids`` holds a stop string (the stream's own ids are not looked at)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.stops else ""
+        return any(s in text for s in self.stops)
+
     def finish(self) -> str:
         """The rest of the text (what was held back)."""
         return self._advance(self.final())
@@ -196,18 +216,56 @@ class TextStream:
 
 
 class _Watch(StoppingCriteria):
-    """Feeds each new token to the text stream and stops on a stop string or a cancel request."""
+    """Stops on a stop string or a cancel request. ``feeds``: also feeds each new token to the text
+    stream (else :class:`_Released` does, with audited tokens only, and this one just looks)."""
 
-    def __init__(self, stream: TextStream, prompt_length: int, on_text, cancel: threading.Event):
+    def __init__(self, stream: TextStream, prompt_length: int, on_text, cancel: threading.Event, feeds: bool = True):
         self.stream, self.prompt_length, self.on_text, self.cancel = stream, prompt_length, on_text, cancel
+        self.feeds = feeds
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        new = input_ids[0, self.prompt_length + len(self.stream.ids) :].tolist()
-        delta = self.stream.push(new)
+        if self.feeds:
+            new = input_ids[0, self.prompt_length + len(self.stream.ids) :].tolist()
+            delta = self.stream.push(new)
+            if delta and self.on_text is not None:
+                self.on_text(delta)
+            stopped = self.stream.stopped
+        else:  # the ids of this attempt, audited or not: a repair may still replace them
+            stopped = self.stream.stops_in(input_ids[0, self.prompt_length :].tolist())
+        done = stopped or self.cancel.is_set()
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+class _Released:
+    """The streamer ``generate(..., hold_back=True)`` hands audited tokens to: they go to the text
+    stream (and its deltas to ``on_text``). The first ``put`` is the prompt, not text."""
+
+    def __init__(self, stream: TextStream, on_text: Callable[[str], None] | None):
+        self.stream, self.on_text = stream, on_text
+        self.prompted = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompted:
+            self.prompted = True
+            return
+        delta = self.stream.push(value.reshape(-1).tolist())  # one row: a token, or a speculative round's
         if delta and self.on_text is not None:
             self.on_text(delta)
-        done = self.stream.stopped or self.cancel.is_set()
-        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    def end(self) -> None:
+        """Nothing: :meth:`Engine.complete` takes what is left from the final ids."""
+
+
+def checked(verification, before: dict[str, int], session) -> dict[str, Any]:
+    """What verification did for one answer: the mode, the blocks of its session's chain no auditor
+    checks (``unverified_blocks``), and how much each of :data:`VERIFY_COUNTERS` grew while it ran
+    (``before``: the counters then). The counters are the client's: answers running at the same time
+    count each other's audits too."""
+    spans = session.verified() if hasattr(session, "verified") else {}
+    unverified = sum(end - start for (start, end), ok in spans.items() if not ok)
+    grown = {name: getattr(verification, name) - before[name] for name in VERIFY_COUNTERS}
+    return {"mode": verification.mode, "audit_every": verification.audit_every, "unverified_blocks": unverified,
+            **grown}  # fmt: skip
 
 
 class Engine:
@@ -315,12 +373,17 @@ class Engine:
         processors = LogitsProcessorList()
         if sampling.temperature > 0:
             processors.append(PositionSeededSampler(sampling.temperature, sampling.top_p, sampling.seed))
-        watch = _Watch(stream, len(prompt), on_text, cancel)
+        verification = self.model.verification
+        holding = verification.auditing  # text only for audited tokens (see the module docstring)
+        watch = _Watch(stream, len(prompt), on_text, cancel, feeds=not holding)
         input_ids = torch.tensor([list(prompt)], dtype=torch.long)
         drafting = speculation.generate_kwargs(self.tokenizer)
         config.prompt_lookup_num_tokens = drafting.pop("prompt_lookup_num_tokens", None)  # a config field
+        if holding:
+            drafting |= {"streamer": _Released(stream, on_text), "hold_back": True}
         before = self.model.last_speculation  # this thread's; replaced only by a speculative call
-        with torch.inference_mode(), self._session(len(prompt) + sampling.max_tokens):
+        counted = {name: getattr(verification, name) for name in VERIFY_COUNTERS}
+        with torch.inference_mode(), self._session(len(prompt) + sampling.max_tokens) as cache:
             out = self.model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
@@ -329,6 +392,7 @@ class Engine:
                 stopping_criteria=StoppingCriteriaList([watch]),
                 **drafting,
             )
+            state = checked(verification, counted, cache.session) if verification.mode != "off" else None
         stats = self.model.last_speculation
         summary = stats.summary() if self.speculation is not None and stats is not before else None
         generated = out[0, len(prompt) :].tolist()
@@ -341,6 +405,6 @@ class Engine:
             reason = "cancelled"
         else:
             reason = "length"
-        done = Completion(stream.final(), reason, len(prompt), len(generated), summary)
+        done = Completion(stream.final(), reason, len(prompt), len(generated), summary, state)
         self.totals.add(done)
         return done

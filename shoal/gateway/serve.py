@@ -39,6 +39,8 @@ class GatewayOptions:
     compression: Codec = Codec.RAW  # codec of the hidden states on every hop whose server has it
     draft: str | None = None  # speculative decoding with this local draft model (a model name, as ``model``)
     prompt_lookup: int | None = None  # ... or with up to this many tokens per round looked up in the prompt
+    verify: str = "off"  # "audit" / "redundant": the client checks the servers (from_pretrained(verify=...))
+    audit_every: int | None = None  # positions between audits of each hop (None: the mode's default)
 
 
 def check_draft(name: str, *, weights: bool = False) -> Path:
@@ -93,6 +95,10 @@ def serve_gateway(options: GatewayOptions) -> int:
         check_model(options.model)  # an unknown model or family: before the port is taken
     if options.draft is not None:
         check_draft(options.draft)
+    if options.model is not None:
+        from shoal.client.audit import check_verify
+
+        check_verify(options.verify, options.audit_every)  # a mode this client cannot run: before the port
     sock = _bind(options.host, options.port)
     model, engine = None, None
     try:
@@ -110,6 +116,8 @@ def serve_gateway(options: GatewayOptions) -> int:
                 initial_peers=[options.join],
                 transport=options.transport,
                 compression=options.compression,
+                verify=options.verify,
+                audit_every=options.audit_every,
             )
             speculation = load_speculation(options.draft, options.prompt_lookup, model.tokenizer)
             engine = Engine(model, model_name(options.model), options.default_max_tokens, speculation)
