@@ -177,8 +177,9 @@ class ModelRecord:
 class VerdictRecord(OnBlocks):
     """``judge`` (a server of ``model``) recomputed evidence that ``accused`` answered wrong outputs
     on ``blocks`` and found it lied. ``receipt``: the accused's signed receipt of the disputed step,
-    msgpack as on the wire, so any peer can check that the accused really computed on those blocks
-    (decoding checks its signature: a verdict cannot name a server over a step it never signed).
+    msgpack as on the wire, so any peer can check that the accused really computed exactly those
+    blocks (decoding checks its signature and its blocks: a verdict cannot name a server over a step
+    it never signed, nor over blocks other than the step's).
     ``evidence``: sha256 of the evidence the judge recomputed. One per (judge, accused): a newer
     verdict of the same judge supersedes the older one."""
 
@@ -221,7 +222,8 @@ class VerdictRecord(OnBlocks):
         )  # fmt: skip
         _expect(record.judge != record.accused, "a judge cannot convict itself")
         disputed = record.disputed  # raises bad_receipt if it does not decode
-        if disputed.start >= record.end or disputed.end <= record.start:
+        if (disputed.start, disputed.end) != (record.blocks.start, record.blocks.end):
+            # pinned: a judge choosing other blocks could choose ones whose electorate it alone fills
             raise RecordError("bad_receipt", f"the receipt is of blocks {disputed.start}:{disputed.end}")
         return record
 

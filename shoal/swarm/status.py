@@ -99,7 +99,8 @@ def render(status: dict) -> str:
         ignored = f", {len(v['ignored_judges'])} judges not counted" if v["ignored_judges"] else ""
         lines.append(
             f"verdict against {v['accused'][:12]} on {v['model']} [{v['start']}:{v['end']}): "
-            f"{len(v['judges'])} of {v['covering_servers']} covering servers{ignored}: {finding}"
+            f"{len(v['judges'])} of {v['electorate']} servers on them judged it, {v['needed']} needed"
+            f"{ignored}: {finding}"
         )
     if status.get("rejected"):
         lines.append("rejected records: " + ", ".join(f"{why} {n}" for why, n in status["rejected"].items()))

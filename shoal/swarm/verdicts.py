@@ -1,17 +1,32 @@
 """Who the swarm convicts of lying: signed verdicts (:class:`~shoal.swarm.records.VerdictRecord`)
-weighed by a quorum of the servers that could have judged.
+weighed against every online server of the blocks, so that no single key decides.
 
-A peer P is convicted for model M when distinct judges J != P, each an ONLINE server of M whose span
-covers a verdict's blocks, signed verdicts against P on those blocks, and they are a strict majority
-of the online servers of M covering those blocks other than P. Why each part:
+A peer P is convicted for model M on blocks ``[a, b)`` when at least :data:`MIN_JUDGES` (2) distinct
+judges signed verdicts against P on exactly ``[a, b)``, each an ONLINE server of M other than P whose
+span COVERS ``[a, b)``, and those judges are a strict majority of the electorate: every ONLINE server
+of M other than P whose span OVERLAPS ``[a, b)``. Why each part:
 
-* only a server of those blocks can recompute the evidence, so only its word counts; a verdict of
-  any other key (a client, a server of other blocks) is held and shown, never counted;
-* a strict majority of those who could judge: one malicious server cannot convict an honest one
-  while two honest replicas cover its blocks (it needs more keys than the honest servers have;
-  collusion of one owner's many keys is out of scope, as the issue states);
-* only online judges count: a conviction lapses when its judges leave, and a verdict expires after
-  its lifetime unless its judge, still online, re-signs it (:class:`VerdictKeeper`).
+* a verdict's blocks are its receipt's blocks (checked when the record is decoded): a judge cannot
+  pick blocks of its own (a sub-range it alone covers) to shrink the electorate to itself;
+* only a server covering the blocks can recompute the evidence, so only its word counts; a verdict
+  of any other key (a client, a server of other blocks or of part of them) is held and shown, never
+  counted;
+* the electorate is every server overlapping the blocks, not only those covering them: honest
+  servers that split P's span (P on 0:16, H1 on 0:8, H2 on 8:16) cannot judge it, yet without their
+  votes one attacker serving 0:16 would be the whole electorate and convict P alone. They never sign,
+  so they weigh against a conviction, as an abstention does;
+* a strict majority: one malicious server cannot convict an honest one that two honest servers
+  overlap (it needs more keys than the honest servers have; collusion of one owner's many keys is out
+  of scope, as the issue states);
+* at least two judges: a strict majority of an electorate of one is that one key, and one key alone
+  never convicts;
+* only online judges and voters count: a conviction lapses when its judges leave, and a verdict
+  expires after its lifetime unless its judge, still online, re-signs it (:class:`VerdictKeeper`).
+
+The price is liveness, never safety: a swarm where fewer than two other servers cover a span never
+convicts that span's server swarm-wide, nor one whose blocks are mostly served in pieces (the
+judges cannot outnumber the abstaining partial servers); the clients that caught it still ban it
+locally (:mod:`shoal.client.audit`) and its judges stop accepting its pushes.
 
 :func:`tally` and :func:`convicted` are pure (a table in, facts out): clients drop convicted peers
 from routes, servers from their next hops, ``shoal swarm status`` shows the tallies.
@@ -33,26 +48,36 @@ from shoal.wire.schema import Receipt
 #: how long a verdict lives after signing; its judge re-signs it at half that while online. Below a
 #: table's default max lifetime (3600 s), with room for float rounding of ``expires - timestamp``.
 VERDICT_LIFETIME = 1800.0
+#: judges it takes to convict however small the electorate: one key alone never convicts
+MIN_JUDGES = 2
 
-__all__ = ["VERDICT_LIFETIME", "Tally", "VerdictKeeper", "convicted", "covers", "tally", "verdict_for"]
+__all__ = [
+    "MIN_JUDGES", "VERDICT_LIFETIME", "Tally", "VerdictKeeper", "convicted", "covers", "overlaps", "tally",
+    "verdict_for",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Tally:
     """The verdicts against ``accused`` on ``blocks`` of ``model``: ``judges`` count (online servers
-    covering the blocks), ``ignored`` do not; ``covering``: the online servers of the model covering
-    the blocks other than the accused, the electorate of the majority."""
+    covering the blocks), ``ignored`` do not; ``electorate``: how many online servers of the model
+    other than the accused overlap the blocks, the whole of which the judges must be a majority."""
 
     accused: str
     model: str
     blocks: BlockRange
     judges: tuple[str, ...]
     ignored: tuple[str, ...]
-    covering: int
+    electorate: int
+
+    @property
+    def needed(self) -> int:
+        """Judges it takes to convict: a strict majority of the electorate, and never fewer than two."""
+        return max(MIN_JUDGES, self.electorate // 2 + 1)
 
     @property
     def convicts(self) -> bool:
-        return 2 * len(self.judges) > self.covering
+        return len(self.judges) >= self.needed
 
     def as_json(self) -> dict:
         return {
@@ -62,28 +87,36 @@ class Tally:
             "end": self.blocks.end,
             "judges": list(self.judges),
             "ignored_judges": list(self.ignored),
-            "covering_servers": self.covering,
+            "electorate": self.electorate,
+            "needed": self.needed,
             "convicts": self.convicts,
         }
 
 
 def covers(record: ServerRecord, blocks: BlockRange) -> bool:
+    """Serves every one of ``blocks``: can recompute evidence about them, so may judge."""
     return record.start <= blocks.start and blocks.end <= record.end
+
+
+def overlaps(record: ServerRecord, blocks: BlockRange) -> bool:
+    """Serves at least one of ``blocks``: has a vote on a verdict about them."""
+    return record.start < blocks.end and blocks.start < record.end
 
 
 def tally(table: RecordTable, model: str, now: float | None = None) -> list[Tally]:
     """Every (accused, blocks) that verdicts of ``model`` name, weighed (see the module docstring)."""
     now = table.clock() if now is None else now
     online = [r for r in table.servers(model) if r.state is State.ONLINE and r.expires > now]
-    grouped: dict[tuple[str, BlockRange], list[str]] = {}
+    grouped: dict[tuple[str, BlockRange], set[str]] = {}
     for verdict in table.verdicts(model):
         if verdict.expires > now:
-            grouped.setdefault((verdict.accused, verdict.blocks), []).append(verdict.judge)
+            grouped.setdefault((verdict.accused, verdict.blocks), set()).add(verdict.judge)
     out = []
-    for (accused, blocks), judges in sorted(grouped.items(), key=lambda item: (item[0][0], item[0][1].start)):
-        electorate = {r.peer for r in online if covers(r, blocks) and r.peer != accused}
-        counted = tuple(sorted(j for j in set(judges) if j in electorate))
-        ignored = tuple(sorted(j for j in set(judges) if j not in electorate))
+    for (accused, blocks), signers in sorted(grouped.items(), key=lambda item: (item[0][0], item[0][1].start)):
+        electorate = {r.peer for r in online if r.peer != accused and overlaps(r, blocks)}
+        able = {r.peer for r in online if r.peer != accused and covers(r, blocks)}
+        counted = tuple(sorted(signers & able))
+        ignored = tuple(sorted(signers - able))
         out.append(Tally(accused, model, blocks, counted, ignored, len(electorate)))
     return out
 
@@ -118,18 +151,35 @@ def verdict_for(
     return VerdictRecord(swarm, judge, accused, model, blocks, evidence, data, now, now + lifetime)
 
 
+#: seconds a judge keeps re-signing a verdict after it judged the evidence (then it lapses; new
+#: evidence of a liar still lying convicts it again)
+VERDICT_MAX_AGE = 24 * 3600.0
+
+
 class VerdictKeeper:
     """A judge's verdicts: signed with its node key and published when given, re-signed (fresh
     timestamp and expiry) once half their lifetime passed, for as long as the judge asks for
-    :meth:`due` records, that is while its swarm presence runs."""
+    :meth:`due` records, that is while its swarm presence runs. Not forever: a verdict is dropped
+    once its accused has no server record in ``table`` (the presence's; it left the swarm, or was
+    never more than a key) or :data:`VERDICT_MAX_AGE` after it was first signed, so what a judge
+    keeps (and gossips) is bounded by the servers the swarm has."""
 
     def __init__(
-        self, secret_key: bytes, publish: Callable[[SignedRecord], None], clock: Callable[[], float] = time.time
+        self,
+        secret_key: bytes,
+        publish: Callable[[SignedRecord], None],
+        clock: Callable[[], float] = time.time,
+        *,
+        table: RecordTable | None = None,
+        max_age: float = VERDICT_MAX_AGE,
     ):
         self._key = secret_key
         self._publish = publish
         self._clock = clock
+        self._table = table
+        self._max_age = max_age
         self._signed: dict[str, SignedRecord] = {}
+        self._judged: dict[str, float] = {}  # key -> when first signed (re-signing keeps it)
 
     def __len__(self) -> int:
         return len(self._signed)
@@ -138,12 +188,15 @@ class VerdictKeeper:
         """Sign ``record`` (``ValueError`` unless this keeper's key is its judge's) and publish it."""
         signed = sign(record, self._key)
         self._signed[record.key] = signed
+        self._judged[record.key] = record.timestamp
         self._publish(signed)
         return signed
 
     def due(self, now: float | None = None) -> list[SignedRecord]:
-        """Verdicts re-signed now because half their lifetime passed (the caller publishes them)."""
+        """Verdicts re-signed now because half their lifetime passed (the caller publishes them);
+        those past their age or whose accused left the table are dropped first."""
         now = self._clock() if now is None else now
+        self._prune(now)
         out = []
         for key, signed in list(self._signed.items()):
             record = signed.record
@@ -152,3 +205,11 @@ class VerdictKeeper:
                 fresh = self._signed[key] = sign(replace(record, timestamp=now, expires=now + lifetime), self._key)
                 out.append(fresh)
         return out
+
+    def _prune(self, now: float) -> None:
+        servers = None if self._table is None else {r.peer for r in self._table.servers(include_offline=True)}
+        for key, signed in list(self._signed.items()):
+            gone = servers is not None and signed.record.accused not in servers
+            if gone or now - self._judged.get(key, now) > self._max_age:
+                del self._signed[key]
+                self._judged.pop(key, None)

@@ -5,9 +5,9 @@ over the memory network) of a tiny random llama (4 blocks): ``[0:2]`` x1 and ``[
 those a liar (:func:`testkit.faulty.make_faulty`, noise 0.1 on every output). A first client with
 ``verify="audit"`` is steered through the liar, catches it, and testifies to the two honest replicas
 (the judges, :mod:`shoal.server.judge`); each confirms, and its presence signs and gossips a verdict.
-Then every server's table convicts the liar (2 of the 2 other servers of its blocks), a second client
-that knows only the ``[0:2]`` server (it never talked to the liar) reads the table and never routes
-over the liar, and the swarm's status lists the verdict. A verdict one framing judge signs against an
+Then every server's table convicts the liar (2 judges of the 2 other servers on its blocks), a second
+client that knows only the ``[0:2]`` server (it never talked to the liar) reads the table and never
+routes over the liar, and the swarm's status lists the verdict. A verdict one framing judge signs against an
 honest server convicts nobody; a verdict of a key that serves nothing is held but not counted; a
 forged one (a receipt the accused never signed) is rejected by every server and counted.
 """
@@ -136,7 +136,7 @@ def test_a_lie_caught_by_audit_convicts_the_liar_everywhere_and_a_second_client_
     (verdict,) = [v for v in status["verdicts"] if v["accused"] == liar]
     assert verdict == {
         "accused": liar, "model": world.model, "start": 2, "end": 4, "judges": judges, "ignored_judges": [],
-        "covering_servers": 2, "convicts": True,
+        "electorate": 2, "needed": 2, "convicts": True,
     }  # fmt: skip
     servers = {s["peer"]: s["convicted"] for m in status["models"] for s in m["servers"]}
     assert servers == {peer_of(s): peer_of(s) == liar for s in world.servers}
@@ -146,7 +146,8 @@ def receipt_by(server: LocalServer, blocks: BlockRange = HIGH) -> Receipt:
     """A receipt ``server`` really signed (any client of it holds some)."""
     unsigned = Receipt(
         weights=b"w" * 16, start=blocks.start, end=blocks.end, session="framing1", position=0, n=1, step=1,
-        inputs=b"i" * 16, outputs=b"o" * 16, codec="raw", adapter="", prompts=False, signature=b"",
+        inputs=b"i" * 16, outputs=b"o" * 16, codec="raw", adapter=b"", prompts=False, state=b"c" * 16,
+        compute="f32/cpu", signature=b"",
     )  # fmt: skip
     return server.server.signer.sign(unsigned)
 
@@ -202,9 +203,10 @@ def test_framing_and_forged_verdicts_convict_nobody_and_are_counted(world):
     status = world.status(world.low)
     (tally,) = [v for v in status["verdicts"] if v["accused"] == peer_of(framed)]
     # the electorate of the framed server's blocks: the framer and the liar (online) - one of two is no majority
-    assert (tally["judges"], tally["ignored_judges"], tally["covering_servers"], tally["convicts"]) == (
+    assert (tally["judges"], tally["ignored_judges"], tally["electorate"], tally["needed"], tally["convicts"]) == (
         [peer_of(framer)],
         [outsider],
+        2,
         2,
         False,
     )

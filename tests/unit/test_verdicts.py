@@ -43,7 +43,7 @@ pytestmark = pytest.mark.timeout(30)
 SWARM = "verdict-test"
 MODEL = "tiny"
 NUM_BLOCKS = 6
-NOW = float(int(time.time()))  # records live 100 s: code that reads the clock itself (routing) sees them current
+NOW = float(int(time.time()))  # records live 100 s from it (tests reading the real clock use fresh())
 FPS = tuple(bytes([i]) * 32 for i in range(NUM_BLOCKS))
 EVIDENCE = bytes(range(32))
 HIGH = BlockRange(2, 4)
@@ -65,7 +65,8 @@ PUBLISHER_KEY, PUBLISHER = keys(1, 2)[0]
 def receipt_of(key: bytes, start: int = 2, end: int = 4, position: int = 8) -> Receipt:
     unsigned = Receipt(
         weights=b"w" * 16, start=start, end=end, session="s" * 8, position=position, n=1, step=3,
-        inputs=b"i" * 16, outputs=b"o" * 16, codec="raw", adapter="", prompts=False, signature=b"",
+        inputs=b"i" * 16, outputs=b"o" * 16, codec="raw", adapter=b"", prompts=False, state=b"c" * 16,
+        compute="f32/cpu", signature=b"",
     )  # fmt: skip
     return ReceiptSigner(key).sign(unsigned)
 
@@ -85,9 +86,9 @@ def signed_verdict(judge_key: bytes = JUDGE_KEY, **kw) -> bytes:
     return sign(verdict(judge=ReceiptSigner(judge_key).peer_id, **kw), judge_key).data
 
 
-def table_at(now: float = NOW + 1) -> RecordTable:
+def table_at(now: float = NOW + 1, signed: float = NOW) -> RecordTable:
     table = RecordTable(SWARM, clock=lambda: now)
-    model = ModelRecord(SWARM, PUBLISHER, MODEL, NUM_BLOCKS, FPS, NOW, NOW + 100)
+    model = ModelRecord(SWARM, PUBLISHER, MODEL, NUM_BLOCKS, FPS, signed, signed + 100)
     assert table.merge(sign(model, PUBLISHER_KEY))
     return table
 
@@ -162,12 +163,14 @@ def test_receipts_that_do_not_show_the_accused_computing_those_blocks_are_bad_re
     tampered = msgspec.structs.replace(receipt_of(ACCUSED_KEY), position=9)  # the accused's signature, altered
     altered = sign(verdict(receipt=tampered), JUDGE_KEY).data
     elsewhere = sign(verdict(receipt=receipt_of(ACCUSED_KEY, 0, 2)), JUDGE_KEY).data  # blocks 0:2, verdict on 2:4
-    for data in (garbage, someone_elses, altered, elsewhere):
+    # a verdict's blocks are exactly its receipt's (2:4): overlapping, inside or around it is not enough
+    spans = (BlockRange(3, 5), BlockRange(3, 4), BlockRange(1, 5))
+    overlapping, inside, around = (sign(verdict(blocks=span), JUDGE_KEY).data for span in spans)
+    for data in (garbage, someone_elses, altered, elsewhere, overlapping, inside, around):
         with pytest.raises(RecordError) as caught:
             decode(data)
         assert caught.value.reason == "bad_receipt", caught.value
-    overlapping = sign(verdict(blocks=BlockRange(3, 5)), JUDGE_KEY).data  # the receipt's 2:4 overlaps 3:5
-    assert decode(overlapping).record.blocks == BlockRange(3, 5)
+    assert decode(signed_verdict()).record.blocks == HIGH == BlockRange(receipt_of(ACCUSED_KEY).start, 4)
 
 
 def test_forged_signatures_are_rejected():
@@ -216,27 +219,30 @@ def test_gossip_carries_a_verdict_byte_for_byte():
 
 
 # ---- the quorum -------------------------------------------------------------------------------------
-def replicas(table: RecordTable, *extra: tuple[bytes, tuple[int, int], State]) -> None:
+def replicas(table: RecordTable, *extra: tuple[bytes, tuple[int, int], State], at: float = NOW) -> None:
     """The accused and two honest replicas on blocks 2:4, one server of 0:2, and ``extra``."""
     for key in (ACCUSED_KEY, JUDGE_KEY, OTHER_KEY):
-        add_server(table, key, (2, 4))
-    add_server(table, LOW_KEY, (0, 2))
+        add_server(table, key, (2, 4), at=at)
+    add_server(table, LOW_KEY, (0, 2), at=at)
     for key, span, state in extra:
         add_server(table, key, span, state)
 
 
-def test_a_majority_of_the_covering_servers_convicts():
+def test_two_honest_replicas_of_three_convict_the_third():
     table = table_at()
-    replicas(table)
+    replicas(table)  # the 0:2 server is adjacent to 2:4, not on it: no vote
     table.merge(signed_verdict(JUDGE_KEY))
     (alone,) = tally(table, MODEL)
-    assert (alone.judges, alone.covering, alone.convicts) == ((JUDGE,), 2, False)  # 1 of 2: not a strict majority
+    assert (alone.judges, alone.electorate, alone.needed, alone.convicts) == ((JUDGE,), 2, 2, False)  # 1 of 2
     assert convicted(table, MODEL) == {}
     table.merge(signed_verdict(OTHER_KEY))
     found = convicted(table, MODEL)
     assert list(found) == [ACCUSED]
-    assert found[ACCUSED].judges == tuple(sorted([JUDGE, OTHER])) and found[ACCUSED].covering == 2
-    assert found[ACCUSED].as_json()["convicts"] is True
+    assert found[ACCUSED].judges == tuple(sorted([JUDGE, OTHER])) and found[ACCUSED].electorate == 2
+    assert found[ACCUSED].as_json() == {
+        "accused": ACCUSED, "model": MODEL, "start": 2, "end": 4, "judges": sorted([JUDGE, OTHER]),
+        "ignored_judges": [], "electorate": 2, "needed": 2, "convicts": True,
+    }  # fmt: skip
     assert convicted(table, "another-model") == {}
 
 
@@ -246,7 +252,7 @@ def test_a_lone_framing_judge_cannot_convict_an_honest_server_two_honest_servers
     # OTHER frames JUDGE with a receipt JUDGE really signed (any client of JUDGE holds some)
     table.merge(sign(verdict(judge=OTHER, accused=JUDGE, key=JUDGE_KEY), OTHER_KEY))
     (framed,) = tally(table, MODEL)
-    assert (framed.accused, framed.judges, framed.covering, framed.convicts) == (JUDGE, (OTHER,), 2, False)
+    assert (framed.accused, framed.judges, framed.electorate, framed.convicts) == (JUDGE, (OTHER,), 2, False)
     assert convicted(table, MODEL) == {}
 
 
@@ -261,7 +267,70 @@ def test_judges_that_do_not_cover_the_blocks_do_not_count():
     table.merge(signed_verdict(outsider_key))
     (result,) = tally(table, MODEL)
     assert result.judges == (JUDGE,) and set(result.ignored) == {LOW, partial, outsider}
-    assert (result.covering, result.convicts) == (2, False)
+    assert (result.electorate, result.needed, result.convicts) == (3, 2, False)  # 3:6 votes, 0:2 does not
+
+
+def test_servers_of_part_of_the_blocks_vote_without_judging():
+    """Partial servers cannot recompute, so never judge; they weigh in the electorate all the same."""
+    table = table_at()
+    partial_key, partial = keys(1, 3)[0]
+    replicas(table, (partial_key, (3, 6), State.ONLINE))
+    table.merge(signed_verdict(JUDGE_KEY))
+    table.merge(signed_verdict(OTHER_KEY))
+    (result,) = tally(table, MODEL)
+    assert (result.judges, result.ignored, result.electorate, result.convicts) == (
+        tuple(sorted([JUDGE, OTHER])), (), 3, True,
+    )  # fmt: skip
+    second_key = keys(1, 5)[0][0]
+    add_server(table, second_key, (0, 3))  # a second partial server: 2 judges of 4 is no strict majority
+    (result,) = tally(table, MODEL)
+    assert (result.electorate, result.needed, result.convicts) == (4, 3, False)
+    table.merge(signed_verdict(partial_key))  # it signs anyway: still not a judge of 2:4
+    (result,) = tally(table, MODEL)
+    assert (result.judges, result.ignored, result.convicts) == (tuple(sorted([JUDGE, OTHER])), (partial,), False)
+    assert convicted(table, MODEL) == {}
+
+
+def test_a_judge_cannot_shrink_the_electorate_with_blocks_of_its_own():
+    """Finding 1: honest P, H1, H2 serve 2:4, attacker A 3:6 holds a receipt P signed."""
+    table = table_at()
+    replicas(table, (FOURTH_KEY, (3, 6), State.ONLINE))
+    on_its_blocks = sign(verdict(judge=FOURTH, blocks=BlockRange(3, 5)), FOURTH_KEY).data  # receipt of 2:4
+    assert not table.merge(on_its_blocks) and table.rejected["bad_receipt"] == 1
+    assert table.merge(sign(verdict(judge=FOURTH), FOURTH_KEY).data)  # on the receipt's 2:4: held, not counted
+    (result,) = tally(table, MODEL)
+    assert (result.judges, result.ignored, result.electorate, result.convicts) == ((), (FOURTH,), 3, False)
+    # P also served 3:4 alone for some client: A covers those blocks, but H1 and H2 vote on them too
+    receipt = receipt_of(ACCUSED_KEY, 3, 4)
+    on_3_4 = verdict(judge=FOURTH, blocks=BlockRange(3, 4), receipt=receipt, now=NOW + 0.5)  # supersedes A's first
+    assert table.merge(sign(on_3_4, FOURTH_KEY).data)
+    (result,) = tally(table, MODEL)
+    assert (result.judges, result.electorate, result.needed, result.convicts) == ((FOURTH,), 3, 2, False)
+    assert convicted(table, MODEL) == {}
+
+
+def test_one_attacker_covering_a_span_honest_servers_split_convicts_nobody():
+    """Finding 2: honest P serves 0:6, honest H1 0:3 and H2 3:6, attacker A 0:6: A is the only other
+    server covering 0:6, yet H1 and H2 vote."""
+    table = table_at()
+    for key, span in ((ACCUSED_KEY, (0, 6)), (JUDGE_KEY, (0, 3)), (OTHER_KEY, (3, 6)), (FOURTH_KEY, (0, 6))):
+        add_server(table, key, span)
+    whole = BlockRange(0, 6)
+    table.merge(sign(verdict(judge=FOURTH, blocks=whole, receipt=receipt_of(ACCUSED_KEY, 0, 6)), FOURTH_KEY).data)
+    (result,) = tally(table, MODEL)
+    assert (result.judges, result.electorate, result.needed, result.convicts) == ((FOURTH,), 3, 2, False)
+    assert convicted(table, MODEL) == {}
+
+
+def test_one_key_alone_never_convicts_even_as_the_whole_electorate():
+    table = table_at()
+    add_server(table, ACCUSED_KEY, (2, 4))
+    add_server(table, FOURTH_KEY, (2, 4))  # the only other server of 2:4: a strict majority of one
+    add_server(table, LOW_KEY, (0, 2))
+    table.merge(sign(verdict(judge=FOURTH), FOURTH_KEY).data)
+    (result,) = tally(table, MODEL)
+    assert (result.judges, result.electorate, result.needed, result.convicts) == ((FOURTH,), 1, 2, False)
+    assert convicted(table, MODEL) == {}
 
 
 def test_offline_or_lapsed_servers_neither_judge_nor_vote():
@@ -270,10 +339,10 @@ def test_offline_or_lapsed_servers_neither_judge_nor_vote():
     table.merge(signed_verdict(JUDGE_KEY))
     table.merge(signed_verdict(FOURTH_KEY))  # offline: its verdict does not count
     (result,) = tally(table, MODEL)
-    assert (result.judges, result.ignored, result.covering, result.convicts) == ((JUDGE,), (FOURTH,), 2, False)
+    assert (result.judges, result.ignored, result.electorate, result.convicts) == ((JUDGE,), (FOURTH,), 2, False)
     add_server(table, FOURTH_KEY, (2, 4), State.ONLINE, at=NOW + 0.5)  # back online: 2 of 3
     (result,) = tally(table, MODEL, NOW + 1)
-    assert (result.covering, result.convicts) == (3, True)
+    assert (result.electorate, result.convicts) == (3, True)
     # the judges' records lapse (a server that died without an offline record): nobody counts
     assert convicted(table, MODEL, NOW + 150) == {}
 
@@ -298,16 +367,23 @@ def test_the_judge_keeps_re_signing_its_verdicts_before_they_expire():
 
 
 # ---- who stops routing over a convicted server ------------------------------------------------------
-def convicting_table() -> RecordTable:
-    table = table_at()
-    replicas(table)
-    table.merge(signed_verdict(JUDGE_KEY))
-    table.merge(signed_verdict(OTHER_KEY))
+def convicting_table(now: float = NOW) -> RecordTable:
+    """The accused convicted by both honest replicas, records signed at ``now``."""
+    table = table_at(now + 1, signed=now)
+    replicas(table, at=now)
+    table.merge(signed_verdict(JUDGE_KEY, now=now))
+    table.merge(signed_verdict(OTHER_KEY, now=now))
     return table
 
 
+def fresh() -> float:
+    """Now, for tests of code that reads the clock itself (routing): records signed at NOW (import
+    time) may have expired by the time a long test run gets here."""
+    return float(int(time.time()))
+
+
 def test_a_server_does_not_measure_a_convicted_next_hop():
-    table = convicting_table()
+    table = convicting_table(fresh())
     node = SimpleNamespace(id=LOW)
     announcement = Announcement(node, LOW_KEY, SWARM, MODEL, BlockRange(0, 2), [], 1.0, GossipConfig())
     announcement.service = SimpleNamespace(table=table)
@@ -325,7 +401,7 @@ class TableNode:
 
 
 def test_a_client_reading_the_swarm_table_never_routes_over_a_convicted_server():
-    records = [s.data for s in convicting_table().records()]
+    records = [s.data for s in convicting_table(fresh()).records()]
     ticket = Ticket(LOW, ("mem:1",), None, SWARM)
     spans = asyncio.run(swarm_spans(TableNode(records), [ticket], MODEL, 1.0))
     assert sorted(s.peer_id for s in spans) == sorted([JUDGE, OTHER, LOW])
@@ -338,14 +414,15 @@ def test_status_lists_verdicts_their_quorum_and_rejections():
     status = summarize(table, NOW + 1)
     by_accused = {v["accused"]: v for v in status["verdicts"]}
     assert by_accused[ACCUSED]["convicts"] is True and by_accused[ACCUSED]["judges"] == sorted([JUDGE, OTHER])
-    assert by_accused[OTHER]["convicts"] is False and by_accused[OTHER]["covering_servers"] == 2
+    assert by_accused[OTHER]["convicts"] is False and by_accused[OTHER]["electorate"] == 2
     assert status["rejected"] == {"bad_signature": 1}
     (model,) = status["models"]
     assert {s["peer"]: s["convicted"] for s in model["servers"]} == {ACCUSED: True, JUDGE: False, OTHER: False,
                                                                      LOW: False}  # fmt: skip
     text = render(status)
-    assert f"verdict against {ACCUSED[:12]} on {MODEL} [2:4): 2 of 2 covering servers: CONVICTED" in text
-    assert f"verdict against {OTHER[:12]} on {MODEL} [2:4): 1 of 2 covering servers: no quorum" in text
+    on_them = "2:4): {} of 2 servers on them judged it, 2 needed: {}"
+    assert f"verdict against {ACCUSED[:12]} on {MODEL} [" + on_them.format(2, "CONVICTED") in text
+    assert f"verdict against {OTHER[:12]} on {MODEL} [" + on_them.format(1, "no quorum") in text
     assert "rejected records: bad_signature 1" in text
     shown = summarize(table, NOW + 1, rejected={"stale": 3, "bad_receipt": 2})["rejected"]  # a peer's counts
     assert shown == {"bad_receipt": 2}  # copies gossip delivers twice are no news
