@@ -27,7 +27,7 @@ import torch
 from bench.generate import model_dir
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
-from shoal.verify.receipts import ReceiptSigner, sign_receipt, weights_digest
+from shoal.verify.receipts import ReceiptSigner, adapter_tag, sign_receipt, weights_digest
 
 SPANS = (BlockRange(0, 8), BlockRange(8, 16))
 REPLICAS = 3
@@ -40,13 +40,15 @@ MODES = {
 }
 
 
-def receipt_bytes(hidden_size: int) -> int:
-    """The encoded size of one decode step's receipt (a 16-hex-digit session id, as servers issue)."""
+def receipt_bytes(hidden_size: int, *, adapter: bool = False, compute: str = "f32/cpu") -> int:
+    """The encoded size of one decode step's receipt (a 16-hex-digit session id, as servers issue), with
+    a cache state, ``compute`` as a server signs it and, with ``adapter``, an adapter's digest."""
     signer = ReceiptSigner(bytes(range(32)))
     x = torch.randn(1, 1, hidden_size)
     receipt = sign_receipt(
         signer, weights=weights_digest(("ab" * 32,) * 8, "none"), start=8, end=16, session="0123456789abcdef",
         position=200, step=12345, inputs=[x, torch.tensor([[200]])], output=x,
+        adapter=adapter_tag("cd" * 32) if adapter else b"", state=bytes(range(16)), compute=compute,
     )  # fmt: skip
     return len(msgspec.msgpack.encode(receipt))
 

@@ -41,7 +41,7 @@ from shoal.client.history import step_inputs
 from shoal.client.hops import Hop
 from shoal.errors import ClosedError, ShoalError, remote_error
 from shoal.routing import ServerSpan
-from shoal.verify.receipts import LIAR_BAN_SECONDS, ReceiptError, expected_receipt, verify_receipt
+from shoal.verify.receipts import LIAR_BAN_SECONDS, ReceiptError, adapter_tag, expected_receipt, verify_receipt
 from shoal.wire import Codec, Message
 from shoal.wire.codecs import carried
 from shoal.wire.schema import PUSH, RECEIPTS, PushHop, Receipt, StepReply, StepRequest
@@ -256,7 +256,7 @@ class ChainDriver:
         expected = expected_receipt(
             start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
             session=hop.session, position=position, step=step_id, sent=sent, output=output, codec=codec,
-            adapter=self.adapter, prompts=self.prompts,
+            adapter=announced_adapter(span, self.adapter), prompts=self.prompts, dtype=info.dtype,
         )  # fmt: skip
         previous = pushed_by.span.peer_id if pushed_by is not None else None
         try:
@@ -289,4 +289,19 @@ class ChainDriver:
             return message
 
 
-__all__ = ["DEADLINE_FACTOR", "MIN_DEADLINE", "ChainDriver", "HopFailed", "codec_for", "push_reach", "push_routes"]
+def announced_adapter(span: ServerSpan, adapter: str | None) -> bytes:
+    """What ``span``'s receipts must state running ``adapter``: the digest its server announced for that
+    name (a pinned choice routes only over servers announcing the pinned one); b"" for none."""
+    return adapter_tag(dict(span.info.adapters).get(adapter)) if adapter else b""
+
+
+__all__ = [
+    "DEADLINE_FACTOR",
+    "MIN_DEADLINE",
+    "ChainDriver",
+    "HopFailed",
+    "announced_adapter",
+    "codec_for",
+    "push_reach",
+    "push_routes",
+]

@@ -17,7 +17,9 @@ Drain (leaving): new work gets ``unavailable``; open sessions' steps are served 
 Codecs: the output travels in the codec the hidden states came in (:mod:`shoal.wire.codecs`), to
 the client and, pushed, to the next server, so both decode the very same tensor. Receipts
 (``receipts``, :mod:`shoal.verify.receipts`): a step, push or forward that asks gets a receipt
-signed with the node key (a push asks on for the next server). Evidence (``evidence``): another
+signed with the node key (a push asks on for the next server); each session keeps the chain digest of
+its cache's inputs (:class:`~shoal.verify.state.StateChain`, truncated on rollback) that a step's
+receipt commits to. Evidence (``evidence``): another
 server's signed lie, judged by :mod:`shoal.server.judge` (a liar convicted here gets no pushes).
 """
 
@@ -53,6 +55,7 @@ from shoal.server.judge import Judge
 from shoal.server.push import Pusher
 from shoal.transport import MessageStream, Node
 from shoal.verify.receipts import ReceiptSigner, server_receipt
+from shoal.verify.state import StateChain
 from shoal.wire import Codec, InvalidMessage, Message, codecs, error_message
 from shoal.wire.schema import (
     BackwardRequest,
@@ -69,6 +72,9 @@ from shoal.wire.schema import (
 )
 
 log = logging.getLogger(__name__)
+#: a step's hidden states up to this size have their cache-state digests hashed on the event loop
+#: (a decode step: microseconds); larger ones (a prefill) on a worker thread (hashlib releases the GIL)
+HASH_INLINE_BYTES = 1 << 20
 
 
 @dataclass
@@ -88,6 +94,7 @@ class _Session:
     last_step: int = 0  # id of the latest step served: older pushes arriving late are dropped
     prompts: torch.Tensor | None = None  # deep prompts added at positions [0, N) of every step's blocks
     adapter: str | None = None  # the LoRA adapter the session runs with (None: the base weights)
+    state: StateChain = field(default_factory=StateChain)  # what its cache holds: receipts commit to it
 
 
 class BlockServer:
@@ -195,7 +202,8 @@ class BlockServer:
         codecs_out = _in_kind(out, request)  # first: raises if the codec cannot carry the output
         receipt = None
         if meta.receipt:
-            receipt = server_receipt(self.signer, self.info, request, out, adapter=meta.adapter, prompts=meta.prompts)
+            receipt = server_receipt(self.signer, self.info, request, out, adapter=meta.adapter, prompts=meta.prompts,
+                                     device=self.backend.device)  # fmt: skip
         reply = ForwardReply(receipt=receipt)
         return Message("result", request.id, reply, [out], codecs_out)
 
@@ -377,10 +385,17 @@ class BlockServer:
             message.tensors, past_length=position, batch_size=session.batch_size, max_length=session.max_length
         )
         rolled_back = session.cache.length - position  # positions the client dropped (speculation, a retry)
+        states = await _next_states(session.state, position, hidden, position_ids, mask)
         started = time.perf_counter()
-        out = await self.backend.run(
-            hidden, position_ids, mask, session.cache, position, prompts=session.prompts, adapter=session.adapter
-        )
+        try:
+            out = await self.backend.run(
+                hidden, position_ids, mask, session.cache, position, prompts=session.prompts, adapter=session.adapter
+            )
+        except Exception:
+            session.state.forget(position)  # the cache may be half written from here: no receipt vouches for it
+            raise
+        state = session.state.at(position)  # what the step ran on
+        session.state.commit(position, states)
         self.counters.positions_rolled_back += rolled_back
         self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1
@@ -389,9 +404,19 @@ class BlockServer:
         receipt = None
         if meta.receipt:
             receipt = server_receipt(self.signer, self.info, message, out, session.id, position,
-                                     adapter=session.adapter, prompts=session.prompts is not None)  # fmt: skip
+                                     adapter=session.adapter, prompts=session.prompts is not None, state=state,
+                                     device=self.backend.device)  # fmt: skip
         reply = StepReply(position=position + hidden.shape[1], receipt=receipt)
         return Message("result", message.id, reply, [out], codecs_out)
+
+
+async def _next_states(
+    chain: StateChain, position: int, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None
+) -> bytes:
+    """The cache-state digests a step at ``position`` appends to ``chain`` (see :data:`HASH_INLINE_BYTES`)."""
+    if hidden.numel() * hidden.element_size() <= HASH_INLINE_BYTES:
+        return chain.next_states(position, hidden, position_ids, mask)
+    return await asyncio.to_thread(chain.next_states, position, hidden, position_ids, mask)
 
 
 def _in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:

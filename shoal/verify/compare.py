@@ -109,24 +109,38 @@ def tolerance_for(dtype: torch.dtype, device: str | torch.device = "cpu") -> Tol
 
 #: How coarse each float dtype's rounding is (the coarsest of a comparison's dtypes sets its tolerance).
 _COARSENESS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: The float dtypes by name (as a server's info and a receipt's ``compute`` say them; anything else: not known).
+#: dtype names as servers' info says them, and as receipts sign them (shoal.verify.receipts.compute_label)
+_FLOAT_NAMED = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # fmt: skip
 #: Codecs that round the hidden states they carry (to about bfloat16).
 LOSSY_CODECS = frozenset({Codec.BF16, Codec.FP16, Codec.Q8})
 
 
 def tolerance_of(
-    wire: torch.dtype, computed: str | None, codec: Codec, device: str | torch.device = "cpu"
-) -> Tolerance:
+    wire: torch.dtype, computed: str | None, codec: Codec, device: str | torch.device = "cpu", *,
+    other: str | None = None,
+) -> Tolerance:  # fmt: skip
     """How far honest outputs may differ: hidden states travelling as ``wire``, computed in
     ``computed`` (a dtype name, as a server's info says; None: not known), sent as ``codec``, on
-    ``device``. The coarsest rounding counts; a lossy codec rounds to about bfloat16. Here, not in
-    the client: a server judging evidence (:mod:`shoal.server.judge`) uses the very same rule."""
+    ``device``; ``other``: how the other side computed, as a receipt signs it ("bf16/cuda", see
+    :func:`shoal.verify.receipts.compute_label`; None or "": not known). The coarsest rounding
+    counts (a lossy codec rounds to about bfloat16); when ``other`` names another device type than
+    ``device``'s, kernels differ too: the tolerance is at least the uncalibrated-device one (the CPU
+    constants times :data:`_UNCALIBRATED_DEVICE_MARGIN`). Here, not in the client: a server judging
+    evidence (:mod:`shoal.server.judge`) uses the very same rule."""
+    other_dtype, _, other_device = (other or "").partition("/")
     dtypes = [wire if wire in _COARSENESS else torch.float32]
-    named = getattr(torch, computed, None) if computed else None
-    if named in _COARSENESS:
-        dtypes.append(named)
+    dtypes += [_FLOAT_NAMED[name] for name in (computed, other_dtype) if name in _FLOAT_NAMED]
     if codec in LOSSY_CODECS:
         dtypes.append(torch.bfloat16)
-    return tolerance_for(max(dtypes, key=_COARSENESS.__getitem__), device)
+    coarsest = max(dtypes, key=_COARSENESS.__getitem__)
+    tolerance = tolerance_for(coarsest, device)
+    if other_device and other_device != torch.device(device).type:
+        across = _scaled(tolerance_for(coarsest, "cpu"), _UNCALIBRATED_DEVICE_MARGIN)
+        if across.relative > tolerance.relative:
+            return across
+    return tolerance
 
 
 def _check_shapes(expected: Tensor, got: Tensor, mask: Tensor | None) -> None:

@@ -2,8 +2,10 @@
 
 A :class:`~shoal.wire.schema.Receipt` names the weights (a digest of the span's fingerprints and
 quantization), the blocks, the session ("" for a stateless forward), the cache positions
-``[position, position + n)``, the step id, and digests of the inputs the server decoded and of the
-output its receiver decodes. The server signs it with its node key: ed25519 over
+``[position, position + n)``, the step id, digests of the inputs the server decoded and of the
+output its receiver decodes, the LoRA adapter by its digest (:func:`adapter_tag`), the state of the
+cache the step ran on (:mod:`shoal.verify.state`) and how the server computed (:func:`compute_label`:
+dtype and device type). The server signs it with its node key: ed25519 over
 ``b"shoal/receipt/1\\0" + msgpack(every field but the signature)``, so a peer id (the hex public
 key, as in :mod:`shoal.swarm.records`) is all a verifier needs, and a receipt cannot pass for a
 record or anything else signed with the same key.
@@ -30,11 +32,13 @@ import hashlib
 from collections.abc import Sequence
 
 import msgspec
+import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from torch import Tensor
 
 from shoal.errors import ShoalError
+from shoal.verify.state import EMPTY_STATE
 from shoal.wire import Codec, Message
 from shoal.wire.schema import Receipt, SpanInfo
 from shoal.wire.tensors import dtype_name, roundtrip, tensor_bytes
@@ -103,6 +107,29 @@ def weights_digest(fingerprints: tuple[str, ...], quantization: str) -> bytes:
     return hashlib.sha256(WEIGHTS_CONTEXT + body).digest()[:DIGEST_BYTES]
 
 
+def adapter_tag(digest: str | None) -> bytes:
+    """What a receipt's ``adapter`` is for the adapter whose sha256 (hex, as ``AdapterInfo.digest``
+    announces it) is ``digest``: its first 16 bytes; b"" for the base weights."""
+    return bytes.fromhex(digest)[:DIGEST_BYTES] if digest else b""
+
+
+#: how a receipt names a compute dtype, short (a receipt rides on every step): float32 is "f32"
+SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+_LONG_DTYPES = {short: name for name, short in SHORT_DTYPES.items()}
+
+
+def compute_label(dtype: str, device: str | torch.device) -> str:
+    """What a receipt's ``compute`` is for a span computing in ``dtype`` ("float32", as SpanInfo says)
+    on ``device`` ("cpu", "cuda:1": only its type counts): "f32/cpu", "bf16/cuda"."""
+    return f"{SHORT_DTYPES.get(dtype, dtype)}/{torch.device(device).type}"[:24]
+
+
+def compute_dtype(compute: str) -> str:
+    """The dtype a receipt's ``compute`` names, as SpanInfo says it ("bfloat16" of "bf16/cuda")."""
+    short = compute.partition("/")[0]
+    return _LONG_DTYPES.get(short, short)
+
+
 def receipt_body(receipt: Receipt) -> bytes:
     """The bytes a receipt's signature covers (after :data:`SIGNING_CONTEXT`)."""
     return _encoder.encode(tuple(getattr(receipt, name) for name in FIELDS))
@@ -133,19 +160,23 @@ def sign_receipt(
     inputs: Sequence[Tensor],
     output: Tensor,
     codec: Codec = Codec.RAW,
-    adapter: str | None = None,
+    adapter: bytes = b"",
     prompts: bool = False,
+    state: bytes = EMPTY_STATE,
+    compute: str = "",
 ) -> Receipt:
     """The signed receipt of one computation: ``inputs`` as the server decoded them (hidden first),
-    ``output`` as its receiver decodes it (travelling in ``codec``), with ``adapter`` and deep
-    ``prompts`` or without."""
-    unsigned = _unsigned(weights, start, end, session, position, step, inputs, output, codec, adapter, prompts)
+    ``output`` as its receiver decodes it (travelling in ``codec``), with ``adapter`` (its
+    :func:`adapter_tag`) and deep ``prompts`` or without, on a cache in ``state`` (the chain digest
+    at ``position``), computed as ``compute`` (:func:`compute_label`)."""
+    unsigned = _unsigned(weights, start, end, session, position, step, inputs, output, codec, adapter, prompts,
+                         state, compute)  # fmt: skip
     return signer.sign(unsigned)
 
 
 def _unsigned(
     weights: bytes, start: int, end: int, session: str, position: int, step: int, inputs: Sequence[Tensor],
-    output: Tensor, codec: Codec, adapter: str | None, prompts: bool,
+    output: Tensor, codec: Codec, adapter: bytes, prompts: bool, state: bytes, compute: str,
 ) -> Receipt:  # fmt: skip
     """The receipt of blocks ``[start, end)`` computing ``output`` from ``inputs`` (hidden first), unsigned:
     what a server signs and what a client expects are built the same way."""
@@ -160,8 +191,10 @@ def _unsigned(
         inputs=tensor_digest(inputs),
         outputs=tensor_digest([output]),
         codec=codec,
-        adapter=adapter or "",
+        adapter=adapter,
         prompts=prompts,
+        state=state,
+        compute=compute,
         signature=b"",
     )
 
@@ -178,16 +211,20 @@ def expected_receipt(
     sent: Sequence[Tensor],
     output: Tensor,
     codec: Codec = Codec.RAW,
-    adapter: str | None = None,
+    adapter: bytes = b"",
     prompts: bool = False,
+    dtype: str | None = None,
 ) -> Receipt:
     """The receipt a client expects of blocks ``[start, end)`` given ``sent`` (the tensors the
     server decodes, hidden first) when it received ``output`` in ``codec``, asking for ``adapter``
-    and deep ``prompts`` or not; unsigned. ``weights`` stays empty (not compared) unless
-    ``fingerprints`` covers the span."""
+    (the :func:`adapter_tag` of the digest that server announced for it) and deep ``prompts`` or
+    not, from a server announcing it computes in ``dtype``; unsigned. Left empty, so not compared
+    (see :func:`verify_receipt`): ``weights`` unless ``fingerprints`` covers the span, ``compute``
+    without ``dtype``, and always ``state``."""
     known = len(fingerprints) == end - start
     weights = weights_digest(tuple(fingerprints), quantization) if known else b""
-    return _unsigned(weights, start, end, session, position, step, sent, output, codec, adapter, prompts)
+    return _unsigned(weights, start, end, session, position, step, sent, output, codec, adapter, prompts, b"",
+                     dtype or "")  # fmt: skip
 
 
 def server_receipt(
@@ -200,14 +237,19 @@ def server_receipt(
     *,
     adapter: str | None = None,
     prompts: bool = False,
+    state: bytes = EMPTY_STATE,
+    device: str | torch.device = "cpu",
 ) -> Receipt | None:
     """What a server signs for ``request`` (a step, push or forward; ``session`` "" for a forward)
     whose output is ``out``: its span, the inputs it decoded, and ``out`` as the receiver decodes it
-    (the codec's round trip: call after checking the codec carries it), run with ``adapter`` and
-    deep ``prompts`` or without. None without a key (such a server does not announce RECEIPTS)."""
+    (the codec's round trip: call after checking the codec carries it), run with ``adapter`` (a
+    name of ``info.adapters``: the receipt signs its digest) and deep ``prompts`` or without, on a
+    cache in ``state`` (a forward: the empty cache's), in ``info.dtype`` on ``device``. None without
+    a key (such a server does not announce RECEIPTS)."""
     if signer is None:
         return None
     codec = request.codec_of(0)
+    digest = next((a.digest for a in info.adapters if a.name == adapter), None) if adapter else None
     return sign_receipt(
         signer,
         weights=weights_digest(tuple(info.fingerprints), info.quantization.value),
@@ -219,8 +261,10 @@ def server_receipt(
         inputs=request.tensors,
         output=roundtrip(out, codec),
         codec=codec,
-        adapter=adapter,
+        adapter=adapter_tag(digest),
         prompts=prompts,
+        state=state,
+        compute=compute_label(info.dtype, device),
     )
 
 
@@ -247,19 +291,20 @@ def signed_by(receipt: Receipt, peer_id: str) -> bool:
 def verify_receipt(
     receipt: Receipt | None, peer_id: str, expected: Receipt, *, hop: int | None = None, previous: str | None = None
 ) -> Receipt:
-    """Check ``receipt`` from ``peer_id`` against ``expected`` (what was asked and received; its
-    signature and, when empty, its ``weights`` are not compared). ``previous``: the peer id of the
-    server that pushed this hop its inputs (at ``hop - 1``): a differing input digest is then its
-    :class:`Equivocation`. Returns the receipt; raises a :class:`ReceiptError`."""
+    """Check ``receipt`` from ``peer_id`` against ``expected`` (what was asked and received, as
+    :func:`expected_receipt` builds it). The rules: the signature must be ``peer_id``'s; ``state``
+    is never compared (recomputing the cache chain would put hashing on the client's event loop:
+    judges check it, :mod:`shoal.verify.evidence`); ``weights`` only when expected states it;
+    ``compute`` on its dtype part only, when expected states one (servers do not announce their
+    device); ``adapter`` exactly (the digest the server announced for the adapter asked for); every
+    other field exactly. ``previous``: the peer id of the server that pushed this hop its inputs (at
+    ``hop - 1``): a differing input digest is then its :class:`Equivocation`. Returns the receipt;
+    raises a :class:`ReceiptError`."""
     if receipt is None:
         raise MissingReceipt("asked for a receipt, got none", peer=peer_id, hop=hop)
     if not signed_by(receipt, peer_id):
         raise BadSignature("the receipt is not signed by the server's key", peer=peer_id, hop=hop, what=("signature",))
-    wrong = [
-        name
-        for name in FIELDS
-        if getattr(receipt, name) != getattr(expected, name) and not (name == "weights" and not expected.weights)
-    ]
+    wrong = [name for name in FIELDS if not _agrees(name, getattr(receipt, name), getattr(expected, name))]
     if wrong == ["inputs"] and previous is not None:
         suspect = None if hop is None else hop - 1
         raise Equivocation(
@@ -273,6 +318,15 @@ def verify_receipt(
                            for name in wrong)  # fmt: skip
         raise ReceiptMismatch(f"the receipt states {stated}", peer=peer_id, hop=hop, what=wrong)
     return receipt
+
+
+def _agrees(name: str, stated: object, expected: object) -> bool:
+    """Whether a receipt's field ``name`` says what the client expected (see :func:`verify_receipt`)."""
+    if name == "state" or (name == "weights" and not expected):
+        return True
+    if name == "compute":
+        return not expected or compute_dtype(stated) == compute_dtype(expected)  # type: ignore[arg-type]
+    return stated == expected
 
 
 def _shown(value: object) -> str:
@@ -289,6 +343,9 @@ __all__ = [
     "ReceiptError",
     "ReceiptMismatch",
     "ReceiptSigner",
+    "adapter_tag",
+    "compute_dtype",
+    "compute_label",
     "expected_receipt",
     "receipt_body",
     "server_receipt",

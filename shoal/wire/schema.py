@@ -182,8 +182,10 @@ class Receipt(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     """What a server computed, signed by its node key (:mod:`shoal.verify.receipts`): blocks
     ``[start, end)`` of the weights ``weights`` names, for ``session`` ("" for a forward) at cache
     positions ``[position, position + n)``, step (or forward request) ``step``; ``inputs`` and
-    ``outputs`` digest the tensors it decoded and the output its receiver decodes. Compact on
-    purpose (an array, about 170 bytes): one rides on every step reply of every hop."""
+    ``outputs`` digest the tensors it decoded and the output its receiver decodes; ``state`` names
+    what its cache held at ``[0, position)`` (:mod:`shoal.verify.state`), ``adapter`` the LoRA
+    adapter's tensors, ``compute`` how it computed. Compact on purpose (an array, about 185 bytes,
+    200 with an adapter): one rides on every step reply of every hop."""
 
     weights: Digest16  # shoal.verify.receipts.weights_digest of the span's fingerprints and quantization
     start: Annotated[int, msgspec.Meta(ge=0)]
@@ -197,8 +199,16 @@ class Receipt(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     # how the output travelled (its digest is of the codec's round trip): a judge of evidence
     # compares within that codec's tolerance, and nobody can claim a tighter one for it
     codec: Codec
-    adapter: Annotated[str, msgspec.Meta(max_length=64)]  # the LoRA adapter it ran with ("" none)
+    # the LoRA adapter it ran with: the first 16 bytes of its AdapterInfo.digest (b"" none): a name
+    # alone would let a judge holding another adapter of that name convict an honest server
+    adapter: Annotated[bytes, msgspec.Meta(max_length=16)]
     prompts: bool  # whether deep prompts joined the inputs (evidence cannot show them: not judged)
+    # the chain digest of the cache's inputs at [0, position) (shoal.verify.state): a receipt from
+    # before a rollback cannot pass for one of the cache a later step ran on
+    state: Digest16
+    # how it computed, f"{dtype}/{device type}" ("f32/cpu", "bf16/cuda"): a judge compares
+    # within the coarser of its own and this (an honest bf16 or GPU server is not held to fp32 CPU noise)
+    compute: Annotated[str, msgspec.Meta(max_length=24)]
     signature: Signature  # ed25519 by the server's node key (its peer id) over the other fields
 
 

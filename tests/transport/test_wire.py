@@ -65,7 +65,7 @@ SHAPES = [(), (0,), (0, 3), (1,), (7,), (2, 3, 4), (1, 1, 1, 1, 5)]
 HOP = PushHop(ticket="shoal1ticket", session="next-session", token="t0ken")
 RECEIPT = Receipt(
     weights=b"w" * 16, start=2, end=4, session="s-1", position=17, n=1, step=9, inputs=b"i" * 16, outputs=b"o" * 16,
-    codec=Codec.BF16, adapter="style-v1", prompts=False, signature=b"s" * 64,
+    codec=Codec.BF16, adapter=b"a" * 16, prompts=False, state=b"c" * 16, compute="bf16/cuda", signature=b"s" * 64,
 )  # fmt: skip
 
 #: One metadata value of every kind a peer sends (``result`` carries a reply struct: see REPLIES).

@@ -212,7 +212,8 @@ def test_one_run_pads_rows_that_ended_before_a_repair_and_ends_with_the_last():
 def test_the_history_keeps_receipts_and_forgets_those_past_a_rollback():
     def receipt(position: int, n: int) -> Receipt:
         zero = bytes(16)
-        return Receipt(zero, 0, 2, "s", position, n, position + 1, zero, zero, Codec.RAW, "", False, bytes(64))
+        return Receipt(zero, 0, 2, "s", position, n, position + 1, zero, zero, Codec.RAW, b"", False, zero,
+                       "f32/cpu", bytes(64))  # fmt: skip
 
     history = SpanHistory(batch_size=1)
     for position, n in ((0, 6), (6, 1), (7, 1)):

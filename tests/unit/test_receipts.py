@@ -18,6 +18,8 @@ from shoal.verify.receipts import (
     ReceiptError,
     ReceiptMismatch,
     ReceiptSigner,
+    adapter_tag,
+    compute_label,
     expected_receipt,
     receipt_body,
     sign_receipt,
@@ -88,6 +90,10 @@ def test_a_receipt_verifies_against_what_was_asked_and_received_and_fits_in_200_
         ("step", 13),
         ("inputs", b"\x01" * 16),
         ("outputs", b"\x02" * 16),
+        ("adapter", b"\x03" * 16),
+        ("prompts", True),
+        ("state", b"\x04" * 16),
+        ("compute", "bf16/cpu"),
     ],
 )
 def test_tampering_with_any_field_breaks_the_signature(field, value):
@@ -187,10 +193,34 @@ def test_other_inputs_on_a_pushed_hop_blame_the_server_before_it():
 def test_strict_decoding_refuses_a_malformed_receipt():
     receipt, _, _ = signed()
     fields = list(msgspec.structs.astuple(receipt))
-    for index, bad in [(0, b"short"), (7, b"\x00" * 17), (9, b"\x00" * 63), (4, -1)]:
+    bad_fields = [(0, b"short"), (7, b"\x00" * 17), (9, b"\x00" * 63), (4, -1), (10, b"\x00" * 17), (10, "chat"),
+                  (12, b"\x00" * 15), (13, "x" * 25), (14, b"\x00" * 63)]  # fmt: skip
+    for index, bad in bad_fields:
         wrong = list(fields)
         wrong[index] = bad
         with pytest.raises(msgspec.ValidationError):
             msgspec.msgpack.decode(msgspec.msgpack.encode(wrong), type=Receipt)
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(msgspec.msgpack.encode([*fields, 1]), type=Receipt)
+
+
+def test_the_client_compares_adapter_digest_and_compute_dtype_but_never_the_cache_state():
+    """The rules of verify_receipt for the fields a client cannot or need not recompute: ``state``
+    (judges check it), the device half of ``compute`` (servers do not announce it)."""
+    chat = adapter_tag("c1" * 32)
+    assert chat == bytes.fromhex("c1" * 16) and adapter_tag(None) == b"" and adapter_tag("") == b""
+    assert compute_label("bfloat16", "cuda:1") == "bf16/cuda" and compute_label("float32", "cpu") == "f32/cpu"
+    receipt, sent, output = signed(adapter=chat, state=b"\x07" * 16, compute="bf16/cuda")
+    peer = ReceiptSigner(KEY).peer_id
+    assert verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat, dtype="bfloat16")) is receipt
+    assert verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat)) is receipt  # dtype not known
+    assert expected_of(sent, output).state == b""  # any state passes: not compared
+    with pytest.raises(ReceiptMismatch) as caught:  # a server announcing fp32 that signs bf16 (or computes it)
+        verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat, dtype="float32"))
+    assert caught.value.what == ("compute",)
+    with pytest.raises(ReceiptMismatch) as caught:  # another adapter than the one the server announced
+        verify_receipt(receipt, peer, expected_of(sent, output, adapter=adapter_tag("c2" * 32), dtype="bfloat16"))
+    assert caught.value.what == ("adapter",)
+    with pytest.raises(ReceiptMismatch) as caught:  # ran with an adapter, none was asked for
+        verify_receipt(receipt, peer, expected_of(sent, output))
+    assert caught.value.what == ("adapter",)
