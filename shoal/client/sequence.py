@@ -21,12 +21,13 @@ from torch import Tensor
 
 from shoal.client.audit import Verification
 from shoal.client.directory import ServerDirectory
-from shoal.client.driver import codec_for
+from shoal.client.driver import announced_adapter, codec_for
 from shoal.client.history import step_inputs
 from shoal.client.recovery import MAX_RECOVERIES, gave_up
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.client.session import RemoteSession
 from shoal.client.training import Traced, differentiable_forward
+from shoal.client.witness import Witness
 from shoal.errors import BadRequest, ShoalError
 from shoal.protocols import BLOCKS
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
@@ -67,6 +68,7 @@ class RemoteSequence:
         self.compression = compression
         self._route = directory.route_inference(0, cache_tokens=0, push=push)  # until a session opens
         self._session: RemoteSession | None = None  # the latest one opened
+        self.witness = Witness(node, directory, self.verification)  # testifies for every session (audit mode)
 
     @classmethod
     def connect(
@@ -237,6 +239,7 @@ class RemoteSequence:
 
     def close(self) -> None:
         async def shutdown() -> None:
+            await self.witness.close()  # testimony still on its way, bounded (its judges answer meanwhile)
             await self.directory.stop()
             await self.node.close()
 
@@ -248,13 +251,14 @@ def check_forward_receipt(
     prompts: bool,
 ) -> Receipt:  # fmt: skip
     """``span``'s receipt of a forward (request id 1): the span, the tensors sent (as the server
-    decodes them), the output ``reply`` carries, ``adapter`` and deep ``prompts`` as asked; raises a
+    decodes them), the output ``reply`` carries, ``adapter`` (by the digest ``span`` announced for it)
+    and deep ``prompts`` as asked, computed in the dtype ``span`` announced (when known); raises a
     :class:`~shoal.verify.receipts.ReceiptError`."""
     info = span.info
     expected = expected_receipt(
         start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
         session="", position=0, step=1, sent=sent, output=reply.tensors[0], codec=reply.codec_of(0),
-        adapter=adapter, prompts=prompts,
+        adapter=announced_adapter(span, adapter), prompts=prompts, dtype=info.dtype,
     )  # fmt: skip
     return verify_receipt(receipt, span.peer_id, expected)
 

@@ -32,7 +32,6 @@ from shoal.client.driver import ChainDriver, HopFailed
 from shoal.client.history import SpanHistory
 from shoal.client.hops import Hop, close_all
 from shoal.client.recovery import MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
-from shoal.client.witness import Witness
 from shoal.errors import BadRequest, ShoalError
 from shoal.routing import ServerSpan
 from shoal.verify.receipts import ReceiptError
@@ -75,7 +74,7 @@ class RemoteSession(SessionPositions):
             self._audits = Audits(
                 sequence.node, directory, directory, self._recovery, self._driver.replay, self.verification,
                 compression=sequence.compression, request_deadline=sequence.node.config.deadlines.request,
-                adapter=adapter, witness=Witness(sequence.node, directory, self.verification),
+                adapter=adapter, witness=sequence.witness,  # the client's: testimony outlives the session
             )  # fmt: skip
 
     @property

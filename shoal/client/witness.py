@@ -1,14 +1,23 @@
 """Testifying: after a majority convicted a server, send the evidence to the servers that serve its blocks.
 
 :meth:`Witness.report` is called by the audits (:mod:`shoal.client.auditors`) right after a
-conviction, before the session rolls its history back: it builds the evidence there and then
-(:func:`shoal.verify.evidence.build_evidence` copies what it needs) and sends it in the background
-to at most :data:`MAX_JUDGES` other servers whose span covers the liar's blocks and that announce
-:data:`~shoal.wire.schema.EVIDENCE`, in parallel, each within a timeout. Their judges
-(:mod:`shoal.server.judge`) recompute and answer; the client counts ``evidence_sent``,
-``evidence_confirmed`` and ``evidence_rejected`` in its :class:`~shoal.client.audit.Verification`.
-Testimony is a service to the swarm, never a condition of generation: nothing here raises into it,
-and what cannot be sent (no evidence, no judge, a judge that fails) is logged.
+conviction, before the session rolls its history back. It only copies, there and then, the part of
+the history the evidence can need (:class:`Snapshot`: serial numpy copies, no signature or digest
+work on the event loop, which would stall generation for up to a second on a long session); a
+worker thread of the witness then builds the evidence (:func:`shoal.verify.evidence.build_evidence`:
+signature checks and digests, hashlib and cryptography calls, no torch parallel ops, so that thread
+never opens an OpenMP pool of its own) and the evidence goes, in parallel and each within a
+timeout, to at most :data:`MAX_JUDGES` other servers whose span covers the liar's blocks and that
+announce :data:`~shoal.wire.schema.EVIDENCE`. Their judges (:mod:`shoal.server.judge`) recompute
+and answer; the client counts ``evidence_sent``, ``evidence_confirmed`` and ``evidence_rejected``
+in its :class:`~shoal.client.audit.Verification`.
+
+One witness serves a whole client (:class:`~shoal.client.sequence.RemoteSequence`), not a session:
+testimony outlives the session that caught the lie (a lie found at generate()'s final audit is
+still testified to and counted), and closing the client waits for it, at most
+:data:`CLOSE_TIMEOUT`. Testimony is a service to the swarm, never a condition of generation:
+nothing here raises into it, and what cannot be sent (no evidence, no judge, a judge that fails)
+is logged.
 """
 
 from __future__ import annotations
@@ -16,34 +25,84 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from torch import Tensor
 
 from shoal.client.audit import Verification
-from shoal.client.history import SpanHistory
+from shoal.client.history import SpanHistory, cat_serial
 from shoal.errors import ShoalError
-from shoal.ids import PeerId
+from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
 from shoal.routing import ServerSpan
 from shoal.transport import BaseNode
-from shoal.verify.evidence import Evidence, NoEvidence, build_evidence
-from shoal.wire.schema import EVIDENCE, EvidenceReply
+from shoal.verify.evidence import MAX_EVIDENCE_POSITIONS, Evidence, NoEvidence, build_evidence
+from shoal.wire.schema import EVIDENCE, EvidenceReply, Receipt
 
 log = logging.getLogger(__name__)
 
 MAX_JUDGES = 8  # servers one piece of evidence goes to
 #: seconds a judge may take per 1024 positions of evidence (it recomputes them at its lowest priority)
 JUDGE_TIMEOUT = 30.0
-CLOSE_TIMEOUT = 10.0  # seconds :meth:`Witness.close` waits for answers still on their way
+#: seconds closing the client waits for testimony still on its way (then it is abandoned)
+CLOSE_TIMEOUT = 30.0
+
+
+class Snapshot:
+    """What evidence against a liar on ``blocks`` for ``position`` can need from a session's
+    history, copied (the session truncates it right after): the receipts of the hop, and the inputs
+    of ``blocks.start`` and outputs at ``blocks.end`` up to the end of the latest receipt covering
+    the position. Answers as the history does (:class:`shoal.verify.evidence.History`)."""
+
+    def __init__(self, history: SpanHistory, blocks: BlockRange, position: int):
+        self.blocks = blocks
+        self._receipts: list[Receipt] = history.receipts(blocks.start)  # a new list of frozen receipts
+        covering = [r for r in self._receipts if (r.start, r.end) == (blocks.start, blocks.end)
+                    and r.position <= position < r.position + r.n]  # fmt: skip
+        if not covering:
+            raise NoEvidence(f"no receipt covers position {position} of blocks {blocks}")
+        self.end = min(max(r.position + r.n for r in covering), MAX_EVIDENCE_POSITIONS)
+        self.begin = min(r.position for r in covering)  # the disputed step starts here or later
+        if self.begin >= self.end:
+            raise NoEvidence(f"the lie at position {position} is past the evidence's {MAX_EVIDENCE_POSITIONS}")
+        try:
+            window = history.window(blocks.start, 0, self.end)
+            output = history.hidden(blocks.end, self.begin, self.end)
+        except ShoalError as exc:
+            raise NoEvidence(f"the history lacks the evidence's tensors: {exc}") from None
+        self._inputs = [cat_serial([t], dim=0) for t in window]  # copies, serial (numpy)
+        self._output = cat_serial([output], dim=0)
+
+    def receipts(self, block: int) -> list[Receipt]:
+        return list(self._receipts) if block == self.blocks.start else []
+
+    def window(self, block: int, start: int, end: int) -> list[Tensor]:
+        if block != self.blocks.start or not 0 <= start <= end <= self.end:
+            raise ShoalError(f"the snapshot holds no inputs of block {block} at {start}:{end}")
+        hidden, position_ids = self._inputs[0][:, start:end], self._inputs[1][:, start:end]
+        if len(self._inputs) == 2 or np.all(self._inputs[2][:, :end].numpy()):
+            return [hidden, position_ids]
+        return [hidden, position_ids, self._inputs[2][:, :end]]
+
+    def hidden(self, block: int, start: int, end: int) -> Tensor:
+        if block != self.blocks.end or not self.begin <= start <= end <= self.end:
+            raise ShoalError(f"the snapshot holds no outputs at block {block} at {start}:{end}")
+        return self._output[:, start - self.begin : end - self.begin]
 
 
 class Witness:
     """Builds evidence of a settled lie and sends it, in the background, to every other server of
-    the swarm that serves the liar's blocks; counts what the judges found in ``verification``."""
+    the swarm that serves the liar's blocks; counts what the judges found in ``verification``. One
+    per client; :meth:`close` it with the client."""
 
     def __init__(self, node: BaseNode, directory, verification: Verification):
         self.node = node
         self.directory = directory
         self.verification = verification
         self._tasks: set[asyncio.Task] = set()
+        self._builder: ThreadPoolExecutor | None = None  # started with the first testimony
+        self._closed = False
 
     def judges(self, span: ServerSpan, liar: PeerId) -> list[ServerSpan]:
         """Who can judge a lie on ``span``'s blocks: other servers covering them that announce
@@ -57,26 +116,41 @@ class Witness:
         return list(found.values())[:MAX_JUDGES]
 
     def report(self, span: ServerSpan, liar: PeerId, position: int, history: SpanHistory) -> None:
-        """``liar`` (the server of ``span``) answered wrong outputs from ``position`` on. Takes what
-        the evidence needs from ``history`` now (the session rolls back right after), then testifies
-        without blocking the session."""
-        try:
-            evidence = build_evidence(self.directory.model, span.blocks, liar, position, history)
-        except NoEvidence as exc:
-            log.warning("no evidence against %s on blocks %s to send: %s", liar[:10], span.blocks, exc)
-            return
-        except Exception:  # a bug here must not break generation
-            log.exception("building evidence against %s failed", liar[:10])
+        """``liar`` (the server of ``span``) answered wrong outputs from ``position`` on. Copies what
+        the evidence needs from ``history`` now (the session rolls back right after), then builds
+        and sends it without blocking the session."""
+        if self._closed:
             return
         judges = self.judges(span, liar)
         if not judges:
             log.info("nobody else serves blocks %s to judge the evidence against %s", span.blocks, liar[:10])
             return
-        task = asyncio.get_running_loop().create_task(self._testify(evidence, judges))
+        try:
+            snapshot = Snapshot(history, span.blocks, position)
+        except NoEvidence as exc:
+            log.warning("no evidence against %s on blocks %s to send: %s", liar[:10], span.blocks, exc)
+            return
+        except Exception:  # a bug here must not break generation
+            log.exception("copying the evidence against %s failed", liar[:10])
+            return
+        task = asyncio.get_running_loop().create_task(self._testify(span.blocks, liar, position, snapshot, judges))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _testify(self, evidence: Evidence, judges: list[ServerSpan]) -> None:
+    async def _testify(
+        self, blocks: BlockRange, liar: PeerId, position: int, snapshot: Snapshot, judges: list[ServerSpan]
+    ) -> None:
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-witness")
+        build = (build_evidence, self.directory.model, blocks, liar, position, snapshot)
+        try:
+            evidence = await asyncio.get_running_loop().run_in_executor(self._builder, *build)
+        except NoEvidence as exc:
+            log.warning("no evidence against %s on blocks %s to send: %s", liar[:10], blocks, exc)
+            return
+        except Exception:  # a bug here must not break generation
+            log.exception("building evidence against %s failed", liar[:10])
+            return
         timeout = JUDGE_TIMEOUT * max(1.0, evidence.positions / 1024)
         await asyncio.gather(*(self._send(evidence, judge, timeout) for judge in judges))
 
@@ -97,17 +171,26 @@ class Witness:
             log.warning("judge %s rejected the evidence against %s (%s): %s", judge.peer_id[:10], accused,
                         finding.reason, finding.detail)  # fmt: skip
 
-    async def close(self) -> None:
-        """Wait (bounded) for testimony still on its way, then stop."""
+    async def settled(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the testimony on its way; whether none is left."""
         tasks = list(self._tasks)
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        return not self._tasks
+
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Wait (at most ``timeout``) for testimony still on its way, then stop; later reports are ignored."""
+        self._closed = True
+        tasks = list(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            for task in pending:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._builder is not None:
+            self._builder.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["CLOSE_TIMEOUT", "JUDGE_TIMEOUT", "MAX_JUDGES", "Witness"]
+__all__ = ["CLOSE_TIMEOUT", "JUDGE_TIMEOUT", "MAX_JUDGES", "Snapshot", "Witness"]

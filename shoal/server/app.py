@@ -161,7 +161,7 @@ class _Presence:
         table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
         self.service = SwarmService(node, table, config.gossip, list(config.join), self.own_records)
         self.announcement.service = self.service
-        self.verdicts = VerdictKeeper(key, self.service.publish)
+        self.verdicts = VerdictKeeper(key, self.service.publish, table=table)  # drops those of peers gone
         self.publish_verdict = self.verdicts.add  # the judge's sink: signed, gossiped, re-signed while online
 
     def own_records(self) -> list:
@@ -282,6 +282,7 @@ class _Presence:
         server = self.gate.server
         if (judge := getattr(server, "judge", None)) is not None:  # every span served judges into our verdicts
             judge.publish_verdict, judge.swarm = self.publish_verdict, self.service.table.swarm
+            judge.table = self.service.table  # and judges only servers the swarm lists
         self.announcement.cache_tokens_free = server.budget.free_tokens
         self.announcement.adapters = tuple((a.name, a.digest) for a in server.info.adapters)
         self.announce_span(server.info.blocks, server.info.fingerprints, State.ONLINE)

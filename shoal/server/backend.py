@@ -40,6 +40,9 @@ def compute_thread(num_threads: int | None = None) -> ComputeScheduler:
 #: here (one thread), a block's forward and backward of 96 positions take 12 and 21 ms, about one
 #: decode step through a 15-block span (26 ms), so a decode step waits for about that much training
 TRAINING_CHUNK_POSITIONS = 128
+#: positions (rows x tokens) one task of a judge's recompute runs through one block at most (a
+#: prefill chunk through a KV cache: its attention is chunk x P, never P x P)
+RECOMPUTE_CHUNK_POSITIONS = 256
 
 
 def row_groups(batch: int, tokens: int, budget: int = TRAINING_CHUNK_POSITIONS) -> list[slice]:
@@ -233,23 +236,46 @@ class SpanBackend:
         *,
         adapter: str | None = None,
     ) -> torch.Tensor:
-        """Blocks ``[start, end)`` (within the span) of a stateless pass, at the lowest priority and
-        one task per block: judging another server's evidence (:mod:`shoal.server.judge`) must never
-        hold up this server's own sessions for more than a block's worth of it."""
+        """Blocks ``[start, end)`` (within the span) of a stateless pass over ``[0, P)``, at the lowest
+        priority, in ``hidden``'s dtype. Judging another server's evidence (:mod:`shoal.server.judge`)
+        must never hold up this server's own sessions for long: each block runs as a prefill in
+        chunks of positions (:data:`RECOMPUTE_CHUNK_POSITIONS` rows x tokens) through a KV cache of
+        its own, each chunk a task, so a task's work and attention memory stay ~ linear in P. Between
+        blocks the hidden states stay on the device in the span's dtype (as a step's do); they are
+        cast once at the end."""
         if not self.span.start <= start < end <= self.span.end:
             raise BadRequest(f"blocks {start}:{end} are not within this span {self.span.start}:{self.span.end}")
         first = start - self.span.start
         blocks = [self.span.sub_span(i, i + 1) for i in range(first, first + end - start)]
+        batch, total = hidden.shape[:2]
+        per_chunk = max(1, RECOMPUTE_CHUNK_POSITIONS // batch)
+        chunks = [(a, min(a + per_chunk, total)) for a in range(0, total, per_chunk)]
+        device = self.device
 
-        def through(block: BlockSpan, x: torch.Tensor) -> torch.Tensor:
+        def through(block: BlockSpan, held: dict, x: torch.Tensor, a: int, b: int, last: bool) -> torch.Tensor | None:
+            """Positions ``[a, b)`` of ``x`` (the block's whole input) through ``block``; the block's
+            whole output (in the last block's case, cast back) once its last chunk ran."""
             with self._adapter(adapter), torch.inference_mode():
-                out = block(x.to(self.device), position_ids.to(self.device), _on(mask, self.device))
-                return out.to("cpu", hidden.dtype)
+                if "cache" not in held:
+                    held["cache"], held["out"] = block.allocate_cache(batch, total), []
+                seen = None if mask is None else mask[:, :b].to(device)  # the mask covers the cache too
+                part = block(x[:, a:b].to(device), position_ids[:, a:b].to(device), seen, cache=held["cache"],
+                             past_length=a)  # fmt: skip
+                held["out"].append(part)
+                if b < total:
+                    return None
+                out = held["out"][0] if len(held["out"]) == 1 else torch.cat(held["out"], dim=1)
+                held.clear()  # the cache goes with the block
+                return out.to("cpu", hidden.dtype) if last else out
 
         out = hidden
         try:
-            for block in blocks:
-                out = await self._submit(Priority.TRAINING, through, block, out)
+            for index, block in enumerate(blocks):
+                held: dict = {}  # the block's cache and output chunks, between its tasks
+                last = index == len(blocks) - 1
+                for a, b in chunks:
+                    done = await self._submit(Priority.TRAINING, through, block, held, out, a, b, last)
+                out = done
         except ValueError as exc:  # the span's own consistency checks
             raise BadRequest(str(exc)) from None
         return out

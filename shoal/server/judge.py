@@ -10,37 +10,61 @@ never wait for it), and compares the disputed step's rows within the tolerance t
 codec and the dtypes allow. Confirmed: the liar is banned from this server's pushes for
 :data:`~shoal.verify.receipts.LIAR_BAN_SECONDS`, and an unsigned verdict goes to
 :attr:`Judge.publish_verdict` (the server's swarm presence signs and gossips it; None outside a
-swarm). Every finding is counted in the server's counters (``evidence_*``).
+swarm). Every finding is counted in the server's counters (``evidence_*``), every request exactly
+once (received = confirmed + rejected): an error the checks did not foresee is a rejection too
+(``malformed`` for a bad input, ``not_judged`` otherwise), never a dropped stream.
 
-One piece of evidence is judged at a time (a replay is recognised even when sent twice at once);
-the checks and the comparison run on the compute thread too (hashing and signatures of up to 8192
-receipts take a while, and tensor work on the event loop would give it an OpenMP pool of its own).
+Judging costs a recompute, so strangers must not be able to make a judge work or remember without
+bound: in a swarm (the presence sets :attr:`Judge.table`) only an accused that the swarm's table
+lists as an online server of this model covering the blocks is judged (a throwaway key that lies
+to itself is not); at most :data:`MAX_WAITING` pieces of evidence wait or are judged at once (more
+are ``not_judged``: busy), and at most :data:`MAX_LIARS` convictions are remembered. Outside a swarm
+(no table) every accused is judged: the ban is this server's alone.
+
+One piece of evidence is judged at a time (a replay is recognised even when sent twice at once).
+All the work runs on the compute thread at its lowest priority, in short tasks: the checks of at
+most :data:`RECEIPTS_PER_TASK` receipts each (hashing and signatures of up to 8192 receipts take a
+while), the recompute in chunks of positions, the comparison (tensor work on the event loop would
+give it an OpenMP pool of its own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from shoal.errors import BadRequest
 from shoal.ids import BlockRange, PeerId
 from shoal.server.backend import SpanBackend
-from shoal.swarm.verdicts import verdict_for
+from shoal.swarm.records import State
+from shoal.swarm.table import RecordTable
+from shoal.swarm.verdicts import covers, verdict_for
 from shoal.verify.compare import tolerance_of
-from shoal.verify.evidence import Bench, Case, Ledger, Reason, Rejected, check_evidence, finding
+from shoal.verify.evidence import Bench, Case, Ledger, Reason, Rejected, check_evidence, check_part, finding
 from shoal.verify.receipts import LIAR_BAN_SECONDS
 from shoal.wire import Message
 from shoal.wire.schema import EvidenceReply, EvidenceRequest, ServerCounters, SpanInfo
 
 log = logging.getLogger(__name__)
 
+#: pieces of evidence waiting for this judge or being judged, at most (each may hold 64 MiB of tensors)
+MAX_WAITING = 4
+#: convicted peers remembered at most (the first to be released go first)
+MAX_LIARS = 4096
+#: receipts whose signatures and input digests one compute task checks at most
+RECEIPTS_PER_TASK = 256
+#: errors of an input the checks let through (shapes, values): ``malformed``; any other: ``not_judged``
+BAD_INPUTS = (BadRequest, ValueError, IndexError, TypeError, KeyError)
+
 
 class Judge:
     """Judges evidence for the server of ``info``'s span (``backend`` computes), counting in
     ``counters``. ``peer_id`` (set when the server attaches its node) names the judge;
-    ``publish_verdict`` and ``swarm`` are set by the swarm presence."""
+    ``publish_verdict``, ``swarm`` and ``table`` are set by the swarm presence."""
 
     def __init__(self, backend: SpanBackend, info: SpanInfo, counters: ServerCounters):
         self.backend = backend
@@ -49,9 +73,11 @@ class Judge:
         self.peer_id: PeerId = PeerId("")
         self.publish_verdict: Callable[[Any], None] | None = None  # takes an unsigned VerdictRecord
         self.swarm = ""  # the swarm id a verdict names
+        self.table: RecordTable | None = None  # the swarm's servers: only those of them are judged
         self.ledger = Ledger()
-        self._liars: dict[PeerId, float] = {}  # convicted here: peer -> until (monotonic)
+        self._liars: dict[PeerId, float] = {}  # convicted here: peer -> until (monotonic), soonest first
         self._lock = asyncio.Lock()
+        self._waiting = 0  # requests in judge(), the one being judged included
 
     def convicted(self, peer: PeerId) -> bool:
         """Whether this server convicted ``peer`` (recently): it never pushes a step to it."""
@@ -68,43 +94,92 @@ class Judge:
         try:
             if draining:
                 raise Rejected(Reason.NOT_JUDGED, "this server is draining (leaving): it judges nothing")
-            case, wrong = await self._judge(meta, request.tensors)
+            if self._waiting >= MAX_WAITING:
+                raise Rejected(Reason.NOT_JUDGED, f"busy: {self._waiting} pieces of evidence are waiting already")
+            self._waiting += 1
+            try:
+                case, wrong = await self._judge(meta, request.tensors)
+            finally:
+                self._waiting -= 1
         except Rejected as exc:
-            self.counters.evidence_rejected += 1
-            name = f"evidence_{exc.reason.value}"
-            setattr(self.counters, name, getattr(self.counters, name) + 1)
-            log.info("evidence against %s rejected: %s", meta.accused[:10], exc)
-            reply = EvidenceReply(confirmed=False, reason=exc.reason.value, detail=exc.detail[:4096])
-            return Message("result", request.id, reply)
+            return self._rejected(request, meta, exc)
+        except asyncio.CancelledError:  # the server is going: counted, still
+            self._count(Reason.NOT_JUDGED)
+            raise
+        except Exception as exc:  # unforeseen: a rejection all the same, the stream answered
+            reason = Reason.MALFORMED if isinstance(exc, BAD_INPUTS) else Reason.NOT_JUDGED
+            log.warning("judging the evidence against %s failed", meta.accused[:10], exc_info=True)
+            return self._rejected(request, meta, Rejected(reason, f"{type(exc).__name__}: {exc}"))
         self.counters.evidence_confirmed += 1
         self._convict(case)
         detail = f"wrong from position {wrong} on blocks {case.blocks}"
         log.warning("evidence confirmed: server %s lied: %s", case.accused[:10], detail)
         return Message("result", request.id, EvidenceReply(confirmed=True, detail=detail))
 
+    def _count(self, reason: Reason) -> None:
+        self.counters.evidence_rejected += 1
+        name = f"evidence_{reason.value}"
+        setattr(self.counters, name, getattr(self.counters, name) + 1)
+
+    def _rejected(self, request: Message, meta: EvidenceRequest, exc: Rejected) -> Message:
+        self._count(exc.reason)
+        log.info("evidence against %s rejected: %s", meta.accused[:10], exc)
+        reply = EvidenceReply(confirmed=False, reason=exc.reason.value, detail=exc.detail[:4096])
+        return Message("result", request.id, reply)
+
+    def _check_accused(self, meta: EvidenceRequest) -> None:
+        """``not_judged`` unless the swarm's table (if this judge has one) lists the accused as an
+        online server of the model covering the blocks: anyone else costs a recompute for nothing."""
+        table = self.table
+        if table is None:
+            return
+        now, blocks = table.clock(), BlockRange(meta.start, meta.end)
+        listed = any(
+            r.peer == meta.accused and r.state is State.ONLINE and r.expires > now and covers(r, blocks)
+            for r in table.servers(meta.model)
+        )
+        if listed:
+            return
+        raise Rejected(Reason.NOT_JUDGED, f"the accused is no online server of blocks {blocks} of {meta.model!r} "
+                       "in this server's swarm table")  # fmt: skip
+
     async def _judge(self, meta: EvidenceRequest, tensors: list) -> tuple[Case, int]:
         """(the case, the first wrong position); raises :class:`Rejected`."""
+        self._check_accused(meta)
         bench = Bench.of(self.info, self.peer_id)
+        background = self.backend.in_background
         async with self._lock:
-            case: Case = await self.backend.in_background(check_evidence, meta, tensors, bench)
-            if case.key in self.ledger:
+            case: Case = await background(functools.partial(check_evidence, costly=False), meta, tensors, bench)
+            steps = len(case.receipts)
+            for first in range(0, steps, RECEIPTS_PER_TASK):
+                await background(check_part, case, first, min(first + RECEIPTS_PER_TASK, steps))
+            if case.key in self.ledger:  # after the forged checks: a tampered copy of judged evidence is forged
                 raise Rejected(Reason.REPLAYED, "this evidence was judged here before")
             self.ledger.add(case.key)  # only now: evidence that fails its checks cannot pre-empt the real one
             try:
                 recomputed = await self.backend.recompute(
                     case.hidden, case.position_ids, case.mask, case.blocks.start, case.blocks.end,
-                    adapter=case.disputed.adapter or None,
+                    adapter=case.adapter,
                 )  # fmt: skip
+                tolerance = tolerance_of(case.output.dtype, self.info.dtype, case.disputed.codec, self.backend.device,
+                                         other=case.disputed.compute)  # fmt: skip
+                wrong = await background(finding, case, recomputed, tolerance)
+            except Rejected:  # judged (framing): a replay is one
+                raise
             except BaseException:
                 self.ledger.discard(case.key)  # not judged after all (shutting down, a bad input)
                 raise
-            tolerance = tolerance_of(case.output.dtype, self.info.dtype, case.disputed.codec, self.backend.device)
-            wrong = await self.backend.in_background(finding, case, recomputed, tolerance)
         return case, wrong
 
     def _convict(self, case: Case) -> None:
         """Ban the liar from this server's pushes; hand the verdict to the swarm (if any)."""
-        self._liars[case.accused] = time.monotonic() + LIAR_BAN_SECONDS
+        now, liars = time.monotonic(), self._liars
+        for peer in [p for p, until in liars.items() if until <= now]:  # every ban lasts as long: by age
+            del liars[peer]
+        liars.pop(case.accused, None)
+        liars[case.accused] = now + LIAR_BAN_SECONDS
+        while len(liars) > MAX_LIARS:
+            del liars[next(iter(liars))]
         if self.publish_verdict is None:
             return
         record = verdict_for(
@@ -117,4 +192,4 @@ class Judge:
             log.exception("could not publish the verdict against %s", case.accused[:10])
 
 
-__all__ = ["Judge"]
+__all__ = ["BAD_INPUTS", "MAX_LIARS", "MAX_WAITING", "RECEIPTS_PER_TASK", "Judge"]

@@ -15,14 +15,19 @@ starts inside it) leaves positions no receipt names alone, and then there is no 
 
 The judge (:mod:`shoal.server.judge`) runs :func:`check_evidence`, whose checks come in order, each
 failing with its :class:`Reason`: ``malformed`` (the tensors are not what the kind says),
-``not_judged`` (not this judge's model, blocks or weights, an adapter it lacks, deep prompts, which
-evidence cannot show, too large, or about the judge itself), ``forged`` (a receipt not signed by the
-accused, of other blocks, digests the tensors do not match, positions not contiguous from 0, mixed
-sessions); then the judge's own ``replayed`` (:class:`Ledger`: the same receipts judged before) and,
-after recomputing, ``framing`` (:func:`finding`: the accused's outputs agree with the recomputation
-within the tolerance of the coarsest of the output's dtype, the judge's compute dtype and the signed
-codec). Evidence is bounded: at most :data:`MAX_EVIDENCE_POSITIONS` positions and
-:data:`MAX_EVIDENCE_BYTES` of tensors; a lie later in a longer session is not testified to.
+``not_judged`` (not this judge's model, blocks or weights, an adapter it lacks (by digest: another
+adapter of the same name is not the one the accused ran), deep prompts, which evidence cannot show,
+too large, or about the judge itself), ``forged`` (a receipt not signed by the accused, of other
+blocks, digests the tensors do not match, positions not contiguous from 0, mixed sessions, or a
+cache ``state`` other than the chain of the evidence's inputs up to its position
+(:mod:`shoal.verify.state`): a receipt from before a rollback cannot be joined to later ones); then
+the judge's own ``replayed`` (:class:`Ledger`: the same receipts judged before) and, after
+recomputing, ``framing`` (:func:`finding`: the accused's outputs agree with the recomputation within
+the tolerance of the coarsest of the output's dtype, the judge's compute dtype, the accused's signed
+``compute`` dtype and the signed codec, with the uncalibrated-device margin when the accused signed
+another device type than the judge's: :func:`shoal.verify.compare.tolerance_of`). Evidence is
+bounded: at most :data:`MAX_EVIDENCE_POSITIONS` positions and :data:`MAX_EVIDENCE_BYTES` of tensors;
+a lie later in a longer session is not testified to.
 
 Pure: no I/O; the client's history is read through :class:`History`.
 """
@@ -43,7 +48,8 @@ from torch import Tensor
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.verify.compare import Tolerance, first_disagreement
-from shoal.verify.receipts import signed_by, tensor_digest, weights_digest
+from shoal.verify.receipts import adapter_tag, signed_by, tensor_digest, weights_digest
+from shoal.verify.state import EMPTY_STATE, chain_states
 from shoal.wire import Message
 from shoal.wire.schema import MAX_BATCH, EvidenceRequest, Receipt, SpanInfo
 
@@ -117,10 +123,16 @@ class Evidence:
 def step_tensors(hidden: Tensor, position_ids: Tensor, mask: Tensor | None, start: int, end: int) -> list[Tensor]:
     """The tensors a step over ``[start, end)`` sent (what its receipt's ``inputs`` digests): the
     slices, and the mask of ``[0, end)`` only when something there is padded (as the client sends)."""
-    tensors = [hidden[:, start:end], position_ids[:, start:end]]
+    tensors = [_serial(hidden[:, start:end]), _serial(position_ids[:, start:end])]
     if mask is not None and not mask[:, :end].numpy().all():
-        tensors.append(mask[:, :end])
+        tensors.append(_serial(mask[:, :end]))
     return tensors
+
+
+def _serial(tensor: Tensor) -> Tensor:
+    """``tensor`` if contiguous, else a numpy-made copy: digesting a slice of a batch would copy it in
+    torch, and the client digests in a worker thread that must never open an OpenMP pool of its own."""
+    return tensor if tensor.is_contiguous() else _copy(tensor)
 
 
 def covering_receipts(receipts: Sequence[Receipt], liar: PeerId, blocks: BlockRange, position: int) -> list[Receipt]:
@@ -199,13 +211,13 @@ class Bench:
     blocks: BlockRange
     fingerprints: tuple[str, ...]
     quantization: str
-    adapters: frozenset[str]
+    adapters: dict[bytes, str]  # the adapters it can run: a receipt's ``adapter`` (digest tag) -> name
     hidden_size: int
     peer_id: PeerId
 
     @classmethod
     def of(cls, info: SpanInfo, peer_id: PeerId) -> Bench:
-        adapters = frozenset(a.name for a in info.adapters)
+        adapters = {adapter_tag(a.digest): a.name for a in info.adapters}
         return cls(info.model, info.blocks, tuple(info.fingerprints), info.quantization.value, adapters,
                    info.hidden_size, peer_id)  # fmt: skip
 
@@ -229,6 +241,7 @@ class Case:
     mask: Tensor | None = field(repr=False)
     key: bytes  # names the evidence for replay checks: sha256 over the receipts' signatures
     digest: bytes  # sha256 of the evidence (a verdict names it)
+    adapter: str | None = None  # the judge's name of the adapter the accused ran (by its digest)
 
     @property
     def disputed(self) -> Receipt:
@@ -284,51 +297,97 @@ def _judged_here(meta: EvidenceRequest, receipts: Sequence[Receipt], tensors: Se
         if receipt.prompts:
             raise Rejected(Reason.NOT_JUDGED, "deep prompts joined the inputs (evidence cannot show them)")
         if receipt.adapter and receipt.adapter not in bench.adapters:
-            raise Rejected(Reason.NOT_JUDGED, f"ran with adapter {receipt.adapter!r}, which this server lacks")
+            detail = f"ran with the adapter of digest {receipt.adapter.hex()}..., which this server lacks"
+            raise Rejected(Reason.NOT_JUDGED, detail)
         if receipt.weights != ours:
             raise Rejected(Reason.NOT_JUDGED, "states other weights than this server's (fingerprints, quantization)")
 
 
-def _genuine(meta: EvidenceRequest, receipts: Sequence[Receipt], output, hidden, position_ids, mask) -> None:
+def _genuine(
+    meta: EvidenceRequest, receipts: Sequence[Receipt], output, hidden, position_ids, mask, costly: bool = True
+) -> None:
     """Raises ``forged`` unless every receipt is the accused's, of one session, contiguous from 0 to
-    the tensors' end, and names exactly the tensors sent."""
+    the tensors' end, and names exactly the tensors sent (``costly``: the signatures and digests too,
+    else the caller runs :func:`_signed_and_named` itself, in parts)."""
     forged = lambda detail: Rejected(Reason.FORGED, detail)  # noqa: E731
     first = receipts[0]
     expected = 0
     for receipt in receipts:
         if (receipt.start, receipt.end) != (meta.start, meta.end):
             raise forged(f"a receipt of blocks {receipt.start}:{receipt.end}, not {meta.start}:{meta.end}")
-        if (receipt.session, receipt.adapter) != (first.session, first.adapter):
+        if (receipt.session, receipt.adapter, receipt.compute) != (first.session, first.adapter, first.compute):
             raise forged("receipts of mixed sessions")
         if receipt.position != expected:
             raise forged(f"positions not contiguous: a receipt at {receipt.position}, expected {expected}")
         expected += receipt.n
     if expected != hidden.shape[1]:
         raise forged(f"the receipts cover {expected} positions, the inputs {hidden.shape[1]}")
-    for receipt in receipts:  # the costly checks last
-        if not signed_by(receipt, meta.accused):
+    if costly:  # the costly checks last
+        _signed_and_named(meta.accused, receipts, True, output, hidden, position_ids, mask)
+
+
+def _signed_and_named(accused: PeerId, receipts: Sequence[Receipt], disputed: bool, output, hidden, position_ids,
+                      mask, previous: Receipt | None = None) -> None:  # fmt: skip
+    """The costly ``forged`` checks of ``receipts`` (a run of the evidence's, after ``previous``;
+    None: from position 0): each signed by the accused, naming the inputs sent, and stating the
+    cache state those inputs chain to at its position; with ``disputed`` (the run ends with the
+    disputed step), the output too."""
+    forged = lambda detail: Rejected(Reason.FORGED, detail)  # noqa: E731
+    for receipt in receipts:
+        if not signed_by(receipt, accused):
             raise forged(f"the receipt at position {receipt.position} is not signed by the accused")
         sent = step_tensors(hidden, position_ids, mask, receipt.position, receipt.position + receipt.n)
         if tensor_digest(sent) != receipt.inputs:
             raise forged(f"the inputs at position {receipt.position} are not the ones the accused signed")
-    if tensor_digest([output]) != receipts[-1].outputs:
+        if receipt.state != _state_after(previous, hidden, position_ids, mask):
+            raise forged(f"the receipt at position {receipt.position} ran on another cache than these inputs "
+                         "(a receipt from before a rollback?)")  # fmt: skip
+        previous = receipt
+    if disputed and tensor_digest([output]) != receipts[-1].outputs:
         raise forged("the output is not the one the accused signed")
 
 
-def check_evidence(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench) -> Case:
+def _state_after(receipt: Receipt | None, hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> bytes:
+    """The cache state after ``receipt``'s step (its signed ``state`` chained over its inputs in the
+    evidence): what the next receipt must state. None: the empty cache, position 0's."""
+    if receipt is None:
+        return EMPTY_STATE
+    start, end = receipt.position, receipt.position + receipt.n
+    columns = None if mask is None else mask[:, start:end]
+    return chain_states(receipt.state, hidden[:, start:end], position_ids[:, start:end], columns)[-16:]
+
+
+def check_evidence(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, *, costly: bool = True) -> Case:
     """Evidence sent to ``bench``, checked (malformed, not judged here, forged, in that order);
-    raises :class:`Rejected`. Replays and the recomputation are the judge's."""
+    raises :class:`Rejected`. Replays and the recomputation are the judge's. ``costly=False``: all
+    but the signature and digest checks, which the caller then runs in parts (:func:`check_part`: a
+    judge's compute tasks stay short)."""
     receipts, output, hidden, position_ids, mask = _tensors(tensors, bench)
     if len(receipts) != meta.steps or not receipts:
         raise _malformed(f"the metadata says {meta.steps} receipts, the tensor holds {len(receipts)}")
+    if output.shape[1] != receipts[-1].n:
+        raise _malformed(f"the output has {output.shape[1]} positions, the disputed step {receipts[-1].n}")
     if meta.end <= meta.start:
         raise _malformed(f"empty blocks {meta.start}:{meta.end}")
     _judged_here(meta, receipts, tensors, bench)
-    _genuine(meta, receipts, output, hidden, position_ids, mask)
+    _genuine(meta, receipts, output, hidden, position_ids, mask, costly)
     key = hashlib.sha256(b"".join(r.signature for r in receipts)).digest()
     digest = hashlib.sha256(EVIDENCE_CONTEXT + _encode(meta) + tensors[0].numpy().tobytes()).digest()
     blocks = BlockRange(meta.start, meta.end)
-    return Case(meta.accused, meta.model, blocks, tuple(receipts), output, hidden, position_ids, mask, key, digest)
+    adapter = bench.adapters.get(receipts[-1].adapter)  # None: the base weights (b"" is no adapter's tag)
+    return Case(meta.accused, meta.model, blocks, tuple(receipts), output, hidden, position_ids, mask, key, digest,
+                adapter)  # fmt: skip
+
+
+def check_part(case: Case, first: int, last: int) -> None:
+    """The signature and digest checks of receipts ``[first, last)`` of a case that
+    :func:`check_evidence` passed with ``costly=False`` (the output's with the last receipt);
+    raises ``forged``. Every part passed: the case is what ``costly=True`` would have returned."""
+    receipts = case.receipts[first:last]
+    disputed = last >= len(case.receipts)
+    previous = case.receipts[first - 1] if first > 0 else None  # signed: checked by the part before
+    _signed_and_named(case.accused, receipts, disputed, case.output, case.hidden, case.position_ids, case.mask,
+                      previous)  # fmt: skip
 
 
 def finding(case: Case, recomputed: Tensor, tolerance: Tolerance) -> int:
@@ -379,6 +438,7 @@ __all__ = [
     "Rejected",
     "build_evidence",
     "check_evidence",
+    "check_part",
     "covering_receipts",
     "finding",
     "step_tensors",

@@ -9,24 +9,39 @@ reply and in the judges' counters, and every judge still serves correct forwards
 
 from __future__ import annotations
 
+import asyncio
+import time
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 import torch
 from torch import Tensor
 
+from shoal.checkpoints import load_span
 from shoal.client.history import SpanHistory
-from shoal.ids import BlockRange
+from shoal.ids import BlockRange, PeerId
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer
 from shoal.protocols import BLOCKS
+from shoal.server import backend as backend_module
+from shoal.server import judge as judge_module
+from shoal.server.backend import SpanBackend, compute_thread
+from shoal.server.judge import MAX_WAITING, Judge
 from shoal.server.metrics import EVIDENCE_REASONS, ServerCollector
 from shoal.server.push import Pusher
+from shoal.server.scheduler import Priority
+from shoal.swarm.records import State
 from shoal.transport.identity import generate_key
+from shoal.verify.compare import first_disagreement, tolerance_for
 from shoal.verify.evidence import Evidence, build_evidence
+from shoal.verify.receipts import LIAR_BAN_SECONDS
+from shoal.verify.state import EMPTY_STATE, states_of
 from shoal.wire import Message
 from shoal.wire.schema import (
     EVIDENCE,
     EvidenceReply,
+    EvidenceRequest,
     ForwardRequest,
     OpenReply,
     OpenRequest,
@@ -40,6 +55,7 @@ from testkit.faults import Noise, OtherWeights, SkipBlock, When, Zeros
 from testkit.faulty import make_faulty
 from testkit.tiny import save_checkpoint, tiny_model
 from tests.helpers.inprocess import no_server_errors  # noqa: F401 (a fixture)
+from tests.helpers.registry import server_record
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_server_errors")]
 
@@ -147,8 +163,9 @@ def test_each_lie_is_confirmed_by_every_judge_and_a_replay_is_not(court, fault):
             before, chunks = evidence_counts(judge), judge.server.describe().counters.training_chunks
             reply = court.testify(judge, evidence.meta, evidence.tensors)
             assert reply.confirmed, reply
-            # all at the lowest priority: the checks, one task per block of 2:4 recomputed, the comparison
-            assert judge.server.describe().counters.training_chunks - chunks == 1 + len(SPAN) + 1
+            # all at the lowest priority: the checks (structure, then one task per 256 receipts), one task
+            # per block of 2:4 recomputed (7 positions: one chunk each), the comparison
+            assert judge.server.describe().counters.training_chunks - chunks == 1 + 1 + len(SPAN) + 1
             assert reply.detail.startswith(f"wrong from position {FIRST_LIE} ")
             assert counted(before, evidence_counts(judge)) == {"evidence_received": 1, "evidence_confirmed": 1}
             assert judge.server.judge.convicted(liar.node.id)
@@ -242,3 +259,242 @@ def test_evidence_counters_are_exported_to_prometheus(court):
     reasons = {s.labels["reason"]: s.value for s in families["shoal_evidence_rejected_by_reason"].samples}
     assert reasons == {reason: getattr(c, f"evidence_{reason}") for reason in EVIDENCE_REASONS}
     assert reasons["replayed"] >= 1 and outcomes["confirmed"] >= 1
+
+
+# ---- receipts that commit to the cache state and to how the server computed (review findings 3, 5) ----
+
+
+async def _steps(court: Court, server: LocalServer, steps: list[tuple[int, Tensor]]) -> list[tuple[Receipt, Tensor]]:
+    """One session on ``server`` running ``(position, hidden)`` steps as given (a position below the
+    session's length rolls it back): their receipts and outputs."""
+    stream = await court.node.open_stream(server.ticket, BLOCKS, timeout=5.0)
+    opened = (await stream.request(Message("open", stream.next_id(), OpenRequest(max_length=32)))).reply(OpenReply)
+    receipts = []
+    for position, hidden in steps:
+        tensors = [hidden, torch.arange(position, position + hidden.shape[1])[None]]
+        request = StepRequest(session=opened.session, position=position, receipt=True)
+        reply = await stream.request(Message("step", stream.next_id(), request, tensors), 10.0)
+        receipts.append((reply.reply(StepReply).receipt, reply.tensors[0]))
+    await stream.request(Message("close", stream.next_id()))
+    return receipts
+
+
+def test_receipts_after_a_rollback_state_the_cache_they_ran_on_and_stale_ones_frame_nobody(court):
+    """An honest server runs [0, 4) on X, [0, 4) again on Y (rolled back), then [4, 5). Its receipt of
+    [4, 5) states Y's chain, so joined to the receipt of X's prefill (both genuine) it is forged."""
+    honest, judge = court.judges[0], court.judges[1]
+    generator = torch.Generator().manual_seed(21)
+    x, y, last = (torch.randn(1, n, HIDDEN, generator=generator) for n in (4, 4, 1))
+    (r1, _), (r2, _), (r3, output) = court.run(_steps(court, honest, [(0, x), (0, y), (4, last)]))
+    positions = torch.arange(5)[None]
+    assert r1.state == r2.state == EMPTY_STATE and r1.compute == r3.compute == "f32/cpu"
+    assert r3.state == states_of(y, positions[:, :4], None)[-16:] != states_of(x, positions[:, :4], None)[-16:]
+    again, _ = court.run(_steps(court, honest, [(0, y), (4, last)]))[-1]  # the same cache again: the same state
+    assert again.state == r3.state
+    meta = EvidenceRequest(model=court.model, accused=honest.node.id, start=SPAN.start, end=SPAN.end, steps=2)
+    before = evidence_counts(judge)
+    stale = [packed([r1, r3]), output, torch.cat([x, last], 1), positions]
+    reply = court.testify(judge, meta, stale)
+    assert (reply.confirmed, reply.reason) == (False, "forged") and "position 4 ran on another cache" in reply.detail
+    genuine = [packed([r2, r3]), output, torch.cat([y, last], 1), positions]  # what its cache held: judged
+    reply = court.testify(judge, meta, genuine)
+    assert (reply.confirmed, reply.reason) == (False, "framing"), reply
+    assert counted(before, evidence_counts(judge)) == {"evidence_received": 2, "evidence_rejected": 2,
+                                                       "evidence_forged": 1, "evidence_framing": 1}  # fmt: skip
+    assert not judge.server.judge.convicted(honest.node.id)
+
+
+def test_an_honest_bf16_server_is_not_convicted_by_an_fp32_judge(court):
+    """A bf16 server answers fp32 inputs in fp32 (computed in bf16). An fp32 judge that went by the
+    dtypes of the output and its own would see bf16 rounding as a lie; the signed compute says bf16."""
+    accused = court.swarm.add(SPAN, dtype=torch.bfloat16)
+    judge = court.judges[1]
+    evidence = court.evidence(accused, seed=6)  # its true outputs, from position 6 on "disputed"
+    receipts = msgspec.msgpack.decode(evidence.tensors[0].numpy().tobytes(), type=list[Receipt])
+    assert {r.compute for r in receipts} == {"bf16/cpu"} and evidence.tensors[1].dtype == torch.float32
+    hidden = evidence.tensors[2]
+    recomputed = court.forward(judge, hidden)[:, FIRST_LIE:]  # the judge's fp32 computation of those rows
+    assert first_disagreement(recomputed, evidence.tensors[1], tolerance_for(torch.float32)) is not None
+    before = evidence_counts(judge)
+    reply = court.testify(judge, evidence.meta, evidence.tensors)
+    assert (reply.confirmed, reply.reason) == (False, "framing"), reply
+    assert counted(before, evidence_counts(judge)) == {"evidence_received": 1, "evidence_rejected": 1,
+                                                       "evidence_framing": 1}  # fmt: skip
+    assert not judge.server.judge.convicted(accused.node.id)
+
+
+def packed(receipts: list[Receipt]) -> Tensor:
+    return torch.frombuffer(bytearray(msgspec.msgpack.encode(receipts)), dtype=torch.uint8)
+
+
+# ---- a judge that cannot be abused (work, memory, errors), and a recompute in short tasks ------------
+
+
+class Listing:
+    """A swarm table as the judge reads it (:meth:`clock`, :meth:`servers`), listing ``records``."""
+
+    def __init__(self, records: list):
+        self.records = records
+
+    def clock(self) -> float:
+        return time.time()
+
+    def servers(self, model: str | None = None) -> list:
+        return [r for r in self.records if model is None or r.model == model]
+
+
+def listed(court: Court, server: LocalServer, span: BlockRange = SPAN, state: State = State.ONLINE):
+    fingerprints = tuple(bytes.fromhex(f) for f in server.server.info.fingerprints)
+    return server_record("s", server.node.id, court.model, (span.start, span.end), fingerprints, time.time(),
+                         100.0, state=state)  # fmt: skip
+
+
+def test_in_a_swarm_only_an_accused_listed_online_on_those_blocks_is_judged(court):
+    liar, judge = court.liars["zeros"], court.judges[0]
+    evidence = court.evidence(liar, seed=5)
+    before, chunks = evidence_counts(judge), judge.server.describe().counters.training_chunks
+    unlisted = [
+        [],  # a throwaway key: not a server of the swarm
+        [listed(court, court.judges[1])],  # another server
+        [listed(court, liar, state=State.OFFLINE)],
+        [listed(court, liar, BlockRange(0, 2))],  # a server of other blocks
+    ]
+    try:
+        for records in unlisted:
+            judge.server.judge.table = Listing(records)
+            reply = court.testify(judge, evidence.meta, evidence.tensors)
+            assert (reply.confirmed, reply.reason) == (False, "not_judged") and "swarm table" in reply.detail
+        assert judge.server.describe().counters.training_chunks == chunks  # no work for any of them
+        judge.server.judge.table = Listing([listed(court, liar, BlockRange(0, 4))])  # covering the blocks
+        assert court.testify(judge, evidence.meta, evidence.tensors).confirmed
+    finally:
+        judge.server.judge.table = None
+    expected = {"evidence_received": 5, "evidence_rejected": 4, "evidence_not_judged": 4, "evidence_confirmed": 1}
+    assert counted(before, evidence_counts(judge)) == expected
+
+
+def test_at_most_four_pieces_of_evidence_wait_the_fifth_is_busy(court):
+    liar, judge = court.liars["noise"], court.judges[1]
+    evidence = court.evidence(liar, seed=6)
+    before = evidence_counts(judge)
+    lock = judge.server.judge._lock  # held: the judge is busy judging something else
+
+    async def five_at_once() -> list[EvidenceReply]:
+        await lock.acquire()
+        message = Message("evidence", 1, evidence.meta, evidence.tensors)
+        sends = [asyncio.ensure_future(court.node.request(judge.ticket, BLOCKS, message, timeout=20.0))
+                 for _ in range(MAX_WAITING + 1)]  # fmt: skip
+        try:
+            done, _ = await asyncio.wait(sends, timeout=10.0, return_when=asyncio.FIRST_COMPLETED)
+            assert len(done) == 1 and judge.server.judge._waiting == MAX_WAITING
+        finally:
+            lock.release()
+        return [reply.reply(EvidenceReply) for reply in await asyncio.gather(*sends)]
+
+    replies = court.run(five_at_once())
+    reasons = sorted(r.reason for r in replies if not r.confirmed)
+    assert sum(r.confirmed for r in replies) == 1 and reasons == ["not_judged", "replayed", "replayed", "replayed"]
+    assert any(r.detail.startswith("busy") for r in replies)
+    assert counted(before, evidence_counts(judge)) == {
+        "evidence_received": 5, "evidence_confirmed": 1, "evidence_rejected": 4, "evidence_not_judged": 1,
+        "evidence_replayed": 3,
+    }  # fmt: skip
+    assert judge.server.judge._waiting == 0
+
+
+@pytest.mark.parametrize(("error", "reason"), [(ValueError("bad shape"), "malformed"),
+                                               (RuntimeError("out of memory"), "not_judged")])  # fmt: skip
+def test_an_unforeseen_error_is_a_counted_rejection_and_releases_the_evidence(court, monkeypatch, error, reason):
+    liar, judge = court.liars["skip-block"], court.judges[0]
+    evidence = court.evidence(liar, seed=7 if reason == "malformed" else 8)
+    before = evidence_counts(judge)
+
+    async def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(judge.server.judge.backend, "recompute", failing)
+    reply = court.testify(judge, evidence.meta, evidence.tensors)
+    assert (reply.confirmed, reply.reason) == (False, reason) and str(error) in reply.detail
+    monkeypatch.undo()
+    assert court.testify(judge, evidence.meta, evidence.tensors).confirmed  # not "replayed": the key was released
+    assert counted(before, evidence_counts(judge)) == {"evidence_received": 2, "evidence_rejected": 1,
+                                                       f"evidence_{reason}": 1, "evidence_confirmed": 1}  # fmt: skip
+
+
+def test_an_output_of_other_positions_than_the_disputed_step_is_malformed(court):
+    liar, judge = court.liars["noise"], court.judges[2]
+    evidence = court.evidence(liar, seed=9)
+    before = evidence_counts(judge)
+    longer = torch.cat([evidence.tensors[1], evidence.tensors[1]], dim=1)  # 2 positions; the receipt says 1
+    reply = court.testify(judge, evidence.meta, [evidence.tensors[0], longer, *evidence.tensors[2:]])
+    assert (reply.confirmed, reply.reason) == (False, "malformed") and "the disputed step 1" in reply.detail
+    assert counted(before, evidence_counts(judge)) == {"evidence_received": 1, "evidence_rejected": 1,
+                                                       "evidence_malformed": 1}  # fmt: skip
+
+
+def test_convictions_remembered_are_bounded_and_expired_ones_pruned(monkeypatch):
+    judge = Judge(None, None, ServerCounters())  # convicting needs neither backend nor span
+    clock = [1000.0]
+    monkeypatch.setattr(judge_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(judge_module, "MAX_LIARS", 3)
+    for peer in ("a", "b"):
+        judge._convict(SimpleNamespace(accused=PeerId(peer)))
+    clock[0] += LIAR_BAN_SECONDS + 1  # a and b are free again
+    for peer in ("c", "d", "e", "f"):
+        judge._convict(SimpleNamespace(accused=PeerId(peer)))
+    assert list(judge._liars) == ["d", "e", "f"]  # a, b pruned on insert; c the oldest past the cap
+    assert [judge.convicted(PeerId(p)) for p in "abcdef"] == [False, False, False, True, True, True]
+
+
+# ---- the recompute: chunks of positions through a KV cache, one task each ---------------------------
+
+
+@pytest.fixture(scope="module")
+def spans(tmp_path_factory):
+    model_dir = save_checkpoint(tiny_model("llama", seed=5), tmp_path_factory.mktemp("tiny-recompute"))
+    return {torch.float32: load_span(model_dir, 0, 3)[0]}
+
+
+def recompute(span, hidden, positions, mask, chunk: int, monkeypatch) -> tuple[Tensor, int]:
+    """(blocks 0:3 recomputed with ``chunk`` positions a task, how many tasks)."""
+    monkeypatch.setattr(backend_module, "RECOMPUTE_CHUNK_POSITIONS", chunk)
+    backend = SpanBackend(span, HIDDEN, executor=compute_thread(1))
+    try:
+        out = asyncio.run(backend.recompute(hidden, positions, mask, 0, 3))
+        return out, backend.compute_counts().ran[Priority.TRAINING]
+    finally:
+        backend.shutdown()
+
+
+def test_the_recompute_in_chunks_equals_one_pass_within_fp32_noise(spans, monkeypatch):
+    generator = torch.Generator().manual_seed(12)
+    hidden = torch.randn(3, 50, HIDDEN, generator=generator)
+    positions = torch.arange(50).repeat(3, 1)
+    mask = torch.ones(3, 50, dtype=torch.bool)
+    mask[1, :4] = False  # a left-padded row
+    span = spans[torch.float32]
+    with torch.inference_mode():
+        whole = span(hidden, positions, mask)
+    out, tasks = recompute(span, hidden, positions, mask, 48, monkeypatch)  # 16 positions of 3 rows a task
+    assert tasks == 3 * 4  # 3 blocks x ceil(50 / 16) chunks
+    assert out.dtype == torch.float32 and out.shape == whole.shape
+    torch.testing.assert_close(out, whole, rtol=0, atol=1e-4 * float(whole.abs().max()))
+    single, tasks = recompute(span, hidden, positions, mask, 1000, monkeypatch)  # one chunk: one task per block
+    assert tasks == 3
+    torch.testing.assert_close(single, whole, rtol=0, atol=1e-4 * float(whole.abs().max()))
+
+
+def test_the_recompute_keeps_the_spans_dtype_between_blocks_and_casts_once(spans, monkeypatch):
+    """bf16 inputs through an fp32 span: as a step computes (fp32 throughout, one rounding at the end),
+    not rounded to bf16 after every block."""
+    span = spans[torch.float32]
+    hidden = torch.randn(1, 20, HIDDEN, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    positions = torch.arange(20)[None]
+    with torch.inference_mode():
+        once = span(hidden, positions, None)
+    out, _ = recompute(span, hidden, positions, None, 8, monkeypatch)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), once.to(torch.bfloat16).float(), rtol=0,
+                               atol=2**-7 * float(once.abs().max()))  # fmt: skip
+    exact = (out == once.to(torch.bfloat16)).float().mean()
+    assert exact > 0.95, exact  # rounding per block would leave far fewer bits equal

@@ -12,7 +12,7 @@ from torch import Tensor
 from shoal.client.history import SpanHistory
 from shoal.ids import BlockRange
 from shoal.verify import evidence as ev
-from shoal.verify.compare import tolerance_for
+from shoal.verify.compare import tolerance_for, tolerance_of
 from shoal.verify.evidence import (
     Bench,
     Evidence,
@@ -22,11 +22,13 @@ from shoal.verify.evidence import (
     Rejected,
     build_evidence,
     check_evidence,
+    check_part,
     covering_receipts,
     finding,
     step_tensors,
 )
-from shoal.verify.receipts import ReceiptSigner, sign_receipt, weights_digest
+from shoal.verify.receipts import ReceiptSigner, adapter_tag, sign_receipt, weights_digest
+from shoal.verify.state import EMPTY_STATE, states_of
 from shoal.wire import Codec
 from shoal.wire.schema import EvidenceRequest, Receipt
 
@@ -38,6 +40,7 @@ FINGERPRINTS = ("ab" * 32, "cd" * 32, "ef" * 32, "01" * 32)  # blocks 0..3
 WIDTH = 8
 MODEL = "tiny"
 FP32 = tolerance_for(torch.float32)
+CHAT, OTHER_CHAT, MATH = "c1" * 32, "c2" * 32, "aa" * 32  # adapter digests: two different adapters named "chat"
 #: one prefill of 5 positions, then single-position steps
 STEPS = ((0, 5), (5, 1), (6, 1), (7, 1), (8, 1))
 
@@ -49,15 +52,19 @@ def honest(hidden: Tensor) -> Tensor:
 
 def bench(**changes) -> Bench:
     fields = dict(model=MODEL, blocks=BLOCKS, fingerprints=FINGERPRINTS[2:4], quantization="none",
-                  adapters=frozenset({"chat"}), hidden_size=WIDTH, peer_id=JUDGE.peer_id)  # fmt: skip
+                  adapters={adapter_tag(CHAT): "chat"}, hidden_size=WIDTH, peer_id=JUDGE.peer_id)  # fmt: skip
     fields.update(changes)
     return Bench(**fields)
 
 
 def receipt_of(signer, hidden, position_ids, mask, start, n, output, *, session="s-liar", **changes) -> Receipt:
+    """A receipt of the step over ``[start, start + n)`` (``mask``: the one it sent, of ``[0, start + n)``),
+    on the cache an honest server holds: the chain of ``hidden`` up to ``start``."""
+    state = states_of(hidden[:, :start], position_ids[:, :start], None if mask is None else mask[:, :start])[-16:]
     fields = dict(weights=weights_digest(FINGERPRINTS[2:4], "none"), start=BLOCKS.start, end=BLOCKS.end,
                   session=session, position=start, step=start + 1,
-                  inputs=step_tensors(hidden, position_ids, mask, start, start + n), output=output)  # fmt: skip
+                  inputs=step_tensors(hidden, position_ids, mask, start, start + n), output=output, state=state,
+                  compute="f32/cpu")  # fmt: skip
     fields.update(changes)
     return sign_receipt(signer, **fields)
 
@@ -248,13 +255,21 @@ def test_a_judge_serving_more_blocks_judges_its_sub_span(sent):
 
 @pytest.mark.parametrize(
     ("changes", "what"),
-    [(dict(prompts=True), "deep prompts"), (dict(adapter="math"), "adapter 'math'"), (dict(adapter="chat"), None)],
+    [
+        (dict(prompts=True), "deep prompts"),
+        (dict(adapter=adapter_tag(MATH)), f"digest {MATH[:32]}"),
+        (dict(adapter=adapter_tag(OTHER_CHAT)), "lacks"),  # another adapter its server also calls "chat"
+        (dict(adapter=adapter_tag(CHAT)), None),
+    ],
 )
 def test_adapters_and_prompts(changes, what):
+    """An adapter is judged by its digest: a judge's "chat" of other tensors than the accused's is not
+    the adapter the accused ran (recomputing with it would frame an honest server)."""
     session = Session(lie_from=6, **changes)
     evidence = session.evidence(6)
-    if what is None:  # an adapter the judge has: judged
-        assert check_evidence(evidence.meta, evidence.tensors, bench()).disputed.adapter == "chat"
+    if what is None:  # an adapter the judge has: judged with the judge's own name for it
+        case = check_evidence(evidence.meta, evidence.tensors, bench())
+        assert case.adapter == "chat" and case.disputed.adapter == adapter_tag(CHAT)
         return
     found = rejected(evidence.meta, evidence.tensors)
     assert found.reason is Reason.NOT_JUDGED and what in found.detail
@@ -352,3 +367,69 @@ def test_replays_are_recognised_by_their_signatures_and_the_ledger_is_bounded(se
     assert first not in ledger and second in ledger  # the oldest evicted
     ledger.discard(second)
     assert second not in ledger
+
+
+# ---- the cache state and how the accused computed (review findings 3 and 5) ----------------------
+
+
+def evidence_of(receipts: list[Receipt], output: Tensor, hidden: Tensor, position_ids: Tensor):
+    meta = EvidenceRequest(model=MODEL, accused=LIAR.peer_id, start=BLOCKS.start, end=BLOCKS.end, steps=len(receipts))
+    return meta, [packed(receipts), output, hidden, position_ids]
+
+
+def test_receipts_from_before_a_rollback_cannot_frame_an_honest_server():
+    """An honest server ran [0, 4) on X (r1), [0, 4) again on Y (r2: a rollback to 0), then [4, 5) (r3)
+    on the cache holding Y. Every receipt is genuine, so [r1, r3] with X would pass every other check,
+    and judges recomputing r3 from X would find it "wrong": r3's state names Y's chain, not X's."""
+    generator = torch.Generator().manual_seed(7)
+    x, y, last = (torch.randn(1, n, WIDTH, generator=generator) for n in (4, 4, 1))
+    on_x, on_y, positions = torch.cat([x, last], 1), torch.cat([y, last], 1), torch.arange(5)[None]
+    answer = honest(last) + y.mean()  # what it answered at 4: it depends on the cache (Y)
+    r1 = receipt_of(LIAR, on_x, positions, None, 0, 4, honest(x))
+    r2 = receipt_of(LIAR, on_y, positions, None, 0, 4, honest(y))
+    r3 = receipt_of(LIAR, on_y, positions, None, 4, 1, answer)
+    assert r1.state == r2.state == EMPTY_STATE and r3.state != states_of(on_x, positions, None)[64:80]
+    meta, tensors = evidence_of([r1, r3], answer, on_x, positions)
+    assert "position 4 ran on another cache" in forged(meta, tensors)
+    case = check_evidence(meta, tensors, bench(), costly=False)  # the judge's way: the costly checks in parts
+    check_part(case, 0, 1)  # r1 alone is fine
+    with pytest.raises(Rejected, match="position 4 ran on another cache") as caught:
+        check_part(case, 1, 2)  # r3 chained from r1 across a part boundary
+    assert caught.value.reason is Reason.FORGED
+    meta, tensors = evidence_of([r2, r3], answer, on_y, positions)  # what the cache really held: judged
+    case = check_evidence(meta, tensors, bench())
+    check_part(case, 1, 2)
+    assert case.disputed == r3
+
+
+def test_a_first_receipt_must_state_the_empty_cache():
+    session = Session(lie_from=7)
+    evidence = session.evidence(7)
+    meta, tensors = evidence.meta, evidence.tensors
+    first = receipt_of(LIAR, session.hidden, session.position_ids, None, 0, 5, honest(session.hidden[:, :5]),
+                       state=b"\x01" * 16)  # fmt: skip
+    receipts = [first, *session.receipts[1:4]]
+    assert "position 0 ran on another cache" in forged(meta, [packed(receipts), *tensors[1:]])
+
+
+def test_an_honest_bf16_server_is_not_convicted_by_an_fp32_judge():
+    """A bf16 server answers fp32 hidden states for fp32 inputs; an fp32 judge recomputes in fp32. The
+    output's and the judge's dtypes alone would call bf16 rounding a lie; the accused's signed
+    ``compute`` makes the judge compare within bf16's tolerance (a real lie still stands out)."""
+    generator = torch.Generator().manual_seed(3)
+    hidden, positions = torch.randn(1, 8, WIDTH, generator=generator) * 2, torch.arange(8)[None]
+    in_bf16 = honest(hidden.bfloat16()).float()  # how the accused computed, answered in fp32
+    receipts = [receipt_of(LIAR, hidden, positions, None, start, n, in_bf16[:, start : start + n],
+                           compute="bf16/cpu") for start, n in ((0, 5), (5, 1), (6, 1), (7, 1))]  # fmt: skip
+    case = check_evidence(*evidence_of(receipts, in_bf16[:, 7:], hidden, positions), bench())
+    judge_computes = honest(hidden)  # the fp32 judge's recomputation
+    outputs_and_judge_only = tolerance_of(torch.float32, "float32", Codec.RAW, "cpu")
+    assert outputs_and_judge_only == FP32 and finding(case, judge_computes, FP32) == 7  # the old rule: framed
+    rule = tolerance_of(case.output.dtype, "float32", case.disputed.codec, "cpu", other=case.disputed.compute)
+    assert rule == tolerance_for(torch.bfloat16)
+    with pytest.raises(Rejected) as caught:
+        finding(case, judge_computes, rule)
+    assert caught.value.reason is Reason.FRAMING
+    lie = in_bf16[:, 7:] + 0.5
+    receipts[-1] = receipt_of(LIAR, hidden, positions, None, 7, 1, lie, compute="bf16/cpu")
+    assert finding(check_evidence(*evidence_of(receipts, lie, hidden, positions), bench()), judge_computes, rule) == 7
