@@ -11,7 +11,7 @@ transformers (fp32, one thread) on the same weights; their greedy choices are at
 equality is a fair test.
 
 For every fault kind alone: 64 greedy tokens equal the honest ones, the liar is banned (and no honest
-server), and a position-seeded sampled run (:class:`~shoal.client.sampling.PositionSeededSampler`)
+server; both honest replicas of its span confirm the evidence sent to them), and a position-seeded sampled run (:class:`~shoal.client.sampling.PositionSeededSampler`)
 equals the honest seeded run. The detection lag is read from the liar's own record, not from the
 client under test: the positions it still computed after the step of its first lie are fewer than K
 (every step from the first lie on is recorded, so the last one recorded is the last it served before
@@ -206,6 +206,12 @@ def test_greedy_equals_honest_and_liar_is_banned(world, fault_case):
         if fault_case != "equivocate":  # an equivocation may be caught by receipts before any audit disagrees
             assert model.verification.disagreements >= 1 and model.verification.settled >= 1, model.verification
             assert model.verification.rollbacks >= 1, model.verification
+    # closing waited for the testimony: both honest replicas of the liar's span judged the evidence
+    # and confirmed the lie (an equivocation is proved by two receipts, for which no evidence is sent)
+    verification = model.verification
+    if verification.settled:
+        assert (verification.evidence_sent, verification.evidence_confirmed) == (2, 2), verification
+        assert verification.evidence_rejected == 0, verification
 
 
 @pytest.mark.parametrize("fault_case", list(CASES))
