@@ -10,15 +10,16 @@ transformers (fp32, one thread) on the same weights; their greedy choices are at
 :data:`MIN_GAP` apart (the large init of :mod:`testkit.tiny`), far above fp32 noise, so token
 equality is a fair test.
 
-For every fault kind alone: 64 greedy tokens equal the honest ones, the liar is banned (and no honest
-server; both honest replicas of its span confirm the evidence sent to them), and a position-seeded sampled run (:class:`~shoal.client.sampling.PositionSeededSampler`)
-equals the honest seeded run. The detection lag is read from the liar's own record, not from the
-client under test: the positions it still computed after the step of its first lie are fewer than K
-(every step from the first lie on is recorded, so the last one recorded is the last it served before
-the ban; a lie in the 12-token prefill is audited right after it, lag 0). 20 seeded runs with the
-first lie at 20 different positions each catch it within K. Honest replicas audited over 200+
-positions never disagree; a span without a second replica is reported unverified and generation
-does not wait for one.
+For every fault kind alone: 64 greedy tokens equal the honest ones, the liar is banned (and no
+honest server; both honest replicas of its span confirm the evidence sent to them), and a
+position-seeded sampled run (:class:`~shoal.client.sampling.PositionSeededSampler`) equals the
+honest seeded run. The detection lag is read from the liar's own record, not from the client under
+test: the positions it still computed after the step of its first lie are fewer than K (every step
+from the first lie on is recorded, so the last one recorded is the last it served before the ban; a
+lie in the 12-token prefill is audited right after it, lag 0). 20 seeded runs with the first lie at
+20 different positions each catch it within K. Honest replicas audited over 200+ positions never
+disagree; a span without a second replica is reported unverified and generation does not wait
+for one.
 """
 
 from __future__ import annotations
