@@ -68,8 +68,9 @@ LOW, HIGH = BlockRange(0, 2), BlockRange(2, 4)
 MODEL_SEED = 0  # test_swarm_generation's llama: its 64 greedy tokens from this prompt have top-2 gaps >= 2e-2
 PROMPT_SEED = 100
 MIN_GAP = 1e-3
-#: The smallest corruption shoal.verify.compare says it catches in fp32 (its docstring and the issue: 1e-3).
-SMALLEST_FP32_NOISE = 1e-3
+#: The smallest corruption shoal.verify.compare says it catches in fp32 (its calibration comment: 5e-4;
+#: the issue's bar is 1e-3).
+SMALLEST_FP32_NOISE = 5e-4
 SAMPLING_SEED = 77
 SAMPLING_TEMPERATURE = 1.0
 

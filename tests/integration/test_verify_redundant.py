@@ -38,7 +38,7 @@ from shoal.ids import BlockRange
 from shoal.launch.inprocess import LocalServer
 from testkit.faults import Alteration, Noise, When
 from testkit.faulty import make_faulty
-from tests.helpers.byzantine import connect_over, peer_of, steer_through, would_route_over
+from tests.helpers.byzantine import connect_over, lies, peer_of, steer_through, would_route_over
 from tests.integration import test_verify
 from tests.integration.test_verify import (
     CASES,
@@ -217,6 +217,28 @@ def test_redundant_in_bfloat16(world, bf16, bf16_honest_answer, sightings, fault
     honest = World(world.swarm, world.reference, bf16)
     try:
         run_case(honest, liar, case, bf16_honest_answer, sightings)
+    finally:
+        world.swarm.kill(liar)
+
+
+@pytest.mark.parametrize("fault_case", list(BF16_CASES))
+def test_audit_in_bfloat16(world, bf16, bf16_honest_answer, fault_case):
+    """Audit mode (K = 8) on the bfloat16 servers: the honest answer, the first lie caught within K
+    positions (read from the liar's own record), the liar banned and nobody else."""
+    case = BF16_CASES[fault_case]
+    liar = world.swarm.add(HIGH, lambda server: make_faulty(server, list(case.faults)), dtype=torch.bfloat16)
+    honest = World(world.swarm, world.reference, bf16)
+    try:
+        company = honest.peers_with(liar)
+        with connect_over(world.swarm, company, verify="audit", audit_every=test_verify.K) as model:
+            chain = honest.chain_through(liar)
+            assert steer_through(model, chain) == [peer_of(s) for s in chain], "the chain does not go through the liar"
+            got = model.generate(prompt_of(PROMPT_SEED), max_new_tokens=NEW_TOKENS, do_sample=False)
+            mismatch = (got != bf16_honest_answer).nonzero()
+            assert mismatch.numel() == 0, f"first wrong token at {mismatch[:1].tolist()}"
+            told = lies(liar.server.record.entries())
+            assert told is not None and told.lag < test_verify.K, liar.server.record.entries()
+            check_liar_banned(honest, model, liar, company[1:])
     finally:
         world.swarm.kill(liar)
 
