@@ -24,7 +24,7 @@ class Hop:
     ``draining``: the server's last step reply said it is leaving; only the step driver, which
     reads those replies, sets it."""
 
-    __slots__ = ("_pending", "draining", "push_hop", "session", "span", "stream")
+    __slots__ = ("__weakref__", "_pending", "draining", "push_hop", "session", "span", "stream")
 
     def __init__(self, span: ServerSpan, stream: MessageStream, reply: OpenReply):
         self.span = span

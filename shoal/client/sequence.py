@@ -34,6 +34,7 @@ from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import AdapterChoice, ServerSpan
 from shoal.transport import BaseNode, Node, StartNode, Ticket, TransportConfig
 from shoal.verify.receipts import LIAR_BAN_SECONDS, ReceiptError, expected_receipt, verify_receipt
+from shoal.verify.state import EMPTY_STATE
 from shoal.wire import Codec, Message
 from shoal.wire.codecs import carried
 from shoal.wire.schema import RECEIPTS, TRAIN, ForwardReply, ForwardRequest, InfoReply, Receipt
@@ -252,13 +253,13 @@ def check_forward_receipt(
 ) -> Receipt:  # fmt: skip
     """``span``'s receipt of a forward (request id 1): the span, the tensors sent (as the server
     decodes them), the output ``reply`` carries, ``adapter`` (by the digest ``span`` announced for it)
-    and deep ``prompts`` as asked, computed in the dtype ``span`` announced (when known); raises a
-    :class:`~shoal.verify.receipts.ReceiptError`."""
+    and deep ``prompts`` as asked, computed in the dtype ``span`` announced (when known), on the empty
+    cache; raises a :class:`~shoal.verify.receipts.ReceiptError`."""
     info = span.info
     expected = expected_receipt(
         start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
         session="", position=0, step=1, sent=sent, output=reply.tensors[0], codec=reply.codec_of(0),
-        adapter=announced_adapter(span, adapter), prompts=prompts, dtype=info.dtype,
+        adapter=announced_adapter(span, adapter), prompts=prompts, dtype=info.dtype, state=EMPTY_STATE,
     )  # fmt: skip
     return verify_receipt(receipt, span.peer_id, expected)
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from shoal.verify.receipts import COMPUTE_DEVICE
 from shoal.wire.codecs import Codec
 
 __all__ = ["Tolerance", "discrepancy", "first_disagreement", "row_discrepancy", "tolerance_for", "tolerance_of"]
@@ -125,10 +126,14 @@ def tolerance_of(
     ``computed`` (a dtype name, as a server's info says; None: not known), sent as ``codec``, on
     ``device``; ``other``: how the other side computed, as a receipt signs it ("bf16/cuda", see
     :func:`shoal.verify.receipts.compute_label`; None or "": not known). The coarsest rounding
-    counts (a lossy codec rounds to about bfloat16); when ``other`` names another device type than
-    ``device``'s, kernels differ too: the tolerance is at least the uncalibrated-device one (the CPU
-    constants times :data:`_UNCALIBRATED_DEVICE_MARGIN`). Here, not in the client: a server judging
-    evidence (:mod:`shoal.server.judge`) uses the very same rule."""
+    counts (a lossy codec rounds to about bfloat16); when ``other`` names another device type
+    (:data:`~shoal.verify.receipts.COMPUTE_DEVICE`) than ``device``'s, kernels differ too: the
+    tolerance is at least the uncalibrated-device one (the CPU constants times
+    :data:`_UNCALIBRATED_DEVICE_MARGIN`); an unknown one or dtype loosens nothing (judges reject such
+    evidence as forged, :mod:`shoal.verify.evidence`). ``compute`` is self-declared: a liar claiming
+    bf16 in an fp32 swarm is judged at the bf16 tolerance (clients that know a server's dtype refuse
+    such receipts). Here, not in the client: a server judging evidence (:mod:`shoal.server.judge`)
+    uses the very same rule."""
     other_dtype, _, other_device = (other or "").partition("/")
     dtypes = [wire if wire in _COARSENESS else torch.float32]
     dtypes += [_FLOAT_NAMED[name] for name in (computed, other_dtype) if name in _FLOAT_NAMED]
@@ -136,7 +141,7 @@ def tolerance_of(
         dtypes.append(torch.bfloat16)
     coarsest = max(dtypes, key=_COARSENESS.__getitem__)
     tolerance = tolerance_for(coarsest, device)
-    if other_device and other_device != torch.device(device).type:
+    if COMPUTE_DEVICE.fullmatch(other_device) and other_device != torch.device(device).type:
         across = _scaled(tolerance_for(coarsest, "cpu"), _UNCALIBRATED_DEVICE_MARGIN)
         if across.relative > tolerance.relative:
             return across

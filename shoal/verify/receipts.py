@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from collections.abc import Sequence
 
 import msgspec
@@ -124,6 +125,20 @@ def compute_label(dtype: str, device: str | torch.device) -> str:
     return f"{SHORT_DTYPES.get(dtype, dtype)}/{torch.device(device).type}"[:24]
 
 
+#: the device types a receipt's ``compute`` may name: those the tolerance knows (:mod:`shoal.verify.compare`).
+#: A server on another type cannot be verified: clients refuse its receipts, judges its evidence as forged.
+#: device types as torch names them: any such name is a device a server may compute on (a liar that
+#: claims another gains at most the cross-device margin, see shoal.verify.compare.tolerance_of)
+COMPUTE_DEVICE = re.compile(r"[a-z][a-z0-9_]{0,15}")
+
+
+def known_compute(compute: str) -> bool:
+    """Whether ``compute`` is a label :func:`compute_label` can make: a dtype servers compute in over
+    a device type's name (a label judges can hold a server to; anything else a client refuses)."""
+    dtype, slash, device = compute.partition("/")
+    return bool(slash) and dtype in _LONG_DTYPES and COMPUTE_DEVICE.fullmatch(device) is not None
+
+
 def compute_dtype(compute: str) -> str:
     """The dtype a receipt's ``compute`` names, as SpanInfo says it ("bfloat16" of "bf16/cuda")."""
     short = compute.partition("/")[0]
@@ -214,17 +229,21 @@ def expected_receipt(
     adapter: bytes = b"",
     prompts: bool = False,
     dtype: str | None = None,
+    state: bytes | None = None,
+    compute: str | None = None,
 ) -> Receipt:
     """The receipt a client expects of blocks ``[start, end)`` given ``sent`` (the tensors the
     server decodes, hidden first) when it received ``output`` in ``codec``, asking for ``adapter``
     (the :func:`adapter_tag` of the digest that server announced for it) and deep ``prompts`` or
-    not, from a server announcing it computes in ``dtype``; unsigned. Left empty, so not compared
-    (see :func:`verify_receipt`): ``weights`` unless ``fingerprints`` covers the span, ``compute``
-    without ``dtype``, and always ``state``."""
+    not, on a cache in ``state`` (the chain of what the client sent that session before
+    ``position``, :class:`~shoal.verify.state.StateChain`), from a server announcing it computes in
+    ``dtype`` whose earlier receipts of the session signed ``compute``; unsigned. Left empty, so not
+    compared (see :func:`verify_receipt`): ``weights`` unless ``fingerprints`` covers the span,
+    ``state`` when None; ``compute`` is the earlier one, else ``dtype``, else empty."""
     known = len(fingerprints) == end - start
     weights = weights_digest(tuple(fingerprints), quantization) if known else b""
-    return _unsigned(weights, start, end, session, position, step, sent, output, codec, adapter, prompts, b"",
-                     dtype or "")  # fmt: skip
+    return _unsigned(weights, start, end, session, position, step, sent, output, codec, adapter, prompts,
+                     state or b"", compute or dtype or "")  # fmt: skip
 
 
 def server_receipt(
@@ -293,11 +312,14 @@ def verify_receipt(
 ) -> Receipt:
     """Check ``receipt`` from ``peer_id`` against ``expected`` (what was asked and received, as
     :func:`expected_receipt` builds it). The rules: the signature must be ``peer_id``'s; ``state``
-    is never compared (recomputing the cache chain would put hashing on the client's event loop:
-    judges check it, :mod:`shoal.verify.evidence`); ``weights`` only when expected states it;
-    ``compute`` on its dtype part only, when expected states one (servers do not announce their
-    device); ``adapter`` exactly (the digest the server announced for the adapter asked for); every
-    other field exactly. ``previous``: the peer id of the server that pushed this hop its inputs (at
+    exactly when expected states it (the client's chain of what it sent the session: a server that
+    signs another state would make every piece of evidence against it look forged to judges,
+    :mod:`shoal.verify.evidence`); ``weights`` only when expected states it; ``compute`` must be a
+    label judges know (:func:`known_compute`), and equal expected's exactly when that is a label
+    (the session's first receipt's: a server computes one way for the whole session), else on its
+    dtype part when expected names one (servers announce their dtype, not their device);
+    ``adapter`` exactly (the digest the server announced for the adapter asked for); every other
+    field exactly. ``previous``: the peer id of the server that pushed this hop its inputs (at
     ``hop - 1``): a differing input digest is then its :class:`Equivocation`. Returns the receipt;
     raises a :class:`ReceiptError`."""
     if receipt is None:
@@ -322,11 +344,21 @@ def verify_receipt(
 
 def _agrees(name: str, stated: object, expected: object) -> bool:
     """Whether a receipt's field ``name`` says what the client expected (see :func:`verify_receipt`)."""
-    if name == "state" or (name == "weights" and not expected):
+    if name in ("state", "weights") and not expected:
         return True
     if name == "compute":
-        return not expected or compute_dtype(stated) == compute_dtype(expected)  # type: ignore[arg-type]
+        return _computes_as(str(stated), str(expected))
     return stated == expected
+
+
+def _computes_as(stated: str, expected: str) -> bool:
+    """Whether a receipt's ``compute`` is a known label saying what expected does: exactly, when that is
+    a label (the session's first receipt's), else its dtype (the announced one; "": any)."""
+    if not known_compute(stated):
+        return False
+    if "/" in expected:
+        return stated == expected
+    return not expected or compute_dtype(stated) == compute_dtype(expected)
 
 
 def _shown(value: object) -> str:
@@ -334,6 +366,7 @@ def _shown(value: object) -> str:
 
 
 __all__ = [
+    "COMPUTE_DEVICE",
     "LIAR_BAN_SECONDS",
     "SIGNING_CONTEXT",
     "BadSignature",
@@ -347,6 +380,7 @@ __all__ = [
     "compute_dtype",
     "compute_label",
     "expected_receipt",
+    "known_compute",
     "receipt_body",
     "server_receipt",
     "sign_receipt",

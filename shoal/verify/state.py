@@ -16,16 +16,21 @@ server decoded), its position id per row (int64, little-endian) and its mask col
 ones when no mask came). A server keeps ``c_0 .. c_length`` per session (16 bytes a position: truncated
 on rollback, extended by every step); a judge recomputes the chain from the evidence's tensors, so a
 receipt whose ``state`` differs from the chain at its position was signed over another cache than the
-evidence shows. A stateless forward's state is ``c_0``. Clients do not recompute it (hashing on their
-event loop): it is for judges.
+evidence shows. A stateless forward's state is ``c_0``. The client keeps the same chain per hop, of what
+it sent that hop's session (:mod:`shoal.client.driver`), and refuses a receipt whose ``state`` is not
+it: a liar signing any other state would make every piece of evidence against it look forged to judges.
+Only a server with a key (one that signs receipts) keeps a chain.
 
-numpy only (views and per-position copies of ``[B, H]``), no torch op: the server hashes on its event
-loop and a torch op large enough to go parallel would give that thread an OpenMP pool of its own. sha256
-hashes ~1.3 GB/s here (hardware): a decode step costs about 15 us (576 wide) to 22 us (4096 wide, fp32).
+numpy only (views and per-position copies of ``[B, H]``), no torch op: servers and clients hash on their
+event loops, and a torch op large enough to go parallel would give that thread an OpenMP pool of its own.
+sha256 hashes ~1.3 GB/s here (hardware): a decode step's update costs about 13 us (576 wide) to 21 us
+(4096 wide, fp32), a 512-position prefill 1.4 ms (576) to 5.5 ms (4096, fp32); a step larger than
+:data:`HASH_INLINE_BYTES` (such a prefill) is hashed on a worker thread (:func:`step_states`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import numpy as np
@@ -39,6 +44,9 @@ EMPTY_STATE = hashlib.sha256(STATE_CONTEXT).digest()[:STATE_BYTES]
 #: a position whose cache contents the server lost track of (a step failed midway): no chain from
 #: position 0 reaches it, so evidence over it is rejected as forged rather than judged
 UNKNOWN_STATE = bytes(STATE_BYTES)
+#: a step's hidden states up to this size are hashed on the event loop (a decode step: microseconds); larger
+#: ones (a prefill) on a worker thread (hashlib releases the GIL)
+HASH_INLINE_BYTES = 1 << 20
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -112,10 +120,32 @@ class StateChain:
         del self._digests[(position + 1) * STATE_BYTES :]
 
 
+async def step_states(
+    chain: StateChain, position: int, hidden: Tensor, position_ids: Tensor, mask: Tensor | None
+) -> bytes:
+    """:meth:`StateChain.next_states` of a step, off the event loop when it is large (see
+    :data:`HASH_INLINE_BYTES`); what servers and clients both call before :meth:`StateChain.commit`."""
+    previous = chain.at(position)  # read here: the chain may change while a worker hashes
+    columns = None if mask is None else mask[:, position:]
+    if hidden.numel() * hidden.element_size() <= HASH_INLINE_BYTES:
+        return chain_states(previous, hidden, position_ids, columns)
+    return await asyncio.to_thread(chain_states, previous, hidden, position_ids, columns)
+
+
 def states_of(hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> bytes:
     """``c_0 .. c_P`` of a whole history from position 0 (``[B, P, H]``, ``[B, P]``, ``[B, P]`` or None):
     what a judge checks each receipt's ``state`` against (``c_p`` at bytes ``[16 p, 16 p + 16)``)."""
     return EMPTY_STATE + chain_states(EMPTY_STATE, hidden, position_ids, mask)
 
 
-__all__ = ["EMPTY_STATE", "STATE_BYTES", "STATE_CONTEXT", "UNKNOWN_STATE", "StateChain", "chain_states", "states_of"]
+__all__ = [
+    "EMPTY_STATE",
+    "HASH_INLINE_BYTES",
+    "STATE_BYTES",
+    "STATE_CONTEXT",
+    "UNKNOWN_STATE",
+    "StateChain",
+    "chain_states",
+    "states_of",
+    "step_states",
+]

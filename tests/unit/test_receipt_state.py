@@ -1,16 +1,21 @@
-"""The cache-state chain receipts commit to (:mod:`shoal.verify.state`) and the judge's tolerance of how the
-accused computed (:func:`shoal.verify.compare.tolerance_of`). Pure: no server."""
+"""The cache-state chain receipts commit to (:mod:`shoal.verify.state`), the judge's tolerance of how the
+accused computed (:func:`shoal.verify.compare.tolerance_of`) and its refusal of a ``compute`` no honest server
+signs. Pure: no server."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import pytest
 import torch
 
+import shoal.verify.state as state_module
 from shoal.verify.compare import tolerance_for, tolerance_of
-from shoal.verify.state import EMPTY_STATE, UNKNOWN_STATE, StateChain, chain_states, states_of
+from shoal.verify.evidence import Reason, Rejected, check_evidence
+from shoal.verify.state import EMPTY_STATE, UNKNOWN_STATE, StateChain, chain_states, states_of, step_states
 from shoal.wire import Codec
+from tests.unit.test_evidence import Session, bench
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -112,5 +117,51 @@ def test_the_tolerance_is_the_coarsest_of_both_sides_and_widens_across_devices()
     on_gpu = dict(judge, device="cuda:0")
     assert tolerance_of(**on_gpu, other="f32/cuda") == tolerance_for(torch.float32, "cuda")  # margin once
     assert tolerance_of(**on_gpu, other="f32/cpu").relative == pytest.approx(2 * fp32.relative)
-    for unknown in ("", "float64/cpu", "__dict__", "int8", "/cpu"):  # nothing looser than what is known
-        assert tolerance_of(**judge, other=unknown) == fp32
+    for unknown in ("", "float64/cpu", "__dict__", "int8", "/cpu", "f32/TPU", "f32/cuda:0", "f32/"):
+        assert tolerance_of(**judge, other=unknown) == fp32  # nothing looser than what is known
+    for device in ("mps", "xpu", "cuda", "tpu"):  # any device type's name: the margin (at most 2x)
+        assert tolerance_of(**judge, other=f"f32/{device}").relative == pytest.approx(2 * fp32.relative)
+
+
+@pytest.mark.parametrize("compute", ["f32/TPU", "bf16/cuda:0", "float64/cpu", "", "f32"])
+def test_evidence_signed_with_an_unknown_compute_is_forged(compute):
+    """A liar signing a device type or dtype no honest server names would choose its own tolerance: its
+    evidence is forged at the judge (clients refuse such receipts, so honest evidence never has one)."""
+    session = Session(lie_from=7, compute=compute)
+    evidence = session.evidence(7)
+    with pytest.raises(Rejected) as caught:
+        check_evidence(evidence.meta, evidence.tensors, bench())
+    assert caught.value.reason is Reason.FORGED and "unknown compute" in caught.value.detail
+    honest = Session(lie_from=7, compute="bf16/xpu").evidence(7)  # known: judged
+    assert check_evidence(honest.meta, honest.tensors, bench()).disputed.compute == "bf16/xpu"
+
+
+@pytest.mark.parametrize("n, threaded", [(3, False), (64, True)])
+def test_step_states_hashes_large_steps_on_a_worker_and_reads_the_chain_first(monkeypatch, n, threaded):
+    """What :func:`step_states` returns is :meth:`StateChain.next_states`'s, inline or on a worker thread
+    (a step over ``HASH_INLINE_BYTES``, here shrunk); the chain's state at the position is read before a
+    worker starts, so a commit meanwhile does not change the answer."""
+    monkeypatch.setattr(state_module, "HASH_INLINE_BYTES", 1024)  # 3 x 8 fp32 = 96 bytes inline, 64 x 8 not
+    workers: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def spied(function, *args):
+        workers.append(function.__name__)
+        return await to_thread(function, *args)
+
+    monkeypatch.setattr(state_module.asyncio, "to_thread", spied)
+    hidden, positions = inputs(batch=2, n=n + 4, seed=5)
+    mask = torch.ones(2, n + 4, dtype=torch.bool)
+    mask[1, :2] = False
+    chain = StateChain()
+    chain.commit(0, chain.next_states(0, hidden[:, :4], positions[:, :4], mask[:, :4]))
+    expected = chain.next_states(4, hidden[:, 4:], positions[:, 4:], mask)
+
+    async def run() -> bytes:
+        pending = asyncio.ensure_future(step_states(chain, 4, hidden[:, 4:], positions[:, 4:], mask))
+        await asyncio.sleep(0)  # the step has started (read c_4, maybe handed off to the worker)
+        chain.commit(0, chain.next_states(0, hidden[:, :1] + 1, positions[:, :1], mask[:, :1]))  # c_4 now gone
+        return await pending
+
+    assert asyncio.run(run()) == expected and len(expected) == 16 * n
+    assert workers == (["chain_states"] if threaded else [])

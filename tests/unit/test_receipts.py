@@ -21,6 +21,7 @@ from shoal.verify.receipts import (
     adapter_tag,
     compute_label,
     expected_receipt,
+    known_compute,
     receipt_body,
     sign_receipt,
     signed_by,
@@ -53,6 +54,7 @@ def signed(signer: ReceiptSigner | None = None, **changes) -> tuple[Receipt, lis
         step=12,
         inputs=sent,
         output=output,
+        compute="f32/cpu",
     )
     fields.update(changes)
     return sign_receipt(signer or ReceiptSigner(KEY), **fields), sent, output
@@ -204,9 +206,10 @@ def test_strict_decoding_refuses_a_malformed_receipt():
         msgspec.msgpack.decode(msgspec.msgpack.encode([*fields, 1]), type=Receipt)
 
 
-def test_the_client_compares_adapter_digest_and_compute_dtype_but_never_the_cache_state():
-    """The rules of verify_receipt for the fields a client cannot or need not recompute: ``state``
-    (judges check it), the device half of ``compute`` (servers do not announce it)."""
+def test_the_client_compares_adapter_digest_compute_and_the_cache_state_it_knows():
+    """The rules of verify_receipt for ``adapter`` (the announced digest), ``compute`` (a known label;
+    the announced dtype; then the session's first label exactly) and ``state`` (the client's chain at
+    the step's position, when it states one)."""
     chat = adapter_tag("c1" * 32)
     assert chat == bytes.fromhex("c1" * 16) and adapter_tag(None) == b"" and adapter_tag("") == b""
     assert compute_label("bfloat16", "cuda:1") == "bf16/cuda" and compute_label("float32", "cpu") == "f32/cpu"
@@ -214,13 +217,36 @@ def test_the_client_compares_adapter_digest_and_compute_dtype_but_never_the_cach
     peer = ReceiptSigner(KEY).peer_id
     assert verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat, dtype="bfloat16")) is receipt
     assert verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat)) is receipt  # dtype not known
-    assert expected_of(sent, output).state == b""  # any state passes: not compared
+    assert expected_of(sent, output).state == b""  # state not known (None): not compared
+    assert verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat, state=b"\x07" * 16)) is receipt
+    with pytest.raises(ReceiptMismatch, match="state 0707") as caught:  # not the chain of what the client sent
+        verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat, state=bytes(16)))
+    assert caught.value.what == ("state",)
     with pytest.raises(ReceiptMismatch) as caught:  # a server announcing fp32 that signs bf16 (or computes it)
         verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat, dtype="float32"))
     assert caught.value.what == ("compute",)
+    assert verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat, compute="bf16/cuda")) is receipt
+    for first in ("bf16/cpu", "f32/cuda"):  # the session's first receipt said otherwise: another device or dtype
+        with pytest.raises(ReceiptMismatch) as caught:
+            verify_receipt(receipt, peer, expected_of(sent, output, adapter=chat, dtype="bfloat16", compute=first))
+        assert caught.value.what == ("compute",)
     with pytest.raises(ReceiptMismatch) as caught:  # another adapter than the one the server announced
         verify_receipt(receipt, peer, expected_of(sent, output, adapter=adapter_tag("c2" * 32), dtype="bfloat16"))
     assert caught.value.what == ("adapter",)
     with pytest.raises(ReceiptMismatch) as caught:  # ran with an adapter, none was asked for
         verify_receipt(receipt, peer, expected_of(sent, output))
     assert caught.value.what == ("adapter",)
+
+
+@pytest.mark.parametrize("compute", ["", "f32", "f32/", "bf16/TPU", "float32/cpu", "f64/cpu", "/cpu", "f32/cpu/x"])
+def test_a_compute_label_judges_do_not_know_is_refused_whatever_was_expected(compute):
+    """Judges reject evidence with such a ``compute`` as forged (a liar would pick its tolerance), so a
+    client accepting one could never get its liar convicted: it is a mismatch even when nothing is known."""
+    assert not known_compute(compute)
+    receipt, sent, output = signed(compute=compute)
+    for expected in (expected_of(sent, output), expected_of(sent, output, dtype="float32")):
+        with pytest.raises(ReceiptMismatch) as caught:
+            verify_receipt(receipt, ReceiptSigner(KEY).peer_id, expected)
+        assert caught.value.what == ("compute",)
+    devices = ("cpu", "cuda", "mps", "xpu", "hpu", "npu")  # any torch device type's name
+    assert all(known_compute(f"{dtype}/{device}") for dtype in ("f32", "bf16", "f16") for device in devices)
