@@ -62,6 +62,14 @@ class SpanHistory:
             chunks[:] = [cat_serial(chunks, dim=1)]
         return chunks[0]
 
+    def recorded(self, block: int) -> tuple[int, int, torch.dtype] | None:
+        """(positions, hidden size, dtype) of the states recorded at ``block``, without joining its
+        chunks: a witness sizes evidence before it copies anything. None: no history there."""
+        chunks = self._hidden.get(block)
+        if not chunks:
+            return None
+        return sum(chunk.shape[1] for chunk in chunks), chunks[0].shape[-1], chunks[0].dtype
+
     def position_ids(self) -> Tensor:
         if len(self._positions) > 1:
             self._positions[:] = [cat_serial(self._positions, dim=1)]

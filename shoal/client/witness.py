@@ -2,13 +2,15 @@
 
 :meth:`Witness.report` is called by the audits (:mod:`shoal.client.auditors`) right after a
 conviction, before the session rolls its history back. It only copies, there and then, the part of
-the history the evidence can need (:class:`Snapshot`: serial numpy copies, no signature or digest
-work on the event loop, which would stall generation for up to a second on a long session); a
-worker thread of the witness then builds the evidence (:func:`shoal.verify.evidence.build_evidence`:
+the history the evidence can need (:class:`Snapshot`: sized from the shapes first, nothing copied
+when too large; one serial numpy copy each; no signature or digest work on the event loop, which
+would stall generation for up to a second on a long session); a worker thread of the witness then
+builds the evidence (:func:`shoal.verify.evidence.build_evidence`:
 signature checks and digests, hashlib and cryptography calls, no torch parallel ops, so that thread
 never opens an OpenMP pool of its own) and the evidence goes, in parallel and each within a
 timeout, to at most :data:`MAX_JUDGES` other servers whose span covers the liar's blocks and that
-announce :data:`~shoal.wire.schema.EVIDENCE`. Their judges (:mod:`shoal.server.judge`) recompute
+announce :data:`~shoal.wire.schema.EVIDENCE` (one piece at a time to each: a judge refuses a
+sender's second piece while the first is judged). Their judges (:mod:`shoal.server.judge`) recompute
 and answer; the client counts ``evidence_sent``, ``evidence_confirmed`` and ``evidence_rejected``
 in its :class:`~shoal.client.audit.Verification`.
 
@@ -37,7 +39,7 @@ from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
 from shoal.routing import ServerSpan
 from shoal.transport import BaseNode
-from shoal.verify.evidence import MAX_EVIDENCE_POSITIONS, Evidence, NoEvidence, build_evidence
+from shoal.verify.evidence import MAX_EVIDENCE_BYTES, MAX_EVIDENCE_POSITIONS, Evidence, NoEvidence, build_evidence
 from shoal.wire.schema import EVIDENCE, EvidenceReply, Receipt
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,13 @@ class Snapshot:
     """What evidence against a liar on ``blocks`` for ``position`` can need from a session's
     history, copied (the session truncates it right after): the receipts of the hop, and the inputs
     of ``blocks.start`` and outputs at ``blocks.end`` up to the end of the latest receipt covering
-    the position. Answers as the history does (:class:`shoal.verify.evidence.History`)."""
+    the position. Answers as the history does (:class:`shoal.verify.evidence.History`).
+
+    It runs on the event loop, so it sizes the evidence from the history's shapes first and copies
+    nothing when the evidence would be refused anyway (past :data:`MAX_EVIDENCE_POSITIONS`, or more
+    than :data:`MAX_EVIDENCE_BYTES` of inputs alone): no gigabyte copy for nothing. Then every tensor
+    is copied once, by numpy; a slice handed to the builder that is not contiguous is copied by numpy
+    on the builder's thread, never by torch (``.contiguous()`` there would open an OpenMP pool)."""
 
     def __init__(self, history: SpanHistory, blocks: BlockRange, position: int):
         self.blocks = blocks
@@ -62,16 +70,21 @@ class Snapshot:
                     and r.position <= position < r.position + r.n]  # fmt: skip
         if not covering:
             raise NoEvidence(f"no receipt covers position {position} of blocks {blocks}")
+        shortest = min(r.position + r.n for r in covering)  # the disputed step ends here or later
+        if shortest > MAX_EVIDENCE_POSITIONS:
+            raise NoEvidence(f"the lie at position {position} is in a step ending past the evidence's "
+                             f"{MAX_EVIDENCE_POSITIONS} positions")  # fmt: skip
+        least = least_evidence_bytes(history, blocks.start, shortest)
+        if least > MAX_EVIDENCE_BYTES:
+            raise NoEvidence(f"at least {least} bytes of evidence, past {MAX_EVIDENCE_BYTES}")
         self.end = min(max(r.position + r.n for r in covering), MAX_EVIDENCE_POSITIONS)
         self.begin = min(r.position for r in covering)  # the disputed step starts here or later
-        if self.begin >= self.end:
-            raise NoEvidence(f"the lie at position {position} is past the evidence's {MAX_EVIDENCE_POSITIONS}")
         try:
             window = history.window(blocks.start, 0, self.end)
             output = history.hidden(blocks.end, self.begin, self.end)
         except ShoalError as exc:
             raise NoEvidence(f"the history lacks the evidence's tensors: {exc}") from None
-        self._inputs = [cat_serial([t], dim=0) for t in window]  # copies, serial (numpy)
+        self._inputs = [cat_serial([t], dim=0) for t in window]  # one copy each, serial (numpy)
         self._output = cat_serial([output], dim=0)
 
     def receipts(self, block: int) -> list[Receipt]:
@@ -88,7 +101,19 @@ class Snapshot:
     def hidden(self, block: int, start: int, end: int) -> Tensor:
         if block != self.blocks.end or not self.begin <= start <= end <= self.end:
             raise ShoalError(f"the snapshot holds no outputs at block {block} at {start}:{end}")
-        return self._output[:, start - self.begin : end - self.begin]
+        rows = self._output[:, start - self.begin : end - self.begin]
+        return rows if rows.is_contiguous() else cat_serial([rows], dim=0)  # digested as is: numpy copies
+
+
+def least_evidence_bytes(history: SpanHistory, block: int, end: int) -> int:
+    """The fewest bytes evidence over ``[0, end)`` at ``block`` carries (its hidden states and
+    position ids), from the history's shapes alone; 0 when there is no history there (the copy
+    finds that out)."""
+    recorded = history.recorded(block)
+    if recorded is None:
+        return 0
+    _, hidden_size, dtype = recorded
+    return history.batch_size * end * (hidden_size * dtype.itemsize + 8)
 
 
 class Witness:
@@ -102,6 +127,7 @@ class Witness:
         self.verification = verification
         self._tasks: set[asyncio.Task] = set()
         self._builder: ThreadPoolExecutor | None = None  # started with the first testimony
+        self._at_judge: dict[PeerId, asyncio.Lock] = {}  # one piece at a time per judge (it refuses more)
         self._closed = False
 
     def judges(self, span: ServerSpan, liar: PeerId) -> list[ServerSpan]:
@@ -155,14 +181,18 @@ class Witness:
         await asyncio.gather(*(self._send(evidence, judge, timeout) for judge in judges))
 
     async def _send(self, evidence: Evidence, judge: ServerSpan, timeout: float) -> None:
-        self.verification.evidence_sent += 1
+        """Sends ``evidence`` to ``judge`` once this client's previous piece there was answered: a
+        judge takes one piece of each sender at a time (a second one at once would be ``busy``)."""
         accused = evidence.meta.accused[:10]
-        try:
-            reply = await self.node.request(judge.ticket, BLOCKS, evidence.message(), timeout=timeout)
-            finding = reply.reply(EvidenceReply)
-        except (ShoalError, TimeoutError) as exc:  # a bad reply is a WireError (a ShoalError)
-            log.info("judge %s did not answer the evidence against %s: %s", judge.peer_id[:10], accused, exc)
-            return
+        lock = self._at_judge.setdefault(judge.peer_id, asyncio.Lock())
+        async with lock:
+            self.verification.evidence_sent += 1
+            try:
+                reply = await self.node.request(judge.ticket, BLOCKS, evidence.message(), timeout=timeout)
+                finding = reply.reply(EvidenceReply)
+            except (ShoalError, TimeoutError) as exc:  # a bad reply is a WireError (a ShoalError)
+                log.info("judge %s did not answer the evidence against %s: %s", judge.peer_id[:10], accused, exc)
+                return
         if finding.confirmed:
             self.verification.evidence_confirmed += 1
             log.info("judge %s confirmed that %s lied", judge.peer_id[:10], accused)
@@ -193,4 +223,4 @@ class Witness:
             self._builder.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["CLOSE_TIMEOUT", "JUDGE_TIMEOUT", "MAX_JUDGES", "Snapshot", "Witness"]
+__all__ = ["CLOSE_TIMEOUT", "JUDGE_TIMEOUT", "MAX_JUDGES", "Snapshot", "Witness", "least_evidence_bytes"]

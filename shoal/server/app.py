@@ -161,7 +161,7 @@ class _Presence:
         table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
         self.service = SwarmService(node, table, config.gossip, list(config.join), self.own_records)
         self.announcement.service = self.service
-        self.verdicts = VerdictKeeper(key, self.service.publish, table=table)  # drops those of peers gone
+        self.verdicts = VerdictKeeper(key, self.service.publish)  # kept a day, even while the accused is away
         self.publish_verdict = self.verdicts.add  # the judge's sink: signed, gossiped, re-signed while online
 
     def own_records(self) -> list:

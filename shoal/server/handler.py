@@ -17,9 +17,9 @@ Drain (leaving): new work gets ``unavailable``; open sessions' steps are served 
 Codecs: the output travels in the codec the hidden states came in (:mod:`shoal.wire.codecs`), to
 the client and, pushed, to the next server, so both decode the very same tensor. Receipts
 (``receipts``, :mod:`shoal.verify.receipts`): a step, push or forward that asks gets a receipt
-signed with the node key (a push asks on for the next server); each session keeps the chain digest of
-its cache's inputs (:class:`~shoal.verify.state.StateChain`, truncated on rollback) that a step's
-receipt commits to. Evidence (``evidence``): another
+signed with the node key (a push asks on for the next server); with a key, each session keeps the chain
+digest of its cache's inputs (:class:`~shoal.verify.state.StateChain`, truncated on rollback) that a
+step's receipt commits to (and the client checks). Evidence (``evidence``): another
 server's signed lie, judged by :mod:`shoal.server.judge` (a liar convicted here gets no pushes).
 """
 
@@ -55,7 +55,7 @@ from shoal.server.judge import Judge
 from shoal.server.push import Pusher
 from shoal.transport import MessageStream, Node
 from shoal.verify.receipts import ReceiptSigner, server_receipt
-from shoal.verify.state import StateChain
+from shoal.verify.state import StateChain, step_states
 from shoal.wire import Codec, InvalidMessage, Message, codecs, error_message
 from shoal.wire.schema import (
     BackwardRequest,
@@ -72,9 +72,6 @@ from shoal.wire.schema import (
 )
 
 log = logging.getLogger(__name__)
-#: a step's hidden states up to this size have their cache-state digests hashed on the event loop
-#: (a decode step: microseconds); larger ones (a prefill) on a worker thread (hashlib releases the GIL)
-HASH_INLINE_BYTES = 1 << 20
 
 
 @dataclass
@@ -155,7 +152,7 @@ class BlockServer:
                 elif request.kind == "backward":
                     await stream.send(await self._backward(request))
                 elif request.kind == "evidence":
-                    await stream.send(await self.judge.judge(request, draining=self.draining))
+                    await stream.send(await self.judge.judge(request, peer_id, draining=self.draining))
                 elif request.kind == "open":
                     await self._run_session(stream, peer_id, request)
                     return
@@ -332,10 +329,18 @@ class BlockServer:
             if loop.time() - session.last_active >= self.idle_timeout:
                 raise RequestTimeout(f"session {session.id} idle for {self.idle_timeout:.3g} s")
 
-    async def _serve_step(self, session: _Session, message: Message) -> None:
-        """Run one step, push the output down the chain if asked, answer the session's client."""
+    async def _serve_step(self, session: _Session, message: Message, from_push: bool = False) -> None:
+        """Run one step, push the output down the chain if asked, answer the session's client.
+        ``from_push`` (the previous server's push): dropped unless newer than the session's last step once
+        the lock is held, as well as before: a late push that waited for the lock while the
+        client's own retry ran must not overwrite the cache that retry wrote."""
         try:
             async with session.lock:
+                if from_push and message.id <= session.last_step:  # overtaken while it waited
+                    self.counters.pushes_rejected += 1
+                    return
+                if from_push:
+                    self.counters.pushes_received += 1
                 if session.cache is None:
                     raise NotFound(f"session {session.id} is closed")
                 reply = await self._step(session, message)
@@ -366,11 +371,11 @@ class BlockServer:
         if meta.step <= session.last_step:  # overtaken: the client resent this step or moved on
             self.counters.pushes_rejected += 1
             return
-        self.counters.pushes_received += 1
         session.last_active = asyncio.get_running_loop().time()
         step = StepRequest(session=session.id, position=meta.position, push=meta.push, receipt=meta.receipt)
         try:
-            await self._serve_step(session, Message("step", meta.step, step, message.tensors, message.codecs))
+            step_message = Message("step", meta.step, step, message.tensors, message.codecs)
+            await self._serve_step(session, step_message, from_push=True)  # checked again under the session's lock
         except Exception:
             log.exception("pushed step for session %s failed", session.id)
 
@@ -385,7 +390,8 @@ class BlockServer:
             message.tensors, past_length=position, batch_size=session.batch_size, max_length=session.max_length
         )
         rolled_back = session.cache.length - position  # positions the client dropped (speculation, a retry)
-        states = await _next_states(session.state, position, hidden, position_ids, mask)
+        signs = self.signer is not None  # only a server with a key signs receipts: only it keeps the chain
+        states = await step_states(session.state, position, hidden, position_ids, mask) if signs else b""
         started = time.perf_counter()
         try:
             out = await self.backend.run(
@@ -395,7 +401,8 @@ class BlockServer:
             session.state.forget(position)  # the cache may be half written from here: no receipt vouches for it
             raise
         state = session.state.at(position)  # what the step ran on
-        session.state.commit(position, states)
+        if signs:
+            session.state.commit(position, states)
         self.counters.positions_rolled_back += rolled_back
         self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1
@@ -408,15 +415,6 @@ class BlockServer:
                                      device=self.backend.device)  # fmt: skip
         reply = StepReply(position=position + hidden.shape[1], receipt=receipt)
         return Message("result", message.id, reply, [out], codecs_out)
-
-
-async def _next_states(
-    chain: StateChain, position: int, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None
-) -> bytes:
-    """The cache-state digests a step at ``position`` appends to ``chain`` (see :data:`HASH_INLINE_BYTES`)."""
-    if hidden.numel() * hidden.element_size() <= HASH_INLINE_BYTES:
-        return chain.next_states(position, hidden, position_ids, mask)
-    return await asyncio.to_thread(chain.next_states, position, hidden, position_ids, mask)
 
 
 def _in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:

@@ -17,25 +17,38 @@ once (received = confirmed + rejected): an error the checks did not foresee is a
 Judging costs a recompute, so strangers must not be able to make a judge work or remember without
 bound: in a swarm (the presence sets :attr:`Judge.table`) only an accused that the swarm's table
 lists as an online server of this model covering the blocks is judged (a throwaway key that lies
-to itself is not); at most :data:`MAX_WAITING` pieces of evidence wait or are judged at once (more
-are ``not_judged``: busy), and at most :data:`MAX_LIARS` convictions are remembered. Outside a swarm
-(no table) every accused is judged: the ban is this server's alone.
+to itself is not); at most :data:`MAX_WAITING` pieces of evidence wait or are judged at once, and
+at most one of each sender (more are ``not_judged``: busy), so one sender cannot keep the judge from
+everyone else's evidence; at most :data:`MAX_LIARS` convictions are remembered. Evidence found
+``forged`` or ``malformed`` never enters the ledger (it must not pre-empt the genuine evidence), so
+its digest (every byte of it: :func:`blob_digest`) is remembered instead, the latest
+:data:`MAX_FORGERIES`: the same blob again is answered at once with the same finding, counted as it
+was, without its checks. Outside a swarm (no table) every accused is judged: the ban is this
+server's alone.
 
-One piece of evidence is judged at a time (a replay is recognised even when sent twice at once).
-All the work runs on the compute thread at its lowest priority, in short tasks: the checks of at
-most :data:`RECEIPTS_PER_TASK` receipts each (hashing and signatures of up to 8192 receipts take a
-while), the recompute in chunks of positions, the comparison (tensor work on the event loop would
-give it an OpenMP pool of its own).
+The checks come cheapest first: the blob's digest with the structure, sizes and the disputed
+output's digest against its receipt (one task), then the signatures, input digests and cache states
+of at most :data:`RECEIPTS_PER_TASK` receipts per task (hashing and signatures of up to 8192 receipts
+take a while). They hold no lock: a forgery is answered without waiting for another piece's
+recompute. One piece of evidence that passed them is recomputed at a time (a replay is recognised
+even when sent twice at once), in chunks of positions, then compared. All the work runs on the
+compute thread at its lowest priority, in short tasks (tensor work on the event loop would give it
+an OpenMP pool of its own).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
 
 from shoal.errors import BadRequest
 from shoal.ids import BlockRange, PeerId
@@ -50,6 +63,7 @@ from shoal.wire import Message
 from shoal.wire.schema import EvidenceReply, EvidenceRequest, ServerCounters, SpanInfo
 
 log = logging.getLogger(__name__)
+_encode = msgspec.msgpack.Encoder().encode
 
 #: pieces of evidence waiting for this judge or being judged, at most (each may hold 64 MiB of tensors)
 MAX_WAITING = 4
@@ -57,6 +71,10 @@ MAX_WAITING = 4
 MAX_LIARS = 4096
 #: receipts whose signatures and input digests one compute task checks at most
 RECEIPTS_PER_TASK = 256
+#: digests of evidence found forged or malformed remembered at most (the least recently seen go first)
+MAX_FORGERIES = 1024
+#: findings that depend on the evidence alone (not on the judge's state): a repeat is answered from memory
+REMEMBERED = (Reason.FORGED, Reason.MALFORMED)
 #: errors of an input the checks let through (shapes, values): ``malformed``; any other: ``not_judged``
 BAD_INPUTS = (BadRequest, ValueError, IndexError, TypeError, KeyError)
 
@@ -78,6 +96,8 @@ class Judge:
         self._liars: dict[PeerId, float] = {}  # convicted here: peer -> until (monotonic), soonest first
         self._lock = asyncio.Lock()
         self._waiting = 0  # requests in judge(), the one being judged included
+        self._senders: set[PeerId] = set()  # who has a piece of evidence in judge() now (one each)
+        self._forgeries: OrderedDict[bytes, Rejected] = OrderedDict()  # blob digest -> its finding
 
     def convicted(self, peer: PeerId) -> bool:
         """Whether this server convicted ``peer`` (recently): it never pushes a step to it."""
@@ -87,20 +107,24 @@ class Judge:
             return False
         return until is not None
 
-    async def judge(self, request: Message, draining: bool = False) -> Message:
-        """The finding on an ``evidence`` request, as its result (:class:`EvidenceReply`)."""
+    async def judge(self, request: Message, sender: PeerId, draining: bool = False) -> Message:
+        """The finding on an ``evidence`` request from ``sender``, as its result (:class:`EvidenceReply`)."""
         meta: EvidenceRequest = request.meta
         self.counters.evidence_received += 1
         try:
             if draining:
                 raise Rejected(Reason.NOT_JUDGED, "this server is draining (leaving): it judges nothing")
+            if sender in self._senders:
+                raise Rejected(Reason.NOT_JUDGED, "busy: a piece of evidence of this sender is being judged already")
             if self._waiting >= MAX_WAITING:
                 raise Rejected(Reason.NOT_JUDGED, f"busy: {self._waiting} pieces of evidence are waiting already")
             self._waiting += 1
+            self._senders.add(sender)
             try:
                 case, wrong = await self._judge(meta, request.tensors)
             finally:
                 self._waiting -= 1
+                self._senders.discard(sender)
         except Rejected as exc:
             return self._rejected(request, meta, exc)
         except asyncio.CancelledError:  # the server is going: counted, still
@@ -144,15 +168,12 @@ class Judge:
                        "in this server's swarm table")  # fmt: skip
 
     async def _judge(self, meta: EvidenceRequest, tensors: list) -> tuple[Case, int]:
-        """(the case, the first wrong position); raises :class:`Rejected`."""
+        """(the case, the first wrong position); raises :class:`Rejected`. The checks run outside the
+        lock (they are stateless): a forgery is found without waiting for another piece's recompute."""
         self._check_accused(meta)
-        bench = Bench.of(self.info, self.peer_id)
+        case = await self._checked(meta, tensors)
         background = self.backend.in_background
         async with self._lock:
-            case: Case = await background(functools.partial(check_evidence, costly=False), meta, tensors, bench)
-            steps = len(case.receipts)
-            for first in range(0, steps, RECEIPTS_PER_TASK):
-                await background(check_part, case, first, min(first + RECEIPTS_PER_TASK, steps))
             if case.key in self.ledger:  # after the forged checks: a tampered copy of judged evidence is forged
                 raise Rejected(Reason.REPLAYED, "this evidence was judged here before")
             self.ledger.add(case.key)  # only now: evidence that fails its checks cannot pre-empt the real one
@@ -170,6 +191,36 @@ class Judge:
                 self.ledger.discard(case.key)  # not judged after all (shutting down, a bad input)
                 raise
         return case, wrong
+
+    async def _checked(self, meta: EvidenceRequest, tensors: list) -> Case:
+        """The evidence through every check (cheap ones first, in one task with its digest; then the
+        signatures and digests in parts), or the finding remembered for this very blob."""
+        background = self.backend.in_background
+        bench = Bench.of(self.info, self.peer_id)
+        digest, outcome = await background(_intake, meta, tensors, bench, self._forgeries.__contains__)
+        try:
+            known = self._forgeries.get(digest)
+            if known is not None:  # seen before: the same finding, without its checks
+                self._forgeries.move_to_end(digest)
+                raise Rejected(known.reason, known.detail)
+            if outcome is None:  # forgotten since the task looked: checked after all
+                outcome = await background(_cheap_checks, meta, tensors, bench)
+            if isinstance(outcome, Rejected):
+                raise outcome
+            steps = len(outcome.receipts)
+            for first in range(0, steps, RECEIPTS_PER_TASK):
+                await background(check_part, outcome, first, min(first + RECEIPTS_PER_TASK, steps))
+        except Rejected as exc:
+            if exc.reason in REMEMBERED:
+                self._remember(digest, exc)
+            raise
+        return outcome
+
+    def _remember(self, digest: bytes, finding: Rejected) -> None:
+        self._forgeries[digest] = finding
+        self._forgeries.move_to_end(digest)
+        while len(self._forgeries) > MAX_FORGERIES:
+            self._forgeries.popitem(last=False)
 
     def _convict(self, case: Case) -> None:
         """Ban the liar from this server's pushes; hand the verdict to the swarm (if any)."""
@@ -192,4 +243,32 @@ class Judge:
             log.exception("could not publish the verdict against %s", case.accused[:10])
 
 
-__all__ = ["BAD_INPUTS", "MAX_LIARS", "MAX_WAITING", "RECEIPTS_PER_TASK", "Judge"]
+def blob_digest(meta: EvidenceRequest, tensors: Sequence[Tensor]) -> bytes:
+    """sha256 of every byte of a piece of evidence (metadata, each tensor's dtype, shape and data):
+    only the very same blob is answered from memory, so a forged copy of genuine receipts never
+    stands for the genuine evidence. On the compute thread (a torch view of any dtype as bytes)."""
+    digest = hashlib.sha256(_encode(meta))
+    for tensor in tensors:
+        digest.update(f"{tensor.dtype}{list(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.digest()
+
+
+def _cheap_checks(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench) -> Case | Rejected:
+    """:func:`check_evidence` but the signatures and input digests; its finding returned, not raised."""
+    try:
+        return check_evidence(meta, tensors, bench, costly=False)
+    except Rejected as exc:
+        return exc
+
+
+def _intake(
+    meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, known: Callable[[bytes], bool]
+) -> tuple[bytes, Case | Rejected | None]:
+    """One compute task: the blob's digest and, unless ``known`` (found forged or malformed before:
+    a lookup in the judge's memory, one atomic dict read from this thread), the cheap checks."""
+    digest = blob_digest(meta, tensors)
+    return digest, None if known(digest) else _cheap_checks(meta, tensors, bench)
+
+
+__all__ = ["BAD_INPUTS", "MAX_FORGERIES", "MAX_LIARS", "MAX_WAITING", "RECEIPTS_PER_TASK", "Judge", "blob_digest"]

@@ -22,6 +22,8 @@ of M other than P whose span OVERLAPS ``[a, b)``. Why each part:
   never convicts;
 * only online judges and voters count: a conviction lapses when its judges leave, and a verdict
   expires after its lifetime unless its judge, still online, re-signs it (:class:`VerdictKeeper`).
+  The accused's own absence lapses nothing: its judges keep re-signing for a day, so a liar that
+  goes quiet until its records expire is convicted again the moment it comes back.
 
 The price is liveness, never safety: a swarm where fewer than two other servers cover a span never
 convicts that span's server swarm-wide, nor one whose blocks are mostly served in pieces (the
@@ -52,8 +54,8 @@ VERDICT_LIFETIME = 1800.0
 MIN_JUDGES = 2
 
 __all__ = [
-    "MIN_JUDGES", "VERDICT_LIFETIME", "Tally", "VerdictKeeper", "convicted", "covers", "overlaps", "tally",
-    "verdict_for",
+    "MAX_KEPT_VERDICTS", "MIN_JUDGES", "VERDICT_LIFETIME", "VERDICT_MAX_AGE", "Tally", "VerdictKeeper", "convicted",
+    "covers", "overlaps", "tally", "verdict_for",
 ]  # fmt: skip
 
 
@@ -154,15 +156,21 @@ def verdict_for(
 #: seconds a judge keeps re-signing a verdict after it judged the evidence (then it lapses; new
 #: evidence of a liar still lying convicts it again)
 VERDICT_MAX_AGE = 24 * 3600.0
+#: verdicts a judge keeps at most (the oldest judged dropped first): what it re-signs and gossips
+#: stays bounded however many keys it convicts
+MAX_KEPT_VERDICTS = 1024
 
 
 class VerdictKeeper:
     """A judge's verdicts: signed with its node key and published when given, re-signed (fresh
     timestamp and expiry) once half their lifetime passed, for as long as the judge asks for
-    :meth:`due` records, that is while its swarm presence runs. Not forever: a verdict is dropped
-    once its accused has no server record in ``table`` (the presence's; it left the swarm, or was
-    never more than a key) or :data:`VERDICT_MAX_AGE` after it was first signed, so what a judge
-    keeps (and gossips) is bounded by the servers the swarm has."""
+    :meth:`due` records, that is while its swarm presence runs.
+
+    A verdict is kept :data:`VERDICT_MAX_AGE` after it was first signed whether or not its accused
+    is in the swarm's table now: a liar that goes quiet until its server record expires (minutes)
+    must not come back acquitted, so its absence never erases a verdict. What a judge keeps (and
+    gossips) is bounded by count instead: at most ``max_kept`` (:data:`MAX_KEPT_VERDICTS`), the
+    oldest judged dropped first, so a flood of convicted throwaway keys costs a bounded table."""
 
     def __init__(
         self,
@@ -170,31 +178,37 @@ class VerdictKeeper:
         publish: Callable[[SignedRecord], None],
         clock: Callable[[], float] = time.time,
         *,
-        table: RecordTable | None = None,
         max_age: float = VERDICT_MAX_AGE,
+        max_kept: int = MAX_KEPT_VERDICTS,
     ):
         self._key = secret_key
         self._publish = publish
         self._clock = clock
-        self._table = table
         self._max_age = max_age
-        self._signed: dict[str, SignedRecord] = {}
+        self._max_kept = max_kept
+        self._signed: dict[str, SignedRecord] = {}  # in the order first judged (oldest first)
         self._judged: dict[str, float] = {}  # key -> when first signed (re-signing keeps it)
 
     def __len__(self) -> int:
         return len(self._signed)
 
     def add(self, record: VerdictRecord) -> SignedRecord:
-        """Sign ``record`` (``ValueError`` unless this keeper's key is its judge's) and publish it."""
+        """Sign ``record`` (``ValueError`` unless this keeper's key is its judge's) and publish it;
+        the oldest verdicts beyond ``max_kept`` are dropped."""
         signed = sign(record, self._key)
+        self._signed.pop(record.key, None)  # judged again: now the newest
         self._signed[record.key] = signed
         self._judged[record.key] = record.timestamp
+        while len(self._signed) > self._max_kept:
+            oldest = next(iter(self._signed))
+            del self._signed[oldest]
+            self._judged.pop(oldest, None)
         self._publish(signed)
         return signed
 
     def due(self, now: float | None = None) -> list[SignedRecord]:
         """Verdicts re-signed now because half their lifetime passed (the caller publishes them);
-        those past their age or whose accused left the table are dropped first."""
+        those past their age are dropped first."""
         now = self._clock() if now is None else now
         self._prune(now)
         out = []
@@ -207,9 +221,7 @@ class VerdictKeeper:
         return out
 
     def _prune(self, now: float) -> None:
-        servers = None if self._table is None else {r.peer for r in self._table.servers(include_offline=True)}
-        for key, signed in list(self._signed.items()):
-            gone = servers is not None and signed.record.accused not in servers
-            if gone or now - self._judged.get(key, now) > self._max_age:
+        for key in list(self._signed):
+            if now - self._judged.get(key, now) > self._max_age:
                 del self._signed[key]
                 self._judged.pop(key, None)

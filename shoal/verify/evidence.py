@@ -18,9 +18,9 @@ failing with its :class:`Reason`: ``malformed`` (the tensors are not what the ki
 ``not_judged`` (not this judge's model, blocks or weights, an adapter it lacks (by digest: another
 adapter of the same name is not the one the accused ran), deep prompts, which evidence cannot show,
 too large, or about the judge itself), ``forged`` (a receipt not signed by the accused, of other
-blocks, digests the tensors do not match, positions not contiguous from 0, mixed sessions, or a
-cache ``state`` other than the chain of the evidence's inputs up to its position
-(:mod:`shoal.verify.state`): a receipt from before a rollback cannot be joined to later ones); then
+blocks, digests the tensors do not match, positions not contiguous from 0, mixed sessions, an unknown
+``compute`` (:func:`~shoal.verify.receipts.known_compute`), or a cache ``state`` other than the chain of
+the evidence's inputs to its position (:mod:`shoal.verify.state`): no receipt before a rollback joins later ones); then
 the judge's own ``replayed`` (:class:`Ledger`: the same receipts judged before) and, after
 recomputing, ``framing`` (:func:`finding`: the accused's outputs agree with the recomputation within
 the tolerance of the coarsest of the output's dtype, the judge's compute dtype, the accused's signed
@@ -48,7 +48,7 @@ from torch import Tensor
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.verify.compare import Tolerance, first_disagreement
-from shoal.verify.receipts import adapter_tag, signed_by, tensor_digest, weights_digest
+from shoal.verify.receipts import adapter_tag, known_compute, signed_by, tensor_digest, weights_digest
 from shoal.verify.state import EMPTY_STATE, chain_states
 from shoal.wire import Message
 from shoal.wire.schema import MAX_BATCH, EvidenceRequest, Receipt, SpanInfo
@@ -311,6 +311,8 @@ def _genuine(
     else the caller runs :func:`_signed_and_named` itself, in parts)."""
     forged = lambda detail: Rejected(Reason.FORGED, detail)  # noqa: E731
     first = receipts[0]
+    if not known_compute(first.compute):  # no honest server signs it: a liar would pick its own tolerance
+        raise forged(f"an unknown compute {first.compute!r}")
     expected = 0
     for receipt in receipts:
         if (receipt.start, receipt.end) != (meta.start, meta.end):
@@ -322,6 +324,8 @@ def _genuine(
         expected += receipt.n
     if expected != hidden.shape[1]:
         raise forged(f"the receipts cover {expected} positions, the inputs {hidden.shape[1]}")
+    if tensor_digest([output]) != receipts[-1].outputs:  # one step's rows: cheap, before the costly checks
+        raise forged("the output is not the one the accused signed")
     if costly:  # the costly checks last
         _signed_and_named(meta.accused, receipts, True, output, hidden, position_ids, mask)
 

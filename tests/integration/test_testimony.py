@@ -40,9 +40,9 @@ def slowed(judge) -> None:
     """``judge`` (a server's Judge) answers ``JUDGING_DELAY`` seconds late."""
     judged = judge.judge
 
-    async def late(request, draining: bool = False):
+    async def late(request, sender, draining: bool = False):
         await asyncio.sleep(JUDGING_DELAY)
-        return await judged(request, draining=draining)
+        return await judged(request, sender, draining=draining)
 
     judge.judge = late
 

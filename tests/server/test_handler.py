@@ -660,6 +660,51 @@ def test_pushes_need_the_session_token_and_a_forged_one_changes_nothing(serve, s
     bench.run(go())
 
 
+def test_a_late_push_overtaken_while_it_waited_for_the_lock_never_overwrites_the_newer_step(serve, span):
+    """The previous server's push of step s1 passes the first check (s1 is newer than the prefill)
+    and waits for the session's lock behind the client's direct retry s2 of the same position. Once
+    s2 ran, s1 is stale: checked again under the lock, it is dropped (counted as rejected), so the
+    cache holds what s2 wrote and the next step equals the local blocks fed the prefill and s2."""
+    bench = serve()
+
+    async def waiting_for(lock: asyncio.Lock, count: int) -> None:
+        async with asyncio.timeout(5.0):
+            while len(lock._waiters or ()) < count:  # queued on the session's lock (FIFO)
+                await asyncio.sleep(0.005)
+
+    async def go():
+        node = await bench.client()
+        ticket = bench.ticket()
+        session = await Session.open(node, ticket, max_length=8)
+        cache = span.allocate_cache(1, 8)
+        prefill = inputs(HIDDEN, 2, seed=4)
+        assert_same(await session.step(0, prefill), local_forward(span, prefill, cache, 0))  # step id 2
+        late_id = session.stream.next_id()  # s1 = 3: the step the previous server pushes, late
+        served = bench.swarm.servers[0].server._sessions[session.id]
+        pusher = await node.open_stream(ticket, BLOCKS)
+        retry, late = inputs(HIDDEN, 1, start=2, seed=6), inputs(HIDDEN, 1, start=2, seed=5)
+        await served.lock.acquire()  # a step of the session is running: what arrives now waits
+        try:
+            retry_id = await session.send_step(2, retry)  # s2 = 4: the client drives the hop itself
+            await waiting_for(served.lock, 1)
+            meta = PushRequest(session=session.id, token=session.token, position=2, step=late_id)
+            await pusher.send(Message("push", pusher.next_id(), meta, late))
+            await waiting_for(served.lock, 2)
+        finally:
+            served.lock.release()
+        _, out = await session.result(retry_id)
+        assert_same(out, local_forward(span, retry, cache, 2))
+        await wait_for_info(node, ticket, lambda r: r.counters.pushes_rejected == 1)
+        following = inputs(HIDDEN, 1, start=3, seed=7)  # the cache holds the prefill and s2, not s1
+        assert_same(await session.step(3, following), local_forward(span, following, cache, 3))
+        c = (await info(node, ticket)).counters
+        assert (c.pushes_received, c.pushes_rejected, c.steps, c.errors) == (0, 1, 3, 0)
+        await session.close()
+        await pusher.finish()
+
+    bench.run(go())
+
+
 CHAIN = [(0, 1), (1, 2), (2, 4)]  # three servers, every block of the tiny llama
 
 

@@ -27,14 +27,14 @@ from shoal.protocols import BLOCKS
 from shoal.server import backend as backend_module
 from shoal.server import judge as judge_module
 from shoal.server.backend import SpanBackend, compute_thread
-from shoal.server.judge import MAX_WAITING, Judge
+from shoal.server.judge import MAX_FORGERIES, MAX_WAITING, Judge
 from shoal.server.metrics import EVIDENCE_REASONS, ServerCollector
 from shoal.server.push import Pusher
 from shoal.server.scheduler import Priority
 from shoal.swarm.records import State
 from shoal.transport.identity import generate_key
 from shoal.verify.compare import first_disagreement, tolerance_for
-from shoal.verify.evidence import Evidence, build_evidence
+from shoal.verify.evidence import Evidence, Reason, Rejected, build_evidence
 from shoal.verify.receipts import LIAR_BAN_SECONDS
 from shoal.verify.state import EMPTY_STATE, states_of
 from shoal.wire import Message
@@ -374,6 +374,7 @@ def test_in_a_swarm_only_an_accused_listed_online_on_those_blocks_is_judged(cour
 
 
 def test_at_most_four_pieces_of_evidence_wait_the_fifth_is_busy(court):
+    """Five senders at once (one piece each, straight into the judge): four wait, the fifth is busy."""
     liar, judge = court.liars["noise"], court.judges[1]
     evidence = court.evidence(liar, seed=6)
     before = evidence_counts(judge)
@@ -382,14 +383,14 @@ def test_at_most_four_pieces_of_evidence_wait_the_fifth_is_busy(court):
     async def five_at_once() -> list[EvidenceReply]:
         await lock.acquire()
         message = Message("evidence", 1, evidence.meta, evidence.tensors)
-        sends = [asyncio.ensure_future(court.node.request(judge.ticket, BLOCKS, message, timeout=20.0))
-                 for _ in range(MAX_WAITING + 1)]  # fmt: skip
+        sends = [asyncio.ensure_future(judge.server.judge.judge(message, PeerId(f"sender-{i}")))
+                 for i in range(MAX_WAITING + 1)]  # fmt: skip
         try:
             done, _ = await asyncio.wait(sends, timeout=10.0, return_when=asyncio.FIRST_COMPLETED)
             assert len(done) == 1 and judge.server.judge._waiting == MAX_WAITING
         finally:
             lock.release()
-        return [reply.reply(EvidenceReply) for reply in await asyncio.gather(*sends)]
+        return [reply.meta for reply in await asyncio.wait_for(asyncio.gather(*sends), 20.0)]
 
     replies = court.run(five_at_once())
     reasons = sorted(r.reason for r in replies if not r.confirmed)
@@ -399,7 +400,95 @@ def test_at_most_four_pieces_of_evidence_wait_the_fifth_is_busy(court):
         "evidence_received": 5, "evidence_confirmed": 1, "evidence_rejected": 4, "evidence_not_judged": 1,
         "evidence_replayed": 3,
     }  # fmt: skip
-    assert judge.server.judge._waiting == 0
+    assert judge.server.judge._waiting == 0 and not judge.server.judge._senders
+
+
+def test_one_senders_second_piece_at_once_is_busy_while_another_senders_is_judged(court):
+    """Over the wire (the handler names the sender): the client node's second piece while its first
+    waits is busy at once; another node's piece, sent meanwhile, is judged; so is the first."""
+    judge = court.judges[1]
+    mine, theirs = court.evidence(court.liars["noise"], seed=12), court.evidence(court.liars["zeros"], seed=13)
+    other = court.run(court.swarm.start_node(court.swarm.transport, {}, secret_key=generate_key()))
+    lock = judge.server.judge._lock
+    before = evidence_counts(judge)
+
+    async def send(node, evidence: Evidence):
+        return (await node.request(judge.ticket, BLOCKS, evidence.message(), timeout=20.0)).reply(EvidenceReply)
+
+    async def at_once() -> tuple[EvidenceReply, EvidenceReply, EvidenceReply]:
+        await lock.acquire()
+        try:
+            first = asyncio.ensure_future(send(court.node, mine))
+            while court.node.id not in judge.server.judge._senders:  # the first is in the judge
+                await asyncio.sleep(0.01)
+            second = await asyncio.wait_for(send(court.node, theirs), 10.0)  # answered while the lock is held
+            another = asyncio.ensure_future(send(other, theirs))
+            while other.id not in judge.server.judge._senders:
+                await asyncio.sleep(0.01)
+            assert not first.done() and not another.done()
+        finally:
+            lock.release()
+        return await asyncio.wait_for(first, 20.0), second, await asyncio.wait_for(another, 20.0)
+
+    try:
+        first, second, another = court.run(at_once(), timeout=40.0)
+    finally:
+        court.run(other.close())
+    assert first.confirmed and another.confirmed, (first, another)
+    assert (second.confirmed, second.reason) == (False, "not_judged") and "of this sender" in second.detail
+    assert counted(before, evidence_counts(judge)) == {"evidence_received": 3, "evidence_confirmed": 2,
+                                                       "evidence_rejected": 1, "evidence_not_judged": 1}  # fmt: skip
+    assert not judge.server.judge._senders
+
+
+def test_the_same_forged_blob_twice_costs_one_check_and_gets_the_same_finding(court, monkeypatch):
+    """Forged or malformed evidence never enters the ledger; its digest does: sent again, the very
+    same blob is answered from memory (one compute task for its digest, no checks), counted as
+    before. A forged copy never stands for the genuine evidence, which is judged afterwards."""
+    liar, judge = court.liars["other-weights"], court.judges[2]
+    evidence = court.evidence(liar, seed=14)
+    tampered = evidence.tensors[2].clone()
+    tampered[0, 4, 1] -= 0.01
+    forged = [evidence.tensors[0], evidence.tensors[1], tampered, *evidence.tensors[3:]]
+    malformed = [evidence.tensors[0], torch.cat([evidence.tensors[1]] * 2, dim=1), *evidence.tensors[2:]]
+    checks: list[str] = []
+
+    def counting(name: str, check):
+        def counted_check(*args, **kwargs):
+            checks.append(name)
+            return check(*args, **kwargs)
+
+        return counted_check
+
+    monkeypatch.setattr(judge_module, "check_evidence", counting("structure", judge_module.check_evidence))
+    monkeypatch.setattr(judge_module, "check_part", counting("signatures", judge_module.check_part))
+    before = evidence_counts(judge)
+    for tensors, reason, work in ((forged, "forged", ["structure", "signatures"]), (malformed, "malformed",
+                                                                                    ["structure"])):  # fmt: skip
+        checks.clear()
+        chunks = judge.server.describe().counters.training_chunks
+        first = court.testify(judge, evidence.meta, tensors)
+        assert (first.confirmed, first.reason) == (False, reason) and checks == work
+        assert judge.server.describe().counters.training_chunks - chunks == len(work)
+        checks.clear()
+        chunks = judge.server.describe().counters.training_chunks
+        again = court.testify(judge, evidence.meta, tensors)
+        assert again == first and checks == []  # the same finding, without its checks
+        assert judge.server.describe().counters.training_chunks - chunks == 1  # the digest alone
+    assert counted(before, evidence_counts(judge)) == {"evidence_received": 4, "evidence_rejected": 4,
+                                                       "evidence_forged": 2, "evidence_malformed": 2}  # fmt: skip
+    assert court.testify(judge, evidence.meta, evidence.tensors).confirmed  # the genuine blob: judged
+
+
+def test_forgeries_remembered_are_bounded_least_recently_seen_first(monkeypatch):
+    judge = Judge(None, None, ServerCounters())
+    monkeypatch.setattr(judge_module, "MAX_FORGERIES", 2)
+    for digest in (b"a", b"b"):
+        judge._remember(digest, Rejected(Reason.FORGED, digest.decode()))
+    judge._forgeries.move_to_end(b"a")  # seen again: as a hit in _checked does
+    judge._remember(b"c", Rejected(Reason.MALFORMED, "c"))
+    assert list(judge._forgeries) == [b"a", b"c"]
+    assert judge_module.MAX_FORGERIES == 2 and MAX_FORGERIES == 1024
 
 
 @pytest.mark.parametrize(("error", "reason"), [(ValueError("bad shape"), "malformed"),

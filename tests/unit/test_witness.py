@@ -15,14 +15,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from shoal.client import history as history_module
 from shoal.client import witness as witness_module
 from shoal.client.audit import Verification
+from shoal.client.history import cat_serial
 from shoal.client.witness import Snapshot, Witness
 from shoal.routing import RouteInfo, ServerSpan
 from shoal.verify.evidence import NoEvidence, build_evidence, check_evidence
 from shoal.wire import Message
 from shoal.wire.schema import EVIDENCE, EvidenceReply
-from tests.unit.test_evidence import BLOCKS, JUDGE, LIAR, MODEL, OTHER, Session, bench
+from tests.unit.test_evidence import BLOCKS, JUDGE, LIAR, MODEL, OTHER, WIDTH, Session, bench
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,3 +134,48 @@ def test_close_gives_up_after_its_timeout():
 
     assert asyncio.run(testify()) < 5.0
     assert (verification.evidence_sent, verification.evidence_confirmed) == (1, 0)
+
+
+def test_a_history_past_the_bounds_is_refused_from_its_shapes_before_anything_is_copied(monkeypatch):
+    """Sized first: the fewest bytes the evidence carries (hidden states and position ids of 0:8 of
+    a batch of 2) over the bound, or a disputed step past the positions' bound, copies nothing."""
+    session = Session(lie_from=7, batch=2)
+    copies: list[tuple] = []
+
+    def spying(chunks, dim):
+        copies.append(tuple(chunks[0].shape))
+        return cat_serial(chunks, dim)
+
+    monkeypatch.setattr(witness_module, "cat_serial", spying)
+    monkeypatch.setattr(history_module, "cat_serial", spying)  # the history joining its chunks is a copy too
+    least = 2 * 8 * (WIDTH * 4 + 8)
+    assert witness_module.least_evidence_bytes(session.history, BLOCKS.start, 8) == least
+    monkeypatch.setattr(witness_module, "MAX_EVIDENCE_BYTES", least - 1)
+    with pytest.raises(NoEvidence, match=f"at least {least} bytes"):
+        Snapshot(session.history, BLOCKS, 7)
+    monkeypatch.setattr(witness_module, "MAX_EVIDENCE_BYTES", least)
+    monkeypatch.setattr(witness_module, "MAX_EVIDENCE_POSITIONS", 7)  # the disputed step 7:8 ends past it
+    with pytest.raises(NoEvidence, match="past the evidence's 7 positions"):
+        Snapshot(session.history, BLOCKS, 7)
+    verification, judges = Verification(), Judges()
+
+    async def report() -> None:
+        Witness(judges, directory(JUDGE), verification).report(liar_span(), LIAR.peer_id, 7, session.history)
+        await asyncio.sleep(0.05)
+
+    asyncio.run(report())
+    assert copies == [] and judges.got == [] and verification.evidence_sent == 0
+    monkeypatch.setattr(witness_module, "MAX_EVIDENCE_POSITIONS", 8)
+    snapshot = Snapshot(session.history, BLOCKS, 7)  # within both bounds: copied, each tensor once
+    assert (snapshot.begin, snapshot.end) == (7, 8)
+    assert [shape for shape in copies if shape[1] == 8] == [(2, 8, WIDTH), (2, 8)]  # inputs, positions
+    assert copies[-1] == (2, 1, WIDTH)  # the output
+
+
+def test_the_output_handed_to_the_builder_is_contiguous_even_as_a_slice_of_a_batch():
+    session = Session(((0, 5), (5, 3)), lie_from=7, batch=2)
+    snapshot = Snapshot(session.history, BLOCKS, 7)
+    assert (snapshot.begin, snapshot.end) == (5, 8)
+    rows = snapshot.hidden(BLOCKS.end, 6, 8)  # rows of a [2, 3, H] copy: a torch slice is not contiguous
+    assert rows.is_contiguous() and torch.equal(rows, session.history.hidden(BLOCKS.end, 6, 8))
+    assert snapshot.hidden(BLOCKS.end, 5, 8).is_contiguous()
