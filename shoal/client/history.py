@@ -18,8 +18,7 @@ from torch import Tensor
 
 from shoal.errors import ShoalError
 from shoal.wire.schema import Receipt
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from shoal.wire.tensors import as_numpy
 
 
 def cat_serial(chunks: list[Tensor], dim: int) -> Tensor:
@@ -27,10 +26,8 @@ def cat_serial(chunks: list[Tensor], dim: int) -> Tensor:
     thread, and the first parallel region a thread opens gives it a libgomp pool of its own: with
     the model thread's pool that is more threads than CPUs, and from then on every parallel region
     of the process sleeps at its barriers (the LM head gets ~1.8x slower). numpy joins serially."""
-    dtype = chunks[0].dtype
-    as_int = _SAME_SIZE_INT[dtype.itemsize]  # any dtype, bf16 included, travels as same-size ints
-    joined = np.concatenate([chunk.view(as_int).numpy() for chunk in chunks], axis=dim)
-    return torch.from_numpy(joined).view(dtype)
+    joined = np.concatenate([as_numpy(chunk) for chunk in chunks], axis=dim)  # bf16 as same-size ints
+    return torch.from_numpy(joined).view(chunks[0].dtype)
 
 
 def step_inputs(hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> list[Tensor]:

@@ -33,7 +33,7 @@ import numpy as np
 from torch import Tensor
 
 from shoal.client.audit import Verification
-from shoal.client.history import SpanHistory, cat_serial
+from shoal.client.history import SpanHistory
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
@@ -41,6 +41,7 @@ from shoal.routing import ServerSpan
 from shoal.transport import BaseNode
 from shoal.verify.evidence import MAX_EVIDENCE_BYTES, MAX_EVIDENCE_POSITIONS, Evidence, NoEvidence, build_evidence
 from shoal.wire.schema import EVIDENCE, EvidenceReply, Receipt
+from shoal.wire.tensors import serial_copy
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,8 @@ class Snapshot:
             output = history.hidden(blocks.end, self.begin, self.end)
         except ShoalError as exc:
             raise NoEvidence(f"the history lacks the evidence's tensors: {exc}") from None
-        self._inputs = [cat_serial([t], dim=0) for t in window]  # one copy each, serial (numpy)
-        self._output = cat_serial([output], dim=0)
+        self._inputs = [serial_copy(t) for t in window]  # one copy each, by numpy
+        self._output = serial_copy(output)
 
     def receipts(self, block: int) -> list[Receipt]:
         return list(self._receipts) if block == self.blocks.start else []
@@ -102,7 +103,7 @@ class Snapshot:
         if block != self.blocks.end or not self.begin <= start <= end <= self.end:
             raise ShoalError(f"the snapshot holds no outputs at block {block} at {start}:{end}")
         rows = self._output[:, start - self.begin : end - self.begin]
-        return rows if rows.is_contiguous() else cat_serial([rows], dim=0)  # digested as is: numpy copies
+        return rows if rows.is_contiguous() else serial_copy(rows)  # digested as is: numpy copies
 
 
 def least_evidence_bytes(history: SpanHistory, block: int, end: int) -> int:

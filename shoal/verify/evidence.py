@@ -52,6 +52,7 @@ from shoal.verify.receipts import adapter_tag, known_compute, signed_by, tensor_
 from shoal.verify.state import EMPTY_STATE, chain_states
 from shoal.wire import Message
 from shoal.wire.schema import MAX_BATCH, EvidenceRequest, Receipt, SpanInfo
+from shoal.wire.tensors import serial_copy
 
 #: positions ``[0, P)`` one piece of evidence may cover at most (a judge recomputes all of them)
 MAX_EVIDENCE_POSITIONS = 8192
@@ -61,15 +62,6 @@ EVIDENCE_CONTEXT = b"shoal/evidence/1\0"
 _encode = msgspec.msgpack.Encoder().encode
 _decode_receipts = msgspec.msgpack.Decoder(list[Receipt]).decode
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _copy(tensor: Tensor) -> Tensor:
-    """A contiguous copy made by numpy, not torch: the client builds evidence on its event loop
-    thread, where a torch copy large enough to go parallel would give that thread an OpenMP pool of
-    its own (see :func:`shoal.client.history.cat_serial`)."""
-    as_int = _SAME_SIZE_INT[tensor.element_size()]  # any dtype, bf16 and bool too, as same-size ints
-    return torch.from_numpy(tensor.view(as_int).numpy().copy()).view(tensor.dtype)
 
 
 class Reason(enum.StrEnum):
@@ -132,7 +124,7 @@ def step_tensors(hidden: Tensor, position_ids: Tensor, mask: Tensor | None, star
 def _serial(tensor: Tensor) -> Tensor:
     """``tensor`` if contiguous, else a numpy-made copy: digesting a slice of a batch would copy it in
     torch, and the client digests in a worker thread that must never open an OpenMP pool of its own."""
-    return tensor if tensor.is_contiguous() else _copy(tensor)
+    return tensor if tensor.is_contiguous() else serial_copy(tensor)
 
 
 def covering_receipts(receipts: Sequence[Receipt], liar: PeerId, blocks: BlockRange, position: int) -> list[Receipt]:
@@ -190,9 +182,9 @@ def build_evidence(model: str, blocks: BlockRange, liar: PeerId, position: int, 
     if tensor_digest([output]) != disputed.outputs:
         raise NoEvidence("the recorded output of the disputed step is not the one the liar signed")
     packed = torch.frombuffer(bytearray(_encode(chosen)), dtype=torch.uint8)
-    tensors = [packed, _copy(output), _copy(hidden), _copy(position_ids)]
+    tensors = [packed, serial_copy(output), serial_copy(hidden), serial_copy(position_ids)]
     if mask is not None:
-        tensors.append(_copy(mask))
+        tensors.append(serial_copy(mask))
     size = sum(t.numel() * t.element_size() for t in tensors)
     if size > MAX_EVIDENCE_BYTES:
         raise NoEvidence(f"{size} bytes of evidence, past {MAX_EVIDENCE_BYTES}")

@@ -34,8 +34,9 @@ import asyncio
 import hashlib
 
 import numpy as np
-import torch
 from torch import Tensor
+
+from shoal.wire.tensors import as_numpy
 
 STATE_CONTEXT = b"shoal/state/1\0"
 STATE_BYTES = 16
@@ -47,12 +48,6 @@ UNKNOWN_STATE = bytes(STATE_BYTES)
 #: a step's hidden states up to this size are hashed on the event loop (a decode step: microseconds); larger
 #: ones (a prefill) on a worker thread (hashlib releases the GIL)
 HASH_INLINE_BYTES = 1 << 20
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _as_numpy(tensor: Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor of any dtype (bf16 and bool as same-size integers: numpy lacks bf16)."""
-    return tensor.detach().view(_SAME_SIZE_INT[tensor.element_size()]).numpy()  # a view: no copy, no kernel
 
 
 def chain_states(previous: bytes, hidden: Tensor, position_ids: Tensor, mask_columns: Tensor | None) -> bytes:
@@ -62,13 +57,13 @@ def chain_states(previous: bytes, hidden: Tensor, position_ids: Tensor, mask_col
     function servers and judges both use, so they agree byte for byte."""
     if len(previous) != STATE_BYTES:
         raise ValueError(f"a chain digest is {STATE_BYTES} bytes, got {len(previous)}")
-    rows = _as_numpy(hidden)
+    rows = as_numpy(hidden)
     batch, n = rows.shape[:2]
-    positions = np.ascontiguousarray(_as_numpy(position_ids).astype("<i8", copy=False).T)  # [n, B]
+    positions = np.ascontiguousarray(as_numpy(position_ids).astype("<i8", copy=False).T)  # [n, B]
     if mask_columns is None:
         masks = np.ones((n, batch), dtype=np.uint8)
     else:
-        masks = np.ascontiguousarray(_as_numpy(mask_columns).astype(np.uint8, copy=False).T)  # [n, B]
+        masks = np.ascontiguousarray(as_numpy(mask_columns).astype(np.uint8, copy=False).T)  # [n, B]
     if positions.shape != (n, batch) or masks.shape != (n, batch):
         raise ValueError(f"position_ids and mask columns must be [{batch}, {n}]")
     out = bytearray()

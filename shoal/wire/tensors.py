@@ -45,6 +45,24 @@ _NUMPY_VIEW: dict[str, np.dtype] = {
 }
 
 
+#: an element size -> the integer dtype of that size: any tensor (bf16, bool too) viewed as numpy can hold
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor of any dtype (bf16 and bool as same-size integers: numpy lacks
+    bf16). No copy and no torch kernel, so the calling thread opens no OpenMP region: a thread that
+    does gets a libgomp pool of its own, more threads than CPUs (see :func:`serial_copy`)."""
+    return tensor.detach().view(_SAME_SIZE_INT[tensor.element_size()]).numpy()
+
+
+def serial_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor made by numpy, not torch: for threads that must never
+    run a parallel torch kernel (the client's event loop, its evidence worker), where a torch copy
+    large enough to go parallel would give the thread an OpenMP pool of its own."""
+    return torch.from_numpy(as_numpy(tensor).copy()).view(tensor.dtype)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]

@@ -24,6 +24,7 @@ from shoal.routing import RouteInfo, ServerSpan
 from shoal.verify.evidence import NoEvidence, build_evidence, check_evidence
 from shoal.wire import Message
 from shoal.wire.schema import EVIDENCE, EvidenceReply
+from shoal.wire.tensors import serial_copy
 from tests.unit.test_evidence import BLOCKS, JUDGE, LIAR, MODEL, OTHER, WIDTH, Session, bench
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,7 +147,11 @@ def test_a_history_past_the_bounds_is_refused_from_its_shapes_before_anything_is
         copies.append(tuple(chunks[0].shape))
         return cat_serial(chunks, dim)
 
-    monkeypatch.setattr(witness_module, "cat_serial", spying)
+    def spying_copy(tensor):
+        copies.append(tuple(tensor.shape))
+        return serial_copy(tensor)
+
+    monkeypatch.setattr(witness_module, "serial_copy", spying_copy)
     monkeypatch.setattr(history_module, "cat_serial", spying)  # the history joining its chunks is a copy too
     least = 2 * 8 * (WIDTH * 4 + 8)
     assert witness_module.least_evidence_bytes(session.history, BLOCKS.start, 8) == least
