@@ -21,7 +21,8 @@ from torch import nn
 
 
 class SpanCache(Protocol):
-    """Per-session KV cache of one span, preallocated for ``max_length`` positions.
+    """Per-session KV cache of one span, for up to ``max_length`` positions: pages of a pool, taken as
+    the session grows (:class:`shoal.models.kv.PagedCache`, the one cache every family uses).
 
     Written by position, so a session can roll back by stepping again from an earlier position.
     """
@@ -41,7 +42,17 @@ class BlockSpan(nn.Module):
     end: int
     dtype: torch.dtype
 
+    def allocate_pool(self, num_pages: int, page_size: int):  # pragma: no cover
+        """A :class:`shoal.models.kv.PagePool` for this span's blocks (a server's, shared by its sessions)."""
+        raise NotImplementedError
+
     def allocate_cache(self, batch_size: int, max_length: int) -> SpanCache:  # pragma: no cover
+        """A cache on a pool of its own, just big enough (recomputes, warm-ups, a client's local span)."""
+        raise NotImplementedError
+
+    def forward_steps(self, steps: list) -> list[torch.Tensor]:  # pragma: no cover
+        """One batched forward of several sessions' :class:`shoal.models.kv.CachedStep` s (any mix of
+        positions, lengths and batch sizes, each with its own cache); each step's output, in order."""
         raise NotImplementedError
 
     def sub_span(self, first: int, last: int) -> BlockSpan:  # pragma: no cover

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import masking_utils
 
 from shoal.models.base import BlockSpan, CacheGeometry, ClientHead, add_deep_prompt
+from shoal.models.kv import CachedStep, PackedSteps, PagedCache, PagePool, private_cache
 
 
 def _cache_kwarg(fn) -> str:
@@ -45,39 +46,6 @@ def _kv_offset(past_length: int, window: int | None) -> int:
     return 0 if window is None else max(past_length - window + 1, 0)
 
 
-class SpanKVCache:
-    """Preallocated keys/values of one session for one span: per block ``[batch, kv_heads, max_length,
-    head_dim]``, written by position so stepping again from an earlier position rolls back."""
-
-    def __init__(self, num_blocks: int, batch_size: int, max_length: int, geometry: CacheGeometry, device):
-        shape = (batch_size, geometry.num_kv_heads, max_length, geometry.head_dim)
-        # zeros, not empty: a stray read of an unwritten slot must not inject NaNs
-        self.keys = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(num_blocks)]
-        self.values = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(num_blocks)]
-        self.batch_size = batch_size
-        self.max_length = max_length
-        self.length = 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-
-class _CacheStep:
-    """What the layers see as ``cache`` during one forward: writes at ``[past, past + n)`` and
-    returns views over the attended positions."""
-
-    def __init__(self, cache: SpanKVCache, start: int, past_length: int, offsets: list[int]):
-        self.cache, self.start, self.past, self.offsets = cache, start, past_length, offsets
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        i = layer_idx - self.start
-        end = self.past + key_states.shape[-2]
-        keys, values = self.cache.keys[i], self.cache.values[i]
-        keys[:, :, self.past : end] = key_states
-        values[:, :, self.past : end] = value_states
-        return keys[:, :, self.offsets[i] : end], values[:, :, self.offsets[i] : end]
-
-
 class _MaskSizes:
     """Stands in for a transformers ``Cache`` in mask creation: only reports the query offset and
     the key/value length and offset the layers will see."""
@@ -101,7 +69,7 @@ class _MaskSizes:
 def checked_step(
     hidden: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    cache: SpanKVCache | None,
+    cache: PagedCache | None,
     past_length: int,
     prompts: torch.Tensor | None = None,
     num_blocks: int = 0,
@@ -154,9 +122,11 @@ class DecoderSpan(BlockSpan):
         self.rotary_keys = rotary_keys if rotary_keys is not None else [None] * len(layers)
         self._cache_kw = _cache_kwarg(type(layers[0]).forward)
 
-    def allocate_cache(self, batch_size: int, max_length: int) -> SpanKVCache:
-        device = next(self.layers.parameters()).device
-        return SpanKVCache(len(self.layers), batch_size, max_length, self.geometry, device)
+    def allocate_pool(self, num_pages: int, page_size: int) -> PagePool:
+        return PagePool(len(self.layers), self.geometry, page_size, num_pages, next(self.layers.parameters()).device)
+
+    def allocate_cache(self, batch_size: int, max_length: int) -> PagedCache:
+        return private_cache(self, batch_size, max_length)
 
     def sub_span(self, first: int, last: int) -> DecoderSpan:
         if not 0 <= first < last <= len(self.layers):
@@ -191,30 +161,48 @@ class DecoderSpan(BlockSpan):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        cache: SpanKVCache | None = None,
+        cache: PagedCache | None = None,
         past_length: int = 0,
         prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        n = hidden.shape[1]
         attention_mask = checked_step(hidden, attention_mask, cache, past_length, prompts, len(self.layers))
+        if cache is not None:
+            return self._run(PackedSteps([CachedStep(hidden, position_ids, attention_mask, cache, past_length)],
+                                         hidden.device), prompts)[0]  # fmt: skip
         hidden = hidden.to(self.dtype)
         rotations = {key: self._position_embeddings(hidden, position_ids, key) for key in set(self.rotary_keys)}
-        masks = {w: self._mask(w, hidden, attention_mask, position_ids, past_length) for w in set(self.windows)}
-        step = None
-        if cache is not None:
-            step = _CacheStep(cache, self.start, past_length, [_kv_offset(past_length, w) for w in self.windows])
+        masks = {w: self._mask(w, hidden, attention_mask, position_ids, 0) for w in set(self.windows)}
+        return self._layers(hidden, position_ids, masks, rotations, None, prompts, 0)
+
+    def forward_steps(self, steps: list[CachedStep]) -> list[torch.Tensor]:
+        """One batched forward of several sessions' cached steps (see :mod:`shoal.models.kv`)."""
+        checked = [
+            CachedStep(s.hidden, s.position_ids, checked_step(s.hidden, s.attention_mask, s.cache, s.past_length),
+                       s.cache, s.past_length)
+            for s in steps
+        ]  # fmt: skip
+        return self._run(PackedSteps(checked, steps[0].hidden.device), None)
+
+    def _run(self, batch: PackedSteps, prompts: torch.Tensor | None) -> list[torch.Tensor]:
+        hidden = batch.hidden.to(self.dtype)
+        rotations = {key: self._position_embeddings(hidden, batch.position_ids, key) for key in set(self.rotary_keys)}
+        additive = self.dtype if self.config._attn_implementation == "eager" else None
+        masks = {w: batch.mask(w, additive) for w in set(self.windows)}
+        past = batch.uniform_past if prompts is not None else 0
+        out = self._layers(hidden, batch.position_ids, masks, rotations, batch.cache_step(self.start), prompts, past)
+        return batch.split(out)
+
+    def _layers(self, hidden, position_ids, masks, rotations, step, prompts, past_length) -> torch.Tensor:
         for i, (layer, window, key) in enumerate(zip(self.layers, self.windows, self.rotary_keys, strict=True)):
             hidden = add_deep_prompt(hidden, None if prompts is None else prompts[i], past_length)
             hidden = layer(
                 hidden,
                 attention_mask=masks[window],
                 position_ids=position_ids,
-                use_cache=cache is not None,
+                use_cache=step is not None,
                 position_embeddings=rotations[key],
                 **{self._cache_kw: step},
             )
-        if cache is not None:
-            cache.length = past_length + n
         return hidden
 
 

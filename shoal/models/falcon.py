@@ -26,15 +26,14 @@ from shoal.models.decoder import (
     _MASK_CACHE_KW,
     BlockTensors,
     DecoderClientHead,
-    SpanKVCache,
     _assign,
-    _CacheStep,
     _MaskSizes,
     check_range,
     checked_step,
     prepare_config,
     span_from_blocks,
 )
+from shoal.models.kv import CachedStep, PackedSteps, PagedCache, PagePool, private_cache
 
 PREFIX = "transformer."
 
@@ -50,22 +49,6 @@ def kv_heads(config) -> tuple[int, int]:
     return (1 if config.multi_query else config.num_attention_heads), 1
 
 
-class _GroupedCacheStep(_CacheStep):
-    """A cache step storing one key/value per group of ``groups`` query heads, whose keys and values
-    the layer has already repeated (head ``h`` holds group ``h // groups``)."""
-
-    def __init__(self, cache: SpanKVCache, start: int, past_length: int, num_layers: int, groups: int):
-        super().__init__(cache, start, past_length, [0] * num_layers)
-        self.groups = groups
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.groups == 1:
-            return super().update(key_states, value_states, layer_idx)
-        g = self.groups
-        keys, values = super().update(key_states[:, ::g], value_states[:, ::g], layer_idx)
-        return keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-
-
 class FalconSpan(BlockSpan):
     """Blocks ``[start, end)`` of a Falcon model with its rotary embedding or alibi bias and mask."""
 
@@ -76,9 +59,11 @@ class FalconSpan(BlockSpan):
         self.dtype = geometry.dtype
         self.groups = kv_heads(config)[1]
 
-    def allocate_cache(self, batch_size: int, max_length: int) -> SpanKVCache:
-        device = next(self.layers.parameters()).device
-        return SpanKVCache(len(self.layers), batch_size, max_length, self.geometry, device)
+    def allocate_pool(self, num_pages: int, page_size: int) -> PagePool:
+        return PagePool(len(self.layers), self.geometry, page_size, num_pages, next(self.layers.parameters()).device)
+
+    def allocate_cache(self, batch_size: int, max_length: int) -> PagedCache:
+        return private_cache(self, batch_size, max_length)
 
     def sub_span(self, first: int, last: int) -> FalconSpan:
         if not 0 <= first < last <= len(self.layers):
@@ -111,23 +96,53 @@ class FalconSpan(BlockSpan):
             mask = torch.where(mask, torch.full((), 0.0, device=mask.device, dtype=hidden.dtype), lowest)
         return torch.masked_fill(alibi / math.sqrt(self.config.hidden_size // heads), mask < -1, lowest), alibi
 
+    def _batch_mask_and_alibi(self, batch: PackedSteps, dtype: torch.dtype):
+        """:meth:`_mask_and_alibi` for a packed batch: each row's alibi counts its own visible keys."""
+        if not self.config.alibi:
+            return batch.mask(None, dtype if self.config._attn_implementation == "eager" else None), None
+        mask = batch.mask(None)
+        heads, rows = self.config.num_attention_heads, batch.rows
+        alibi = build_alibi_tensor(batch.visible_keys.to(torch.long), heads, dtype)
+        alibi = alibi.reshape(rows, heads, 1, batch.kv_length)
+        scaled = alibi / math.sqrt(self.config.hidden_size // heads)
+        return torch.where(mask, scaled, torch.finfo(dtype).min), alibi
+
     def forward(
         self,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        cache: SpanKVCache | None = None,
+        cache: PagedCache | None = None,
         past_length: int = 0,
         prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        n = hidden.shape[1]
         attention_mask = checked_step(hidden, attention_mask, cache, past_length, prompts, len(self.layers))
-        hidden = hidden.to(self.dtype)
-        mask, alibi = self._mask_and_alibi(hidden, attention_mask, position_ids, past_length)
-        rotation = None if self.rotary_emb is None else self.rotary_emb(hidden, position_ids)
-        step = None
         if cache is not None:
-            step = _GroupedCacheStep(cache, self.start, past_length, len(self.layers), self.groups)
+            step = CachedStep(hidden, position_ids, attention_mask, cache, past_length)
+            return self._run(PackedSteps([step], hidden.device), prompts)[0]
+        hidden = hidden.to(self.dtype)
+        mask, alibi = self._mask_and_alibi(hidden, attention_mask, position_ids, 0)
+        return self._layers(hidden, position_ids, mask, alibi, None, prompts, 0)
+
+    def forward_steps(self, steps: list[CachedStep]) -> list[torch.Tensor]:
+        """One batched forward of several sessions' cached steps (see :mod:`shoal.models.kv`)."""
+        checked = [
+            CachedStep(s.hidden, s.position_ids, checked_step(s.hidden, s.attention_mask, s.cache, s.past_length),
+                       s.cache, s.past_length)
+            for s in steps
+        ]  # fmt: skip
+        return self._run(PackedSteps(checked, steps[0].hidden.device), None)
+
+    def _run(self, batch: PackedSteps, prompts: torch.Tensor | None) -> list[torch.Tensor]:
+        hidden = batch.hidden.to(self.dtype)
+        mask, alibi = self._batch_mask_and_alibi(batch, hidden.dtype)
+        past = batch.uniform_past if prompts is not None else 0
+        out = self._layers(hidden, batch.position_ids, mask, alibi, batch.cache_step(self.start, self.groups),
+                           prompts, past)  # fmt: skip
+        return batch.split(out)
+
+    def _layers(self, hidden, position_ids, mask, alibi, step, prompts, past_length) -> torch.Tensor:
+        rotation = None if self.rotary_emb is None else self.rotary_emb(hidden, position_ids)
         for i, layer in enumerate(self.layers):
             hidden = add_deep_prompt(hidden, None if prompts is None else prompts[i], past_length)
             hidden, _ = layer(
@@ -136,11 +151,9 @@ class FalconSpan(BlockSpan):
                 attention_mask=mask,
                 position_ids=position_ids,
                 layer_past=step,
-                use_cache=cache is not None,
+                use_cache=step is not None,
                 position_embeddings=rotation,
             )
-        if cache is not None:
-            cache.length = past_length + n
         return hidden
 
 

@@ -126,7 +126,7 @@ def test_rollback_replays_steps(setup):
 
 def test_cache_geometry_matches_what_the_layers_cache(variant):
     """Multi-query caches one kv head, the new architecture one per group (not one per query head),
-    the old multi-head layout one per head; the budget equals the bytes allocated."""
+    the old multi-head layout one per head; the budget equals the bytes of the pages held."""
     path, kv_heads = variant
     config = load_config(path)
     family = get_family(config)
@@ -134,8 +134,9 @@ def test_cache_geometry_matches_what_the_layers_cache(variant):
     assert geometry.num_kv_heads == kv_heads
     span = family.build_span(config, 1, 3, load_tensors(path, span_tensor_filter(config, 1, 3)), torch.bfloat16, "cpu")
     cache = span.allocate_cache(batch_size=2, max_length=10)
-    assert cache.keys[0].shape[1] == kv_heads
-    assert cache.nbytes() == 2 * 10 * 2 * geometry.bytes_per_token_per_block()
+    assert cache.pool.keys[0].shape[1] == kv_heads
     hidden = torch.randn(2, 4, config.hidden_size)
     out = span(hidden, torch.arange(4).expand(2, -1), None, cache, 0)
     assert out.dtype == torch.bfloat16 and out.shape == (2, 4, config.hidden_size)
+    page = cache.pool.page_size  # one page per row held, two blocks
+    assert cache.nbytes() == 2 * page * 2 * geometry.bytes_per_token_per_block()

@@ -181,9 +181,11 @@ def test_span_dtype_and_cache_budget(checkpoint):
     assert not any(p.is_meta or p.requires_grad for p in span.parameters())
     cache = span.allocate_cache(batch_size=2, max_length=10)
     per_token = family.cache_geometry(config, torch.bfloat16).bytes_per_token_per_block()
-    assert cache.nbytes() == 2 * 10 * 2 * per_token
+    assert cache.nbytes() == 0  # paged: nothing is held before a position is written
     out = span(torch.randn(2, 4, 64), torch.arange(4).expand(2, -1), None, cache, 0)
     assert out.dtype == torch.bfloat16 and out.shape == (2, 4, 64)
+    page = cache.pool.page_size
+    assert cache.nbytes() == 2 * page * 2 * per_token  # one page per row, two blocks
 
 
 def test_span_rejects_bad_calls(checkpoint):
