@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # the network profiles' names (shoal.transport.NetworkProfile), spelled here so that building the
 # parser does not import the transport (and with it torch) before main() set the OpenMP defaults
 NETWORK_PROFILES = ("local", "internet")
+DEFAULT_PAGE_SIZE = 16  # shoal.models.kv.DEFAULT_PAGE_SIZE, spelled here for the same reason (a test checks)
 DESCRIPTION = """\
 Run large language models across machines that belong to different people: servers host spans of a
 model's blocks, clients (the Python API, `shoal api`, `shoal chat`) drive them. Run `shoal COMMAND
@@ -132,6 +133,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         quant=quant,
         cache_tokens=args.cache_tokens,
+        page_size=args.page_size,
+        kv_overcommit=args.kv_overcommit,
+        max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
         max_sessions_per_peer=args.max_sessions_per_peer,
         session_idle_timeout=args.session_timeout,
         identity_file=Path(args.identity) if args.identity else None,
@@ -231,6 +236,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; not with --quant)",
     )
     serve.add_argument("--cache-tokens", type=positive_int, default=8192, help="KV cache budget per block, in tokens")
+    serve.add_argument(
+        "--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE, metavar="POSITIONS",
+        help="positions per KV page: sessions take pages as they grow, and share full pages of equal prefixes",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-overcommit", type=positive_float, default=1.0, metavar="FACTOR",
+        help="admit sessions whose max_lengths add up to FACTOR x the KV budget (above 1, a step may find "
+        "no page and answer busy)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-batch", type=positive_int, default=32, metavar="ROWS",
+        help="session rows one batched forward takes at most (1: every step runs alone)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--prefill-chunk", type=positive_int, default=128, metavar="POSITIONS",
+        help="a longer step runs in chunks of this many new positions, other sessions' steps between them",
+    )  # fmt: skip
     serve.add_argument(
         "--max-sessions-per-peer",
         type=positive_int,

@@ -80,7 +80,10 @@ class InProcessSwarm:
         runtime: LoopThread | None = None,
         swarm: str | None = None,
         gossip: GossipConfig = FAST_GOSSIP,
+        **settings: Any,
     ):
+        """``settings``: any other :class:`~shoal.server.config.ServerConfig` field for every server
+        (e.g. ``max_batch``, ``page_size``, ``kv_overcommit``)."""
         self.model_dir = Path(model_dir)
         self.swarm_id = swarm
         self.gossip = gossip
@@ -95,6 +98,7 @@ class InProcessSwarm:
             max_sessions_per_peer=max_sessions_per_peer,
             session_idle_timeout=session_idle_timeout,
             num_threads=num_threads,
+            **settings,
         )
         try:
             for span in spans:

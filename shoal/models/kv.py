@@ -21,6 +21,7 @@ offset``; page 0 is all zeros and never handed out (what padding reads).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ class PagePool:
         self._refs = [0] * (num_pages + 1)
         self._free = list(range(num_pages, 0, -1))  # a stack: low pages first
         self.reclaim: Callable[[int], int] | None = None
+        # sessions adopt and release pages on the event loop while the compute thread takes them
+        self._lock = threading.RLock()
 
     @property
     def free_pages(self) -> int:
@@ -72,28 +75,31 @@ class PagePool:
 
     def allocate(self) -> int:
         """A zeroed page, referenced once (tensor work: call it on the compute thread)."""
-        if not self._free and self.reclaim is not None:
-            self.reclaim(1)
-        if not self._free:
-            raise PagesExhausted(f"all {self.num_pages} KV pages of {self.page_size} positions are in use")
-        page = self._free.pop()
-        self._refs[page] = 1
+        with self._lock:
+            if not self._free and self.reclaim is not None:
+                self.reclaim(1)
+            if not self._free:
+                raise PagesExhausted(f"all {self.num_pages} KV pages of {self.page_size} positions are in use")
+            page = self._free.pop()
+            self._refs[page] = 1
         slots = slice(page * self.page_size, (page + 1) * self.page_size)
         for tensor in self.keys + self.values:
             tensor[slots].zero_()
         return page
 
     def retain(self, page: int) -> None:
-        if self._refs[page] <= 0 or page == ZERO_PAGE:
-            raise ValueError(f"page {page} is not held: it cannot be shared")
-        self._refs[page] += 1
+        with self._lock:
+            if self._refs[page] <= 0 or page == ZERO_PAGE:
+                raise ValueError(f"page {page} is not held: it cannot be shared")
+            self._refs[page] += 1
 
     def release(self, page: int) -> None:
-        if self._refs[page] <= 0:
-            raise ValueError(f"page {page} released more often than held")
-        self._refs[page] -= 1
-        if self._refs[page] == 0:
-            self._free.append(page)
+        with self._lock:
+            if self._refs[page] <= 0:
+                raise ValueError(f"page {page} released more often than held")
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
 
     def copy_page(self, source: int) -> int:
         """A new page holding ``source``'s keys and values (copy-on-write)."""

@@ -93,12 +93,14 @@ def load_block_server(
         "loaded blocks %d:%d of %s (%s weights) in %.1f s", start, end, info.model,
         "full-precision" if config.quant is Quantization.NONE else config.quant, time.perf_counter() - started,
     )  # fmt: skip
-    backend = SpanBackend(built, hf_config.hidden_size, config.device, executor, adapters)
+    backend = SpanBackend(built, hf_config.hidden_size, config.device, executor, adapters,
+                          max_batch=config.max_batch, prefill_chunk=config.prefill_chunk)  # fmt: skip
     backend.warm_up()
+    pool = built.allocate_pool(max(1, config.cache_tokens // config.page_size), config.page_size)
     signer = ReceiptSigner(secret_key) if secret_key is not None else None
     return BlockServer(
-        backend, info, CacheBudget(config.cache_tokens), config.max_sessions_per_peer, config.session_idle_timeout,
-        signer,
+        backend, info, CacheBudget(pool, config.kv_overcommit), config.max_sessions_per_peer,
+        config.session_idle_timeout, signer,
     )  # fmt: skip
 
 

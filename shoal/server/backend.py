@@ -8,7 +8,9 @@ oversubscribes the CPUs and makes every later parallel region pay futex wake-ups
 2x slower decode steps on 2 cores).
 
 That thread is a priority executor (:mod:`shoal.server.scheduler`): session steps first, then
-stateless forwards, then training. A backward recomputes the span's forward with autograd (the
+stateless forwards, then training, each class shared round-robin by peer. Session steps go through
+the span's batcher (:mod:`shoal.server.batching`): the steps waiting together run as one batched
+forward, long prefills in chunks. A backward recomputes the span's forward with autograd (the
 parameters stay frozen) and returns the gradient of its inputs, block by block and a few rows at a
 time (each a task of its own, through :meth:`BlockSpan.sub_span <shoal.models.BlockSpan.sub_span>`),
 so session steps run between the pieces of a long backward instead of waiting for all of it.
@@ -26,6 +28,8 @@ import torch
 
 from shoal.errors import BadRequest, Unavailable
 from shoal.models import BlockSpan, SpanCache
+from shoal.models.kv import DEFAULT_PAGE_SIZE, CachedStep, PagedCache
+from shoal.server.batching import Batcher
 from shoal.server.scheduler import ComputeScheduler, Priority, SchedulerCounts
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,7 +61,8 @@ def _on(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:
 
 
 class SpanBackend:
-    """``adapters``: the span's LoRA adapters (:class:`shoal.models.lora.SpanAdapters`), None without."""
+    """``adapters``: the span's LoRA adapters (:class:`shoal.models.lora.SpanAdapters`), None without.
+    ``max_batch``, ``prefill_chunk``: the batcher's limits (:class:`~shoal.server.batching.Batcher`)."""
 
     def __init__(
         self,
@@ -66,6 +71,9 @@ class SpanBackend:
         device: str = "cpu",
         executor: Executor | None = None,
         adapters: Any = None,
+        *,
+        max_batch: int = 32,
+        prefill_chunk: int = 128,
     ):
         self.span = span
         self.hidden_size = hidden_size
@@ -74,6 +82,8 @@ class SpanBackend:
         self.adapter_names = frozenset(a.name for a in adapters.infos()) if adapters is not None else frozenset()
         self._executor = executor or compute_thread()
         self._counted_from = self.compute_counts()  # the executor may be shared with an earlier span
+        self.batcher = Batcher(span, device, lambda drain: self._queue(Priority.INFERENCE, drain), self._adapter,
+                               max_batch, prefill_chunk)  # fmt: skip
 
     @property
     def num_blocks(self) -> int:
@@ -186,24 +196,25 @@ class SpanBackend:
     def _adapter(self, name: str | None):
         return contextlib.nullcontext() if self.adapters is None else self.adapters.active(name)
 
-    def _submit(self, priority: Priority, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    def _queue(self, priority: Priority, fn: Callable[..., Any], *args: Any, peer: str | None = None):
+        """``fn(*args)`` queued in ``priority`` for ``peer``: a concurrent future (RuntimeError once shut down)."""
         submit_as = getattr(self._executor, "submit_as", None)  # any executor serves; only ours has classes
+        return submit_as(priority, fn, *args, peer=peer) if submit_as is not None else self._executor.submit(fn, *args)
+
+    def _submit(
+        self, priority: Priority, fn: Callable[..., Any], *args: Any, peer: str | None = None
+    ) -> asyncio.Future:
         try:
-            future = submit_as(priority, fn, *args) if submit_as is not None else self._executor.submit(fn, *args)
+            future = self._queue(priority, fn, *args, peer=peer)
         except RuntimeError:  # shut down (e.g. between the chunks of a backward): the server is going
             raise Unavailable("server is shutting down: use another server") from None
         return asyncio.wrap_future(future)
 
-    def _compute(self, hidden, position_ids, mask, cache, past_length, prompts=None, adapter=None) -> torch.Tensor:
+    def _compute(self, hidden, position_ids, mask, prompts=None, adapter=None) -> torch.Tensor:
+        """A stateless forward (session steps go through :attr:`batcher`)."""
         with self._adapter(adapter), torch.inference_mode():
-            out = self.span(
-                hidden.to(self.device),
-                position_ids.to(self.device),
-                _on(mask, self.device),
-                cache=cache,
-                past_length=past_length,
-                prompts=_on(prompts, self.device),
-            )
+            out = self.span(hidden.to(self.device), position_ids.to(self.device), _on(mask, self.device),
+                            prompts=_on(prompts, self.device))  # fmt: skip
             return out.to("cpu", hidden.dtype)
 
     async def run(
@@ -216,13 +227,16 @@ class SpanBackend:
         *,
         prompts: torch.Tensor | None = None,
         adapter: str | None = None,
+        peer: str | None = None,
     ) -> torch.Tensor:
-        """A session step (with ``cache``: inference class) or a stateless forward (forward class)."""
-        priority = Priority.FORWARD if cache is None else Priority.INFERENCE
+        """A session step (with ``cache``: batched, inference class) or a stateless forward (forward
+        class); ``peer`` asked for it (each class, and each batch, is shared fairly by peer)."""
         try:
-            return await self._submit(
-                priority, self._compute, hidden, position_ids, mask, cache, past_length, prompts, adapter
-            )
+            if cache is not None:
+                return await self.batcher.step(hidden, position_ids, mask, cache, past_length, prompts=prompts,
+                                               adapter=adapter, peer=peer)  # fmt: skip
+            return await self._submit(Priority.FORWARD, self._compute, hidden, position_ids, mask, prompts, adapter,
+                                      peer=peer)  # fmt: skip
         except ValueError as exc:  # the span's own consistency checks
             raise BadRequest(str(exc)) from None
 
@@ -375,12 +389,17 @@ class SpanBackend:
         return await self._submit(Priority.TRAINING, joined, [r[0] for r in results], prompt_parts)
 
     def warm_up(self, tokens: int = 8) -> None:
-        """One prefill and one cached step before serving, so the first client does not pay for
-        torch's lazy initialisation."""
-        hidden = torch.zeros(1, tokens, self.hidden_size)
-        cache = self.span.allocate_cache(1, tokens + 1)
-        self._compute(hidden, torch.arange(tokens).unsqueeze(0), None, cache, 0)
-        self._compute(hidden[:, :1], torch.tensor([[tokens]]), None, cache, tokens)
+        """Two prefills, then a batch of their decode steps, before serving (on the compute thread),
+        so the first client does not pay for torch's lazy initialisation."""
+        hidden, device = torch.zeros(1, tokens + 1, self.hidden_size, device=self.device), self.device
+        pool = self.span.allocate_pool(2 * -(-(tokens + 1) // DEFAULT_PAGE_SIZE), DEFAULT_PAGE_SIZE)
+        caches = [PagedCache(pool, 1, tokens + 1) for _ in range(2)]  # one pool: one batch reads one pool
+        with torch.inference_mode():
+            for past, n, batch in ((0, tokens, caches[:1]), (0, tokens, caches[1:]), (tokens, 1, caches)):
+                for cache in batch:
+                    cache.prepare(past, past + n)
+                positions = torch.arange(past, past + n, device=device).unsqueeze(0)
+                self.span.forward_steps([CachedStep(hidden[:, :n], positions, None, c, past) for c in batch])
 
     async def allocate_cache(self, batch_size: int, max_length: int) -> SpanCache:
         """A session's cache, zero-filled on the compute thread. Filling a large tensor opens an
@@ -403,13 +422,14 @@ class SpanBackend:
         return now if earlier is None else now.minus(earlier)
 
     def compute_counters(self) -> dict[str, int]:
-        """:meth:`compute_counts` as :class:`~shoal.wire.schema.ServerCounters` fields (none without)."""
+        """:meth:`compute_counts` and the batcher's counts as :class:`~shoal.wire.schema.ServerCounters` fields."""
         counts = self.compute_counts()
         if counts is None:
-            return {}
+            return self.batcher.counters()
         ran, jumped = counts.ran, counts.jumped
         inference, forward, training = Priority.INFERENCE, Priority.FORWARD, Priority.TRAINING
         return {
+            **self.batcher.counters(),
             "inference_tasks": ran[inference],
             "forward_tasks": ran[forward],
             "training_chunks": ran[training],

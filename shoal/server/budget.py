@@ -1,27 +1,63 @@
-"""The server-wide KV cache budget: all-or-nothing reservations, released when a session ends."""
+"""The server-wide KV budget, in pages of the span's :class:`~shoal.models.kv.PagePool`.
+
+Memory and admission are counted apart. A session *holds* only the pages its positions need (taken as
+it grows, :class:`~shoal.models.kv.PagedCache`). To be admitted it *commits* the pages its
+``max_length`` could need, and the committed pages of live sessions stay within the pool times
+``overcommit``: at 1.0 (the default) an admitted session always finds its pages, however the others
+grow, so a request that was accepted never fails half-way; above 1.0 more sessions share the pool on
+the bet that few reach their ``max_length``, and a step that finds no page answers "busy" (the
+session stays usable at its length). Pages no live session holds keep the prefix cache
+(:mod:`shoal.server.prefix`) until a session needs them.
+"""
 
 from __future__ import annotations
 
+import math
+
 from shoal.errors import BusyError
+from shoal.models.kv import PagePool
 
 
 class CacheBudget:
-    def __init__(self, capacity_tokens: int):
-        self.capacity_tokens = capacity_tokens
-        self.reserved_tokens = 0
+    def __init__(self, pool: PagePool, overcommit: float = 1.0):
+        if not overcommit >= 1.0:
+            raise ValueError(f"overcommit must be at least 1.0, got {overcommit}")
+        self.pool, self.overcommit = pool, overcommit
+        self.page_size = pool.page_size
+        self.capacity_pages = pool.num_pages
+        self.limit_pages = math.floor(pool.num_pages * overcommit)
+        self.committed_pages = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity_pages * self.page_size
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Positions live sessions have committed (their ``max_length`` s, in whole pages)."""
+        return self.committed_pages * self.page_size
 
     @property
     def free_tokens(self) -> int:
-        return self.capacity_tokens - self.reserved_tokens
+        """The longest session (in positions) the server admits now."""
+        return max(0, self.limit_pages - self.committed_pages) * self.page_size
 
-    def reserve(self, tokens: int) -> None:
-        """Reserve ``tokens`` (batch x max_length) or raise :class:`BusyError` at once."""
-        if tokens > self.free_tokens:
+    def pages_for(self, batch_size: int, max_length: int) -> int:
+        return batch_size * math.ceil(max_length / self.page_size)
+
+    def reserve(self, batch_size: int, max_length: int) -> int:
+        """Commit the pages of a session of ``batch_size`` rows x ``max_length`` positions (returned,
+        to release later) or raise :class:`BusyError` at once."""
+        pages = self.pages_for(batch_size, max_length)
+        free = self.limit_pages - self.committed_pages
+        if pages > free:
             raise BusyError(
-                f"session needs {tokens} cache tokens, {self.free_tokens} of {self.capacity_tokens} are free; "
-                "try a shorter max_length or another server"
+                f"busy: a session of {batch_size} x {max_length} positions needs {pages} KV pages of "
+                f"{self.page_size}, {max(0, free)} of {self.limit_pages} are free; try a shorter max_length "
+                "or another server"
             )
-        self.reserved_tokens += tokens
+        self.committed_pages += pages
+        return pages
 
-    def release(self, tokens: int) -> None:
-        self.reserved_tokens = max(0, self.reserved_tokens - tokens)
+    def release(self, pages: int) -> None:
+        self.committed_pages = max(0, self.committed_pages - pages)

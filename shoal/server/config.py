@@ -10,6 +10,7 @@ import torch
 
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
+from shoal.models.kv import DEFAULT_PAGE_SIZE
 from shoal.quantization import Quantization
 from shoal.swarm.gossip import GossipConfig
 from shoal.transport import Ticket, TransportConfig
@@ -69,6 +70,10 @@ class ServerConfig:
     device: str = "cpu"
     quant: Quantization = Quantization.NONE  # how the span's weight matrices are held (shoal.quantization)
     cache_tokens: int = 8192  # KV cache budget per hosted block, in tokens (all sessions together)
+    page_size: int = DEFAULT_PAGE_SIZE  # positions per KV page (the cache is taken and shared in pages)
+    kv_overcommit: float = 1.0  # admit sessions whose max_lengths commit up to this many times the pages
+    max_batch: int = 32  # session rows one batched forward takes at most (1: no batching)
+    prefill_chunk: int = 128  # new positions (rows x tokens) a step runs per compute task at most
     max_sessions_per_peer: int = 16
     session_idle_timeout: float = 300.0  # a session with no message for this long is closed
     identity_file: Path | None = None
@@ -100,6 +105,13 @@ class ServerConfig:
             raise UsageError(f"--num-blocks must be at least 1, got {self.num_blocks}")
         if self.throughput is not None and not 0 <= self.throughput < 1e12:
             raise UsageError(f"--throughput must be a non-negative number, got {self.throughput}")
+        if self.max_batch < 1 or self.prefill_chunk < 1:
+            raise UsageError(f"--max-batch and --prefill-chunk must be at least 1, got {self.max_batch}, "
+                             f"{self.prefill_chunk}")  # fmt: skip
+        if self.page_size < 1 or self.cache_tokens < self.page_size:
+            raise UsageError(f"--page-size must be in [1, --cache-tokens {self.cache_tokens}], got {self.page_size}")
+        if not 1.0 <= self.kv_overcommit <= 64.0:
+            raise UsageError(f"--kv-overcommit must be in [1, 64], got {self.kv_overcommit}")
         if not self.balance_period > 0:
             raise UsageError(f"--balance-period must be positive, got {self.balance_period}")
         if self.adapters and self.quant is not Quantization.NONE:

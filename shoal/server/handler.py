@@ -1,8 +1,9 @@
 """The ``shoal/blocks/2`` protocol handler: info, stateless forward, and inference sessions.
 
-A session lives on the stream that opened it: its KV cache is allocated at ``open`` (all or
-nothing, against the server-wide budget) and freed when the client closes it, the stream ends
-(client vanished) or no message arrives within the idle timeout.
+A session lives on the stream that opened it: it is admitted at ``open`` against the server-wide
+budget of KV pages (:mod:`shoal.server.budget`), its cache takes pages of the span's pool as its
+positions come (:class:`~shoal.models.kv.PagedCache`), and they go back when the client closes it,
+the stream ends (client vanished) or no message arrives within the idle timeout.
 
 Server-to-server push: a ``step`` may carry the rest of the chain (``push``: the next servers'
 tickets, session ids and tokens). The server hands its output straight to the next server (a
@@ -31,8 +32,6 @@ import logging
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import torch
@@ -49,13 +48,16 @@ from shoal.errors import (
     WireError,
 )
 from shoal.ids import PeerId, SessionId
+from shoal.models.kv import PagedCache
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
 from shoal.server.judge import Judge
+from shoal.server.prefix import PrefixIndex, SessionPrefix, prefix_seed
 from shoal.server.push import Pusher
+from shoal.server.session import ServedSession
 from shoal.transport import MessageStream, Node
 from shoal.verify.receipts import ReceiptSigner, server_receipt
-from shoal.verify.state import StateChain, step_states
+from shoal.verify.state import step_states
 from shoal.wire import Codec, InvalidMessage, Message, codecs, error_message
 from shoal.wire.schema import (
     BackwardRequest,
@@ -72,26 +74,6 @@ from shoal.wire.schema import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Session:
-    id: SessionId
-    peer_id: PeerId
-    batch_size: int
-    max_length: int
-    tokens: int
-    cache: Any
-    stream: MessageStream  # the client's: every reply of the session goes there
-    token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets the previous server push steps
-    task: asyncio.Task | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time, from the client or a push
-    pending: asyncio.Task | None = None  # the read of the client's next message
-    last_active: float = field(default_factory=lambda: asyncio.get_running_loop().time())
-    last_step: int = 0  # id of the latest step served: older pushes arriving late are dropped
-    prompts: torch.Tensor | None = None  # deep prompts added at positions [0, N) of every step's blocks
-    adapter: str | None = None  # the LoRA adapter the session runs with (None: the base weights)
-    state: StateChain = field(default_factory=StateChain)  # what its cache holds: receipts commit to it
 
 
 class BlockServer:
@@ -113,9 +95,10 @@ class BlockServer:
         self.counters = ServerCounters()
         self.node: Node | None = None  # set by attach(): needed to push to the next server
         self.draining = False
-        self._sessions: dict[SessionId, _Session] = {}
+        self._sessions: dict[SessionId, ServedSession] = {}
         self._per_peer: Counter[PeerId] = Counter()
         self._push_tasks: set[asyncio.Task] = set()
+        self.prefix = PrefixIndex(budget.pool)  # closed sessions' full pages, reused by digest; sets pool.reclaim
         self.judge = Judge(backend, info, self.counters)  # evidence of other servers' lies (EVIDENCE)
         self.pusher = Pusher(self.counters, refuses=self.judge.convicted)  # never to a liar convicted here
 
@@ -132,7 +115,13 @@ class BlockServer:
             free_cache_tokens=self.budget.free_tokens,
             draining=self.draining,
             # a copy (the reply is encoded later), with the compute thread's counts
-            counters=msgspec.structs.replace(self.counters, **self.backend.compute_counters()),
+            counters=msgspec.structs.replace(
+                self.counters,
+                **self.backend.compute_counters(),
+                kv_pages_total=self.budget.pool.num_pages,
+                kv_pages_in_use=self.budget.pool.in_use,
+                prefix_cache_pages=self.prefix.cached_pages(),
+            ),
         )
 
     async def handle(self, stream: MessageStream, peer_id: PeerId) -> None:
@@ -148,7 +137,7 @@ class BlockServer:
                 if request.kind == "info":
                     await stream.send(Message("result", request.id, self.describe()))
                 elif request.kind == "forward":
-                    await stream.send(await self._forward(request))
+                    await stream.send(await self._forward(request, peer_id))
                 elif request.kind == "backward":
                     await stream.send(await self._backward(request))
                 elif request.kind == "evidence":
@@ -187,13 +176,13 @@ class BlockServer:
                 session.task.cancel()
         await self.pusher.close()
 
-    async def _forward(self, request: Message) -> Message:
+    async def _forward(self, request: Message, peer_id: PeerId) -> Message:
         if self.draining:
             raise Unavailable("server is draining (leaving the swarm): use another server")
         meta: ForwardRequest = request.meta
         hidden, position_ids, mask, prompts = self.backend.forward_inputs(request.tensors, meta.prompts)
         self.backend.check_adapter(meta.adapter)
-        out = await self.backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter)
+        out = await self.backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter, peer=peer_id)
         self.counters.forward_requests += 1
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
         codecs_out = _in_kind(out, request)  # first: raises if the codec cannot carry the output
@@ -218,7 +207,7 @@ class BlockServer:
         self.counters.backward_tokens += hidden.shape[0] * hidden.shape[1]
         return Message("result", request.id, tensors=grads)
 
-    async def _open(self, peer_id: PeerId, request: Message, stream: MessageStream) -> _Session:
+    async def _open(self, peer_id: PeerId, request: Message, stream: MessageStream) -> ServedSession:
         if self.draining:
             raise Unavailable("server is draining (leaving the swarm): open the session elsewhere")
         meta: OpenRequest = request.meta
@@ -230,23 +219,32 @@ class BlockServer:
             raise BusyError(
                 f"peer already has {self._per_peer[peer_id]} open sessions (limit {self.max_sessions_per_peer})"
             )
-        tokens = batch_size * max_length
         try:
-            self.budget.reserve(tokens)
+            pages = self.budget.reserve(batch_size, max_length)  # committed; held only as positions come
         except BusyError:
             self.counters.sessions_rejected_busy += 1
             raise
         self._per_peer[peer_id] += 1  # counted before the await: concurrent opens see it
         try:
-            cache = await self.backend.allocate_cache(batch_size, max_length)
             if prompts is not None:
                 prompts = await self.backend.on_device(prompts)
         except BaseException:
-            self.budget.release(tokens)
+            self.budget.release(pages)
             self._release_peer_slot(peer_id)
             raise
-        session = _Session(SessionId(secrets.token_hex(8)), peer_id, batch_size, max_length, tokens, cache, stream)
+        cache = PagedCache(self.budget.pool, batch_size, max_length)
+        session = ServedSession(SessionId(secrets.token_hex(8)), peer_id, batch_size, max_length, pages, cache, stream)
         session.prompts, session.adapter = prompts, meta.adapter
+        if prompts is None:  # deep prompts change every block's input: such sessions never share pages
+            start, end, width, adapter = (
+                self.info.blocks.start,
+                self.info.blocks.end,
+                self.backend.hidden_size,
+                meta.adapter,
+            )
+            session.prefix = SessionPrefix(batch_size, self.budget.page_size,
+                                           lambda dtype: prefix_seed(start, end, adapter, dtype, width),
+                                           peer_id, meta.share)  # fmt: skip
         session.task = asyncio.current_task()
         self._sessions[session.id] = session
         self.counters.sessions_opened += 1
@@ -258,12 +256,13 @@ class BlockServer:
         if self._per_peer[peer_id] <= 0:
             del self._per_peer[peer_id]
 
-    def _free(self, session: _Session) -> None:
+    def _free(self, session: ServedSession) -> None:
         if self._sessions.pop(session.id, None) is None:
             return  # already freed
         self._release_peer_slot(session.peer_id)
-        self.budget.release(session.tokens)
+        self.budget.release(session.pages)
         self.counters.sessions_active -= 1
+        session.cache.close()  # its pages go back to the pool
         session.cache = None
 
     async def _run_session(self, stream: MessageStream, peer_id: PeerId, request: Message) -> None:
@@ -308,11 +307,11 @@ class BlockServer:
             else:
                 self._free(session)
 
-    async def _free_after(self, session: _Session) -> None:
+    async def _free_after(self, session: ServedSession) -> None:
         async with session.lock:
             self._free(session)
 
-    async def _next_message(self, session: _Session) -> Message:
+    async def _next_message(self, session: ServedSession) -> Message:
         """The client's next message. A session is idle when neither its client nor a pushing
         server has sent it anything for ``idle_timeout`` (with push, the client talks only to the
         first server of the chain)."""
@@ -329,7 +328,7 @@ class BlockServer:
             if loop.time() - session.last_active >= self.idle_timeout:
                 raise RequestTimeout(f"session {session.id} idle for {self.idle_timeout:.3g} s")
 
-    async def _serve_step(self, session: _Session, message: Message, from_push: bool = False) -> None:
+    async def _serve_step(self, session: ServedSession, message: Message, from_push: bool = False) -> None:
         """Run one step, push the output down the chain if asked, answer the session's client.
         ``from_push`` (the previous server's push): dropped unless newer than the session's last step once
         the lock is held, as well as before: a late push that waited for the lock while the
@@ -379,7 +378,7 @@ class BlockServer:
         except Exception:
             log.exception("pushed step for session %s failed", session.id)
 
-    async def _step(self, session: _Session, message: Message) -> Message:
+    async def _step(self, session: ServedSession, message: Message) -> Message:
         meta: StepRequest = message.meta
         if meta.session != session.id:
             raise NotFound(f"unknown session {meta.session!r} on this stream")
@@ -393,10 +392,26 @@ class BlockServer:
         signs = self.signer is not None  # only a server with a key signs receipts: only it keeps the chain
         states = await step_states(session.state, position, hidden, position_ids, mask) if signs else b""
         started = time.perf_counter()
-        try:
-            out = await self.backend.run(
-                hidden, position_ids, mask, session.cache, position, prompts=session.prompts, adapter=session.adapter
+
+        async def run(hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, past: int):
+            return await self.backend.run(
+                hidden,
+                position_ids,
+                mask,
+                session.cache,
+                past,
+                prompts=session.prompts,
+                adapter=session.adapter,
+                peer=session.peer_id,
             )
+
+        try:
+            if session.prefix is not None:  # full pages of inputs seen before are adopted, not recomputed
+                out, reused = await session.prefix.step(self.prefix, session.cache, position, hidden, position_ids,
+                                                        mask, run)  # fmt: skip
+                self.counters.prefix_hit_tokens += reused
+            else:
+                out = await run(hidden, position_ids, mask, position)
         except Exception:
             session.state.forget(position)  # the cache may be half written from here: no receipt vouches for it
             raise

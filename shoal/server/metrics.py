@@ -18,6 +18,7 @@ Exposed (all prefixed ``shoal_``)::
     steps_total, step_latency_seconds (summary: _count, _sum), positions_rolled_back_total
     sessions_active, sessions_opened_total, sessions_ended_total{reason}, sessions_rejected_total{reason}
     cache_capacity_tokens, cache_reserved_tokens, cache_free_tokens
+    prefix_cache_pages, prefix_hit_tokens_total   the prefix cache (shoal.server.prefix)
     request_errors_total, pushes_total{outcome}
     evidence_total{outcome="received"|"confirmed"|"rejected"}   others' lies judged (shoal.server.judge)
     evidence_rejected_by_reason_total{reason}   malformed, not_judged, forged, replayed, framing
@@ -148,6 +149,16 @@ class ServerCollector(Collector):
             "shoal_cache_reserved_tokens", "KV cache held by sessions", value=budget.reserved_tokens
         )
         yield GaugeMetricFamily("shoal_cache_free_tokens", "KV cache free for new sessions", value=budget.free_tokens)
+        yield GaugeMetricFamily(
+            "shoal_prefix_cache_pages",
+            "KV pages only the prefix cache holds (closed sessions' full pages, reclaimed least recently used)",
+            value=c.prefix_cache_pages,
+        )
+        yield CounterMetricFamily(
+            "shoal_prefix_hit_tokens",
+            "Session positions answered from cached pages instead of recomputed (shared prefixes)",
+            value=c.prefix_hit_tokens,
+        )
         yield CounterMetricFamily("shoal_request_errors", "Requests answered with an error", value=c.errors)
         pushes = CounterMetricFamily("shoal_pushes", "Server-to-server step pushes", labels=["outcome"])
         for outcome in ("sent", "received", "failed", "rejected"):

@@ -6,6 +6,12 @@ thread, a long backward must not hold up the decode steps of open sessions, so w
 :class:`Priority` class, FIFO within a class, and a backward is submitted as many small tasks (one
 block each): a step that arrives meanwhile waits for at most the chunk that is running.
 
+Within a class, work is shared round-robin by peer (``submit_as(..., peer=...)``; work without a
+peer is one more "peer"): each peer's tasks run in submission order, and the peer whose task just
+ran goes to the back, so one peer with many queued forwards (or backward chunks) cannot starve
+another peer's single one. Session steps are shared the same way one level up, by the batcher
+(:mod:`shoal.server.batching`) that fills each batched forward round-robin by peer.
+
 A task is never interrupted: priority decides only which queued task runs next. The counters say how
 often a task was taken before earlier-queued work of a lower class (it "jumped ahead" of it).
 """
@@ -13,7 +19,7 @@ often a task was taken before earlier-queued work of a lower class (it "jumped a
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -65,15 +71,46 @@ class SchedulerCounts:
         )
 
 
+class _RoundRobin:
+    """One class's queue: FIFO per peer, peers served in turn (the one just served goes last)."""
+
+    def __init__(self) -> None:
+        self._by_peer: OrderedDict[str | None, deque[_Task]] = OrderedDict()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, peer: str | None, task: _Task) -> None:
+        self._by_peer.setdefault(peer, deque()).append(task)
+        self._size += 1
+
+    def popleft(self) -> _Task:
+        """The first task of the peer whose turn it is; that peer then waits for everyone else's turn."""
+        peer, tasks = next(iter(self._by_peer.items()))
+        task = tasks.popleft()
+        self._size -= 1
+        if tasks:
+            self._by_peer.move_to_end(peer)
+        else:
+            del self._by_peer[peer]
+        return task
+
+    def oldest_seq(self) -> int | None:
+        """The submission number of the longest-waiting task (each peer's first is its oldest)."""
+        return min((tasks[0].seq for tasks in self._by_peer.values()), default=None)
+
+
 class ComputeScheduler(Executor):
-    """An executor with one worker thread whose queue is ordered by :class:`Priority`, then FIFO.
+    """An executor with one worker thread whose queue is ordered by :class:`Priority`, then
+    round-robin by peer, FIFO for each peer.
 
     ``submit`` keeps :class:`~concurrent.futures.Executor`'s meaning, at :attr:`Priority.INFERENCE`
     (so ``loop.run_in_executor`` works as with a thread pool); :meth:`submit_as` picks the class.
     The worker first sets torch's intra-op threads to ``num_threads`` (if given)."""
 
     def __init__(self, num_threads: int | None = None, name: str = "shoal-compute"):
-        self._queues: dict[Priority, deque[_Task]] = {p: deque() for p in Priority}
+        self._queues: dict[Priority, _RoundRobin] = {p: _RoundRobin() for p in Priority}
         self._wake = threading.Condition()
         self._seq = 0
         self._closed = False
@@ -86,14 +123,18 @@ class ComputeScheduler(Executor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         return self.submit_as(Priority.INFERENCE, fn, *args, **kwargs)
 
-    def submit_as(self, priority: Priority, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        """Queue ``fn(*args, **kwargs)`` in class ``priority``; its future holds the result."""
+    def submit_as(
+        self, priority: Priority, fn: Callable[..., Any], /, *args: Any, peer: str | None = None, **kwargs: Any
+    ) -> Future:
+        """Queue ``fn(*args, **kwargs)`` in class ``priority`` on behalf of ``peer`` (whose turn in
+        the class's round-robin it takes); its future holds the result. ``peer`` is this method's
+        own keyword: ``fn`` cannot be given one of that name."""
         future: Future = Future()
         with self._wake:
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._seq += 1
-            self._queues[Priority(priority)].append(_Task(self._seq, future, fn, args, kwargs))
+            self._queues[Priority(priority)].append(peer, _Task(self._seq, future, fn, args, kwargs))
             self._wake.notify()
         return future
 
@@ -132,8 +173,8 @@ class ComputeScheduler(Executor):
                     self._wake.wait()
 
     def _pop(self) -> _Task | None:
-        """The first queued task of the most urgent class, counting the jumps it makes; None if it
-        was cancelled while it waited (not run, not counted) or nothing is queued."""
+        """The next queued task of the most urgent class (its peer's turn), counting the jumps it
+        makes; None if it was cancelled while it waited (not run, not counted) or nothing is queued."""
         for priority, queue in self._queues.items():
             if not queue:
                 continue
@@ -142,8 +183,8 @@ class ComputeScheduler(Executor):
                 return None
             self._ran[priority] += 1
             for low in Priority:
-                waiting = self._queues[low]
-                if low > priority and waiting and waiting[0].seq < task.seq:
+                oldest = self._queues[low].oldest_seq() if low > priority else None
+                if oldest is not None and oldest < task.seq:
                     self._jumped[priority, low] += 1
             return task
         return None

@@ -115,6 +115,19 @@ class ServerCounters(msgspec.Struct, kw_only=True):
     inference_ahead_of_forward: int = 0
     inference_ahead_of_training: int = 0
     forward_ahead_of_training: int = 0
+    # the KV page pool (shoal.models.kv): its pages, and those held by sessions or the prefix cache
+    kv_pages_total: int = 0
+    kv_pages_in_use: int = 0
+    prefix_cache_pages: int = 0  # pages only the prefix cache holds (closed sessions' full pages)
+    prefix_hit_tokens: int = 0  # positions a step adopted from the prefix cache instead of computing
+    # continuous batching (shoal.server.batching): batched forwards run (a lone step is a batch of one),
+    # the session steps (or prefill chunks) they carried, the most rows one took, times a waiting step
+    # was left out of a batch that ran, and the chunks run of steps cut in pieces
+    batches: int = 0
+    batched_steps: int = 0
+    batch_rows_max: int = 0
+    steps_deferred: int = 0
+    prefill_chunks: int = 0
     # evidence of other servers' lies judged here (shoal.server.judge): received, confirmed (a verdict
     # signed and gossiped), rejected; and the rejections by reason (the EvidenceReply's tag)
     evidence_received: int = 0
@@ -168,6 +181,9 @@ class OpenRequest(Meta):
     # N, hidden]; every step adds them to each block's input at positions [0, N)
     prompts: bool = False
     adapter: AdapterName | None = None  # needs ADAPTERS: the session runs with this LoRA adapter
+    # positions [0, share) of every row whose KV pages the server may let OTHER peers reuse (a gateway's
+    # system prompt: shoal.server.prefix); 0: only this peer's own later sessions reuse its pages
+    share: Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)] = 0
 
 
 class ForwardRequest(Meta):

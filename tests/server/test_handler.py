@@ -354,8 +354,9 @@ def test_a_session_stream_takes_only_step_and_close(serve, span):
 
 # ---- capacity --------------------------------------------------------------------------------------
 def test_sessions_that_do_not_fit_the_cache_budget_are_busy(serve, span):
-    """Budget 256 tokens: 200 fit, then 100 do not (BusyError naming what is free) while 56 still
-    do; closing the 200 makes room for the 100 again; the budget ends full."""
+    """Budget 256 tokens = 16 pages of 16: a session commits the pages of its max_length (200: 13),
+    then 100 (7 pages) do not fit (BusyError naming what is free) while 48 (3 pages) still do;
+    closing the 200 makes room for the 100 again; the budget ends full."""
     bench = serve()
 
     async def go():
@@ -363,29 +364,83 @@ def test_sessions_that_do_not_fit_the_cache_budget_are_busy(serve, span):
         ticket = bench.ticket()
         assert (await info(node, ticket)).free_cache_tokens == CACHE_TOKENS
         big = await Session.open(node, ticket, max_length=200)
-        assert (await info(node, ticket)).free_cache_tokens == CACHE_TOKENS - 200
-        with pytest.raises(BusyError, match=r"session needs 100 cache tokens, 56 of 256 are free"):
+        assert (await info(node, ticket)).free_cache_tokens == CACHE_TOKENS - 13 * 16
+        with pytest.raises(BusyError, match=r"busy: a session of 1 x 100 positions needs 7 KV pages of 16, 3 of 16"):
             await Session.open(node, ticket, max_length=100)
-        with pytest.raises(BusyError, match=r"session needs 100 cache tokens, 56 of 256 are free"):
+        with pytest.raises(BusyError, match=r"busy: a session of 2 x 50 positions needs 8 KV pages of 16, 3 of 16"):
             await Session.open(node, ticket, max_length=50, batch_size=2)
-        rest = await Session.open(node, ticket, max_length=56)
+        rest = await Session.open(node, ticket, max_length=48)
         assert (await info(node, ticket)).free_cache_tokens == 0
-        with pytest.raises(BusyError, match=r"session needs 1 cache tokens, 0 of 256 are free"):
+        with pytest.raises(BusyError, match=r"needs 1 KV pages of 16, 0 of 16 are free"):
             await Session.open(node, ticket, max_length=1)
 
         x = inputs(HIDDEN, 3, seed=8)  # the sessions that fit work
-        assert_same(await rest.step(0, x), local_forward(span, x, span.allocate_cache(1, 56), 0))
+        assert_same(await rest.step(0, x), local_forward(span, x, span.allocate_cache(1, 48), 0))
         assert_same(await big.step(0, x), local_forward(span, x, span.allocate_cache(1, 4), 0))
 
         await big.close()
         again = await Session.open(node, ticket, max_length=100)
-        assert (await info(node, ticket)).free_cache_tokens == CACHE_TOKENS - 156
+        assert (await info(node, ticket)).free_cache_tokens == CACHE_TOKENS - (3 + 7) * 16
         await again.close()
         await rest.close()
 
         after = await info(node, ticket)
         assert after.free_cache_tokens == CACHE_TOKENS
         assert after.counters.sessions_active == 0 and after.counters.sessions_rejected_busy == 3
+        await assert_serving(node, ticket, span)
+
+    bench.run(go())
+
+
+def test_a_long_session_holds_only_the_pages_its_positions_need(serve, span):
+    """A session opened for 4,096 positions (committed under --kv-overcommit) holds one page for its
+    first 3 positions and a second once it passes 16; closing it gives back all but its full page."""
+    bench = serve(cache_tokens=512, kv_overcommit=8.0)  # 32 pages: 4096 positions commit 256 of 256
+
+    async def go():
+        node = await bench.client()
+        ticket = bench.ticket()
+        long = await Session.open(node, ticket, max_length=4096)
+        held = lambda reply: (reply.counters.kv_pages_in_use, reply.counters.kv_pages_total)  # noqa: E731
+        assert held(await info(node, ticket)) == (0, 32)
+        cache = span.allocate_cache(1, 40)
+        x = inputs(HIDDEN, 3, seed=4)
+        assert_same(await long.step(0, x), local_forward(span, x, cache, 0))
+        assert held(await info(node, ticket)) == (1, 32)
+        y = inputs(HIDDEN, 15, start=3, seed=5)
+        assert_same(await long.step(3, y), local_forward(span, y, cache, 3))
+        assert held(await info(node, ticket)) == (2, 32)
+        await long.close()  # its one full page stays as prefix cache, the partial one goes back
+        reply = await info(node, ticket)
+        assert held(reply) == (1, 32) and reply.counters.prefix_cache_pages == 1
+
+    bench.run(go())
+
+
+def test_a_step_that_finds_no_page_is_busy_and_the_server_serves_on(serve, span):
+    """Overcommitted 4x: three sessions of 64 positions are admitted to 8 pages. Two fill them; the
+    third's first step finds no page and is answered "busy" (the session stays usable: once one of the
+    others closed, its pages, kept as prefix cache, are reclaimed and the same step works), and the
+    server serves on."""
+    bench = serve(cache_tokens=128, kv_overcommit=4.0)  # 8 pages, 32 committable
+
+    async def go():
+        node = await bench.client()
+        ticket = bench.ticket()
+        first, second, third = [await Session.open(node, ticket, max_length=64) for _ in range(3)]
+        await first.step(0, inputs(HIDDEN, 64, seed=6))  # 4 pages
+        await second.step(0, inputs(HIDDEN, 64, seed=7))  # 4 pages: all 8 held
+        x = inputs(HIDDEN, 2, seed=8)
+        with pytest.raises(BusyError, match="busy"):
+            await third.step(0, x)
+        reply = await info(node, ticket)
+        assert (reply.counters.kv_pages_in_use, reply.counters.kv_pages_total) == (8, 8)
+        await first.close()  # its full pages stay as prefix cache, given back when a session needs them
+        assert_same(await third.step(0, x), local_forward(span, x, span.allocate_cache(1, 2), 0))
+        reply = await info(node, ticket)
+        assert reply.counters.kv_pages_in_use == 8 and reply.counters.prefix_cache_pages == 3
+        for session in (second, third):
+            await session.close()
         await assert_serving(node, ticket, span)
 
     bench.run(go())
@@ -437,7 +492,8 @@ def test_client_node_closed_mid_session_frees_its_cache(serve, span):
         unused = await Session.open(leaver, ticket, max_length=20)
         await used.step(0, inputs(HIDDEN, 3))
         reply = await info(node, ticket)
-        assert reply.free_cache_tokens == CACHE_TOKENS - 120 and reply.counters.sessions_active == 2
+        assert reply.free_cache_tokens == CACHE_TOKENS - (7 + 2) * 16 and reply.counters.sessions_active == 2
+        assert reply.counters.kv_pages_in_use == 1  # what the 3 positions stepped hold
         await leaver.close()
 
         reply = await wait_for_info(node, ticket, lambda r: r.counters.sessions_abandoned == 2)

@@ -1,0 +1,339 @@
+"""Continuous batching of session steps: the steps waiting for a span run as one batched forward.
+
+A one-token decode step is bound by reading the span's weights, so the steps of many sessions cost
+little more together than one alone. A session step (:meth:`Batcher.step`) therefore does not go
+to the compute thread by itself: it waits in the :class:`StepQueue`, and one task of the inference
+class drains that queue. Whenever it runs it takes as many waiting steps as fit (rows <=
+``max_batch``, new positions <= ``prefill_chunk + max_batch``: one chunk of a prefill and a decode
+step of every other row), runs them as ONE ``span.forward_steps``, settles each step's future with
+its own output, and queues itself again if steps are left. There is no window: an idle server's lone
+step runs at once, and steps that arrive while a batch runs make the next one.
+
+Fairness: the queue is filled round-robin by peer, one step of each peer per round, and the peers
+served go to the back, so a peer with 24 waiting sessions gets no more of a scarce batch than a
+peer with one. A step left waiting when a batch was taken counts as deferred (per peer too).
+
+Chunked prefill: a step of more than ``prefill_chunk`` new positions (rows x tokens) is cut into
+chunks of at most that many, each queued when the one before it finished, so other sessions'
+decode steps run between (and beside) them; chunk ``[a, b)`` of a step at ``past`` runs at
+``past + a`` with the mask's ``[:, :past + b]``, and the answer is the chunks' outputs, joined.
+
+Each step's pages are taken (``cache.prepare(past, past + n)``, which also rolls a step back to its
+``past``) just before its batch runs: a step that finds none fails alone with "busy" (its cache takes
+no page: all or nothing), and the batch runs without it. A session with deep prompts runs
+alone (``forward_steps`` batches only prompt-free steps of one adapter). ``max_batch`` 1 is one
+step per forward, as before batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shoal.errors import BadRequest, BusyError, Unavailable
+from shoal.models.kv import CachedStep, PagesExhausted
+
+#: what the batcher queues its drain task with (a concurrent future back); RuntimeError once shut down
+Submit = Callable[[Callable[[], None]], Future]
+AdapterContext = Callable[[str | None], contextlib.AbstractContextManager]
+BUSY = "server is busy: its KV cache has no free page for this step; retry, or use another server"
+
+
+@dataclass(eq=False)
+class PendingStep:
+    """One session's step (or one chunk of a step cut in pieces) waiting for a batch."""
+
+    hidden: torch.Tensor  # [rows, n, H], as received: its dtype is the answer's
+    position_ids: torch.Tensor
+    mask: torch.Tensor | None  # covers [0, past_length + n)
+    cache: Any  # the session's PagedCache
+    past_length: int
+    prompts: torch.Tensor | None = None  # deep prompts: the step runs alone
+    adapter: str | None = None
+    peer: str | None = None
+    chunk: bool = False  # one chunk of a step cut in pieces (counted as a prefill chunk)
+    future: Future = field(default_factory=Future)
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def positions(self) -> int:
+        return self.hidden.shape[0] * self.hidden.shape[1]
+
+    @property
+    def end(self) -> int:
+        return self.past_length + self.hidden.shape[1]
+
+
+def chunk_bounds(rows: int, tokens: int, max_positions: int) -> list[tuple[int, int]]:
+    """``[a, b)`` token ranges of a step cut so each holds at most ``max_positions`` rows x tokens
+    (at least one token each: a step of more rows than that runs a token at a time)."""
+    per_chunk = max(1, max_positions // rows)
+    return [(a, min(a + per_chunk, tokens)) for a in range(0, tokens, per_chunk)]
+
+
+class StepQueue:
+    """Waiting steps by peer, taken round-robin into batches. Not thread-safe: the batcher's lock guards it."""
+
+    def __init__(self) -> None:
+        self._by_peer: OrderedDict[str | None, deque[PendingStep]] = OrderedDict()
+        self.deferred = 0
+        self.deferred_by_peer: Counter[str | None] = Counter()
+
+    def __len__(self) -> int:
+        return sum(len(steps) for steps in self._by_peer.values())
+
+    def add(self, step: PendingStep) -> None:
+        self._by_peer.setdefault(step.peer, deque()).append(step)
+
+    def drain(self) -> list[PendingStep]:
+        """Everything waiting, removed (to fail it when the server goes)."""
+        steps = [step for queue in self._by_peer.values() for step in queue]
+        self._by_peer.clear()
+        return steps
+
+    def take(self, max_rows: int, max_positions: int) -> list[PendingStep]:
+        """The next batch, set running: the oldest step of the peer whose turn it is (always, even
+        alone past the limits), then rounds over the peers in turn, each round one step of each
+        peer (its oldest that fits), while rows and positions allow. Only steps of the first's
+        adapter join, none with deep prompts, none of a cache already in the batch. The peers
+        served go to the back in the order served; every step left waiting counts one deferral."""
+        self._drop_cancelled()
+        batch: list[PendingStep] = []
+        served: list[str | None] = []
+        rows = positions = 0
+        progress = True
+        while progress and self._by_peer:
+            progress = False
+            for peer in list(self._by_peer):
+                queue = self._by_peer[peer]
+                pick = 0 if not batch else self._fitting(queue, batch, max_rows - rows, max_positions - positions)
+                if pick is None:
+                    continue
+                step = queue[pick]
+                del queue[pick]
+                batch.append(step)
+                rows, positions = rows + step.rows, positions + step.positions
+                if peer not in served:
+                    served.append(peer)
+                progress = True
+                if batch[0].prompts is not None or rows >= max_rows:
+                    progress = False
+                    break
+        for peer in served:  # served peers to the back, emptied ones out
+            if self._by_peer[peer]:
+                self._by_peer.move_to_end(peer)
+            else:
+                del self._by_peer[peer]
+        for peer, queue in self._by_peer.items():
+            self.deferred += len(queue)
+            self.deferred_by_peer[peer] += len(queue)
+        return [step for step in batch if step.future.set_running_or_notify_cancel()]
+
+    @staticmethod
+    def _fitting(queue: deque[PendingStep], batch: list[PendingStep], rows: int, positions: int) -> int | None:
+        """Index of ``queue``'s oldest step that may join ``batch`` within ``rows`` and ``positions``
+        (its cache on the first's page pool: one forward reads one pool)."""
+        first, caches = batch[0], {id(step.cache) for step in batch}
+        pool = getattr(first.cache, "pool", None)
+        for index, step in enumerate(queue):
+            if step.prompts is not None or step.adapter != first.adapter or id(step.cache) in caches:
+                continue
+            if getattr(step.cache, "pool", None) is not pool:
+                continue
+            if step.rows <= rows and step.positions <= positions:
+                return index
+        return None
+
+    def _drop_cancelled(self) -> None:
+        """Steps whose session went (their future was cancelled) leave the queue uncounted."""
+        for peer in list(self._by_peer):
+            kept = deque(step for step in self._by_peer[peer] if not step.future.cancelled())
+            if kept:
+                self._by_peer[peer] = kept
+            else:
+                del self._by_peer[peer]
+
+
+class Batcher:
+    """Session steps of one span, batched on the compute thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        span: Any,
+        device: str,
+        submit: Submit,
+        adapter_context: AdapterContext,
+        max_batch: int = 32,
+        prefill_chunk: int = 128,
+    ):
+        if max_batch < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch and prefill_chunk must be at least 1, got {max_batch}, {prefill_chunk}")
+        self.span, self.device = span, device
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.max_positions = prefill_chunk + max_batch  # a prefill chunk beside a decode step of every row
+        self._submit, self._adapter_context = submit, adapter_context
+        self._lock = threading.Lock()
+        self._queue = StepQueue()
+        self._scheduled = False  # a drain task is queued or running
+        self.batches = 0  # forwards run (a lone step is a batch of one)
+        self.batched_steps = 0  # steps (and chunks) they carried
+        self.batch_rows_max = 0
+        self.batch_steps_max = 0
+        self.prefill_chunks = 0
+
+    @property
+    def steps_deferred(self) -> int:
+        return self._queue.deferred
+
+    @property
+    def deferred_by_peer(self) -> dict[str | None, int]:
+        with self._lock:
+            return dict(self._queue.deferred_by_peer)
+
+    def counters(self) -> dict[str, int]:
+        """As :class:`~shoal.wire.schema.ServerCounters` fields."""
+        return {
+            "batches": self.batches,
+            "batched_steps": self.batched_steps,
+            "batch_rows_max": self.batch_rows_max,
+            "steps_deferred": self.steps_deferred,
+            "prefill_chunks": self.prefill_chunks,
+        }
+
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Any,
+        past_length: int,
+        *,
+        prompts: torch.Tensor | None = None,
+        adapter: str | None = None,
+        peer: str | None = None,
+    ) -> torch.Tensor:
+        """One session step's output (``hidden``'s dtype, on the CPU), through the batches; a long
+        one chunk by chunk (each chunk queued once the one before it is done)."""
+        chunks = chunk_bounds(hidden.shape[0], hidden.shape[1], self.prefill_chunk)
+        outputs = []
+        for a, b in chunks:
+            pending = PendingStep(
+                hidden[:, a:b] if len(chunks) > 1 else hidden,
+                position_ids[:, a:b] if len(chunks) > 1 else position_ids,
+                None if mask is None else mask[:, : past_length + b],
+                cache, past_length + a, prompts, adapter, peer, chunk=len(chunks) > 1,
+            )  # fmt: skip
+            outputs.append(await asyncio.wrap_future(self._enqueue(pending)))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+    # ---- the drain task ---------------------------------------------------------------------------
+    def _enqueue(self, pending: PendingStep) -> Future:
+        with self._lock:
+            self._queue.add(pending)
+            if self._scheduled:
+                return pending.future
+            self._scheduled = True
+        self._schedule()
+        return pending.future
+
+    def _schedule(self) -> None:
+        """Queue the drain task (the caller set ``_scheduled``); fail what waits if the thread is gone."""
+        try:
+            task = self._submit(self._drain)
+        except RuntimeError:  # shut down
+            self._fail_waiting()
+            return
+        task.add_done_callback(lambda done: self._fail_waiting() if done.cancelled() else None)
+
+    def _fail_waiting(self) -> None:
+        with self._lock:
+            waiting, self._scheduled = self._queue.drain(), False
+        for pending in waiting:
+            if pending.future.set_running_or_notify_cancel():
+                pending.future.set_exception(Unavailable("server is shutting down: use another server"))
+
+    def _drain(self) -> None:
+        """Runs on the compute thread: one batch, then itself again if steps are left."""
+        with self._lock:
+            batch = self._queue.take(self.max_batch, self.max_positions)
+        try:
+            if batch:
+                self._run(batch)
+        finally:
+            with self._lock:
+                self._scheduled = again = len(self._queue) > 0
+            if again:
+                self._schedule()
+
+    def _run(self, batch: list[PendingStep]) -> None:
+        """Take each step's pages (one without fails alone: busy), run the rest as one forward."""
+        ready = []
+        for pending in batch:
+            try:
+                pending.cache.prepare(pending.past_length, pending.end)
+            except PagesExhausted:
+                pending.future.set_exception(BusyError(BUSY))
+            except ValueError as exc:  # a closed cache
+                pending.future.set_exception(BadRequest(str(exc)))
+            except BaseException as exc:
+                pending.future.set_exception(exc)
+            else:
+                ready.append(pending)
+        if not ready:
+            return
+        self.batches += 1
+        self.batched_steps += len(ready)
+        self.batch_rows_max = max(self.batch_rows_max, sum(p.rows for p in ready))
+        self.batch_steps_max = max(self.batch_steps_max, len(ready))
+        self.prefill_chunks += sum(p.chunk for p in ready)
+        self._forward(ready, split_on_error=True)
+
+    def _forward(self, ready: list[PendingStep], split_on_error: bool) -> None:
+        try:
+            with self._adapter_context(ready[0].adapter), torch.inference_mode():
+                outputs = self._outputs(ready)
+        except (ValueError, PagesExhausted) as exc:  # the span's checks, or pages: find the step(s) concerned
+            if split_on_error and len(ready) > 1:
+                for pending in ready:  # each alone rewrites only its own positions
+                    self._forward([pending], split_on_error=False)
+                return
+            error = BusyError(BUSY) if isinstance(exc, PagesExhausted) else BadRequest(str(exc))
+            for pending in ready:
+                pending.future.set_exception(error)
+        except BaseException as exc:
+            for pending in ready:
+                pending.future.set_exception(exc)
+        else:
+            for pending, out in zip(ready, outputs, strict=True):
+                pending.future.set_result(out)
+
+    def _outputs(self, ready: list[PendingStep]) -> list[torch.Tensor]:
+        """Each step's output, cast back to its input's dtype on the CPU."""
+        device = self.device
+        if ready[0].prompts is not None:  # alone (StepQueue.take)
+            p = ready[0]
+            outs = [self.span(p.hidden.to(device), p.position_ids.to(device), _on(p.mask, device), cache=p.cache,
+                              past_length=p.past_length, prompts=p.prompts.to(device))]  # fmt: skip
+        else:
+            steps = [CachedStep(p.hidden.to(device), p.position_ids.to(device), _on(p.mask, device), p.cache,
+                                p.past_length) for p in ready]  # fmt: skip
+            outs = self.span.forward_steps(steps)
+        return [out.to("cpu", p.hidden.dtype) for out, p in zip(outs, ready, strict=True)]
+
+
+def _on(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+__all__ = ["Batcher", "PendingStep", "StepQueue", "chunk_bounds"]

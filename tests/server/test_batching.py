@@ -1,0 +1,288 @@
+"""Continuous batching (:mod:`shoal.server.batching`) through a real :class:`SpanBackend` of a tiny llama.
+
+Sessions with different batch sizes, prompt lengths, ``max_length``\\ s and padding step concurrently
+through one backend; each session's outputs must equal its solo run (the same span, one session at a
+time, each on a cache of its own) within 1e-4 of the outputs' scale in fp32: the tiny model's large
+init grows the residual stream to ~100 over 4 blocks, where a batched matmul's different summation
+order alone moves values by ~3e-6 of that (measured), while one session through the backend is
+bitwise its solo run. (Logits, after the final norm, are held to 1e-4 absolute in the swarm test,
+tests/integration/test_batched_swarm.py.) Batching is made deterministic by a gate: a
+task holds the compute thread until every session's first step is queued, so the first batch holds
+them all. Also: max_batch 1 runs one step per forward; a long prefill runs in chunks that equal the
+unchunked run while another session's decode step runs beside the first chunk; a step whose pages
+run out is "busy" alone and the server serves afterwards; a step the span refuses is a bad request
+alone; an idle server's lone step runs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from shoal.checkpoints import load_span
+from shoal.errors import BadRequest, BusyError
+from shoal.models.kv import PagedCache
+from shoal.server.backend import SpanBackend, compute_thread
+from testkit.tiny import tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(60)
+HIDDEN = 64
+PAGE = 16
+ATOL = 1e-4
+WAIT = 10.0
+SCALE = 0.3  # the tiny model's embedding scale (its init)
+
+
+@pytest.fixture(scope="module")
+def span(tmp_path_factory):
+    span, _ = load_span(tiny_checkpoint(tmp_path_factory.mktemp("tiny-batching")), 0, 4)
+    return span
+
+
+@dataclass
+class Plan:
+    """One session: its rows, max_length, prompt and decode steps (random hidden states, seeded),
+    the rows' left padding (masked out), and the peer it belongs to."""
+
+    batch: int
+    max_length: int
+    prompt: int
+    decode: int
+    seed: int
+    padding: tuple[int, ...] = ()
+    peer: str = "peer-a"
+
+    def steps(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]]:
+        """``(hidden, position_ids, mask, past_length)`` of the prefill, then of each decode step."""
+        generator = torch.Generator().manual_seed(self.seed)
+        total = self.prompt + self.decode
+        hidden = torch.randn(self.batch, total, HIDDEN, generator=generator) * SCALE
+        mask = torch.ones(self.batch, total, dtype=torch.bool)
+        for row, pad in enumerate(self.padding):
+            mask[row, :pad] = False
+        masked = bool(self.padding)
+        bounds = [(0, self.prompt)] + [(p, p + 1) for p in range(self.prompt, total)]
+        return [
+            (hidden[:, a:b], torch.arange(a, b).expand(self.batch, -1), mask[:, :b] if masked else None, a)
+            for a, b in bounds
+        ]
+
+
+PLANS = [
+    Plan(batch=1, max_length=40, prompt=5, decode=6, seed=1),
+    Plan(batch=2, max_length=64, prompt=24, decode=4, seed=2, padding=(0, 3)),
+    Plan(batch=3, max_length=20, prompt=1, decode=8, seed=3),
+    Plan(batch=1, max_length=50, prompt=33, decode=3, seed=4),
+]
+
+
+def pages_for(plans: list[Plan]) -> int:
+    return sum(p.batch * -(-p.max_length // PAGE) for p in plans)
+
+
+def solo(span, plan: Plan) -> torch.Tensor:
+    """The session alone: every step through the span on a cache of its own, concatenated."""
+    cache = span.allocate_cache(plan.batch, plan.max_length)
+    outs = []
+    with torch.inference_mode():
+        for hidden, positions, mask, past in plan.steps():
+            cache.prepare(past, past + hidden.shape[1])
+            outs.append(span(hidden, positions, mask, cache=cache, past_length=past))
+    return torch.cat(outs, dim=1)
+
+
+class Server:
+    """A backend on its own compute thread, its sessions' caches on one page pool."""
+
+    def __init__(self, span, num_pages: int, **limits: int):
+        self.executor = compute_thread(1)
+        self.backend = SpanBackend(span, HIDDEN, executor=self.executor, **limits)
+        self.pool = self.executor.submit(span.allocate_pool, num_pages, PAGE).result(WAIT)
+
+    def cache(self, plan: Plan) -> PagedCache:
+        return PagedCache(self.pool, plan.batch, plan.max_length)
+
+    def hold(self) -> threading.Event:
+        """Hold the compute thread until the returned event is set (steps queue up meanwhile)."""
+        entered, release = threading.Event(), threading.Event()
+        self.executor.submit(lambda: (entered.set(), release.wait(WAIT)))
+        assert entered.wait(WAIT)
+        return release
+
+    async def drive(self, plan: Plan, cache: PagedCache | None = None) -> torch.Tensor:
+        cache = cache if cache is not None else self.cache(plan)
+        outs = []
+        for hidden, positions, mask, past in plan.steps():
+            outs.append(await self.backend.run(hidden, positions, mask, cache, past, peer=plan.peer))
+        return torch.cat(outs, dim=1)
+
+    async def concurrently(self, plans: list[Plan]) -> list[torch.Tensor]:
+        """Every plan's session at once, their first steps queued behind a held compute thread."""
+        release = self.hold()
+        tasks = [asyncio.create_task(self.drive(plan)) for plan in plans]
+        await asyncio.sleep(0)  # every task queued its first step
+        assert len(self.backend.batcher._queue) == len(plans)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+
+    def close(self) -> None:
+        self.backend.shutdown()
+
+
+@pytest.fixture
+def server_factory(span):
+    made: list[Server] = []
+
+    def make(num_pages: int = pages_for(PLANS), **limits: int) -> Server:
+        made.append(Server(span, num_pages, **limits))
+        return made[-1]
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within :data:`ATOL` of the outputs' scale (their largest magnitude, at least 1)."""
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    scale = max(1.0, float(expected.abs().max()))
+    err = float((got - expected).abs().max())
+    assert err <= ATOL * scale, f"max |diff| {err} > {ATOL} x {scale:.1f}"
+
+
+def test_concurrent_sessions_equal_their_solo_runs_and_run_in_batches(span, server_factory):
+    server = server_factory(max_batch=32, prefill_chunk=128)
+    outputs = asyncio.run(server.concurrently(PLANS))
+    for plan, out in zip(PLANS, outputs, strict=True):
+        assert_close(out, solo(span, plan))
+    batcher = server.backend.batcher
+    steps = sum(1 + p.decode for p in PLANS)
+    assert batcher.batched_steps == steps
+    assert batcher.batch_steps_max == len(PLANS)  # the first batch: every prefill
+    assert batcher.batch_rows_max == sum(p.batch for p in PLANS)
+    assert batcher.batches < steps  # steps shared forwards
+    assert batcher.prefill_chunks == 0 and batcher.steps_deferred == 0  # nothing was left out or cut
+    counters = server.backend.compute_counters()
+    assert {k: counters[k] for k in ("batches", "batched_steps", "batch_rows_max", "steps_deferred")} == {
+        "batches": batcher.batches, "batched_steps": steps, "batch_rows_max": 7, "steps_deferred": 0,
+    }  # fmt: skip
+
+
+def test_max_batch_one_runs_every_step_alone(span, server_factory):
+    server = server_factory(max_batch=1)
+    outputs = asyncio.run(server.concurrently(PLANS))
+    for plan, out in zip(PLANS, outputs, strict=True):
+        assert_close(out, solo(span, plan))
+    batcher, steps = server.backend.batcher, sum(1 + p.decode for p in PLANS)
+    assert batcher.batches == batcher.batched_steps == steps
+    assert batcher.batch_steps_max == 1 and batcher.batch_rows_max == 3  # a session of 3 rows still runs
+    assert batcher.steps_deferred >= len(PLANS) - 1  # the first batch took one of the four queued prefills
+
+
+def test_a_chunked_prefill_equals_the_unchunked_run_and_a_decode_step_runs_beside_it(span, server_factory):
+    """Prefill of 2 rows x 30 tokens with prefill_chunk 8: chunks of 4 tokens, 8 of them. A decode
+    step of another session, queued with the first chunk, is done before the prefill is."""
+    long = Plan(batch=2, max_length=40, prompt=30, decode=2, seed=5, padding=(2, 0), peer="peer-a")
+    short = Plan(batch=1, max_length=20, prompt=3, decode=1, seed=6, peer="peer-b")
+    server = server_factory(max_batch=4, prefill_chunk=8)
+    short_cache = server.cache(short)
+    hidden, positions, mask, _ = short.steps()[0]
+    asyncio.run(server.backend.run(hidden, positions, mask, short_cache, 0))  # its prefill: 3 positions, one task
+
+    async def race() -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        done: list[str] = []
+        release = server.hold()
+        prefill = asyncio.create_task(server.drive(long))
+        hidden, positions, mask, past = short.steps()[1]
+        decode = asyncio.create_task(server.backend.run(hidden, positions, mask, short_cache, past, peer=short.peer))
+        for name, task in (("prefill", prefill), ("decode", decode)):
+            task.add_done_callback(lambda _, name=name: done.append(name))
+        await asyncio.sleep(0)
+        release.set()
+        return done, *await asyncio.wait_for(asyncio.gather(prefill, decode), WAIT)
+
+    done, out, decoded = asyncio.run(race())
+    assert done == ["decode", "prefill"]
+    assert_close(out, solo(span, long))
+    assert_close(decoded, solo(span, short)[:, -1:])
+    batcher = server.backend.batcher
+    assert batcher.prefill_chunks == 8
+    assert batcher.batch_steps_max == 2  # the first chunk and the decode step shared a forward
+
+
+def test_a_step_whose_pages_run_out_is_busy_alone_and_the_server_serves_afterwards(span, server_factory):
+    """4 pages of 16: the small session's prefill takes 1, the big one's (60 positions) needs 4 more."""
+    small = Plan(batch=1, max_length=16, prompt=10, decode=0, seed=7, peer="peer-a")
+    big = Plan(batch=1, max_length=64, prompt=60, decode=0, seed=8, peer="peer-b")
+    server = server_factory(num_pages=4, max_batch=8, prefill_chunk=128)
+    small_cache, big_cache = server.cache(small), server.cache(big)
+
+    async def both() -> list:
+        release = server.hold()
+        pairs = ((small, small_cache), (big, big_cache))
+        tasks = [asyncio.create_task(server.drive(plan, cache)) for plan, cache in pairs]
+        await asyncio.sleep(0)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
+
+    small_out, big_out = asyncio.run(both())
+    assert_close(small_out, solo(span, small))
+    assert isinstance(big_out, BusyError) and "busy" in str(big_out)
+    assert big_cache.length == 0 and big_cache.pages_held() == 0  # all or nothing: it holds no page
+    server.executor.submit(small_cache.close).result(WAIT)  # its page goes back
+    assert_close(asyncio.run(server.drive(big, big_cache)), solo(span, big))
+    assert big_cache.length == 60 and big_cache.pages_held() == 4
+
+
+def test_a_step_the_span_refuses_is_a_bad_request_alone(span, server_factory):
+    """A step at past_length 5 of a cache that holds nothing fails; the step batched with it does not."""
+    good = Plan(batch=1, max_length=16, prompt=4, decode=0, seed=9)
+    server = server_factory(max_batch=8)
+    bad_cache = server.cache(good)
+
+    async def both() -> list:
+        release = server.hold()
+        hidden = torch.randn(1, 2, HIDDEN, generator=torch.Generator().manual_seed(10))
+        bad = asyncio.create_task(server.backend.run(hidden, torch.tensor([[5, 6]]), None, bad_cache, 5, peer="x"))
+        ok = asyncio.create_task(server.drive(good))
+        await asyncio.sleep(0)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(bad, ok, return_exceptions=True), WAIT)
+
+    bad, ok = asyncio.run(both())
+    assert isinstance(bad, BadRequest) and "past_length 5" in str(bad)
+    assert_close(ok, solo(span, good))
+
+
+def test_an_idle_servers_lone_step_runs_at_once(span, server_factory):
+    """No batching window: a step that finds the compute thread idle is a batch of one, as fast as
+    the forward itself (plus the hop to the compute thread)."""
+    plan = Plan(batch=1, max_length=16, prompt=1, decode=0, seed=11)
+    server = server_factory(max_batch=32)
+    hidden, positions, mask, _ = plan.steps()[0]
+    cache = server.cache(plan)
+    asyncio.run(server.backend.run(hidden, positions, mask, cache, 0))  # warm
+
+    def direct() -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            cache.prepare(0, 1)
+            span(hidden, positions, mask, cache=cache, past_length=0)
+        return time.perf_counter() - started
+
+    forward = min(server.executor.submit(direct).result(WAIT) for _ in range(5))
+
+    async def timed() -> float:
+        started = time.perf_counter()
+        await server.backend.run(hidden, positions, mask, cache, 0)
+        return time.perf_counter() - started
+
+    through = min(asyncio.run(timed()) for _ in range(5))
+    assert through < 3 * forward + 0.02, (through, forward)
+    batcher = server.backend.batcher
+    assert batcher.batches == batcher.batched_steps == 6 and batcher.steps_deferred == 0
