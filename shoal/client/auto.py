@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from shoal.checkpoints import load_config, load_tensors, model_name, resolve_model
 from shoal.client.audit import verification_for
 from shoal.client.model import DistributedModelForCausalLM
+from shoal.client.pipeline import DEFAULT_PREFILL_CHUNK
 from shoal.client.prompts import PromptTuning
 from shoal.client.remote import RemoteSequence
 from shoal.errors import UsageError
@@ -47,6 +48,7 @@ class AutoDistributedModelForCausalLM:
         adapter: str | None = None,
         verify: str = "off",
         audit_every: int | None = None,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
@@ -73,7 +75,10 @@ class AutoDistributedModelForCausalLM:
         lie is caught at the step that told it (``audit_every`` is then 1: leave it unset; any
         other value raises :class:`UsageError`). Either way a disagreement is settled by a third
         replica, the liar banned and the answer repaired (:mod:`shoal.client.audit`;
-        ``model.verification`` counts what audits did)."""
+        ``model.verification`` counts what audits did). ``prefill_chunk``: a session step of more
+        positions (a long prompt) travels the chain in chunks of this many, pipelined: the second
+        server computes chunk 1 while the first computes chunk 2 (same tokens; None or 0: off; see
+        :mod:`shoal.client.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on."""
         verification = verification_for(verify, audit_every)
         min_quality = parse_min_quality(min_quality)
         choice = AdapterChoice.parse(adapter) if adapter is not None else None
@@ -104,6 +109,7 @@ class AutoDistributedModelForCausalLM:
             min_quality=min_quality,
             adapter=choice,
             verification=verification,
+            prefill_chunk=prefill_chunk,
         )
         distributed = DistributedModelForCausalLM(config, head, blocks, prompts=prompts)
         if (Path(model_dir) / "generation_config.json").is_file():

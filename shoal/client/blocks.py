@@ -58,9 +58,12 @@ class BlockSequence(Protocol):
         """Stateless pass (no cache): ``[B, n, H] -> [B, n, H]``, ``attention_mask`` is ``[B, n]``."""
         ...
 
-    def open_session(self, batch_size: int, max_length: int, prompts: Tensor | None = None) -> BlockSession:
+    def open_session(
+        self, batch_size: int, max_length: int, prompts: Tensor | None = None, share: int = 0
+    ) -> BlockSession:
         """Reserve caches for ``batch_size`` sequences of up to ``max_length`` positions; every
-        step adds the deep ``prompts`` (if any) at positions ``[0, N)``."""
+        step adds the deep ``prompts`` (if any) at positions ``[0, N)``. ``share``: positions
+        ``[0, share)`` whose cached pages servers may let other peers reuse (a system prompt)."""
         ...
 
 

@@ -32,7 +32,9 @@ over 1 MiB (a prefill) is hashed on a worker thread.
 A late reply (an adaptive deadline from the latencies seen so far) makes the client ping the
 server: a live one gets more time, up to the request deadline; a dead one fails the hop
 (:class:`HopFailed`). Every decoded token comes through here: the push routes are computed once
-per chain, not per step.
+per chain, not per step. A long step may instead travel in chunks (:mod:`shoal.client.pipeline`),
+which sends and checks each chunk with the same :meth:`ChainDriver.send_step` and
+:meth:`ChainDriver.accept` as :meth:`ChainDriver.run`.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class HopFailed(Exception):
         self.cause = cause
 
 
-class _PushLost(Exception):
+class PushLost(Exception):
     """A pushed step's reply is late although its server answers pings."""
 
 
@@ -159,6 +161,16 @@ class ChainDriver:
     def chain(self) -> list[ServerSpan]:
         return [hop.span for hop in self.hops]
 
+    def segments(self) -> list[tuple[int, int]]:
+        """The chain's push segments, in order: (first hop, last hop). The client sends a step to a
+        segment's first hop, whose server pushes it on through the last."""
+        segments, k = [], 0
+        while k < len(self.hops):
+            last = k + len(self._routes[k])
+            segments.append((k, last))
+            k = last + 1
+        return segments
+
     def next_id(self) -> int:
         """Step ids grow over the whole session (a server drops pushes older than its last step)."""
         self._step_id += 1
@@ -190,55 +202,80 @@ class ChainDriver:
         the output of every hop (at the hop's end block); a hop's input there becomes what its
         server decodes (the codec's round trip). ``receipts`` gets every checked receipt, at the
         hop's first block. Raises :class:`HopFailed` (a failed receipt check too)."""
-        hops, routes, feedback, asks = self.hops, self._routes, self.feedback, self.asks
+        hops, routes = self.hops, self._routes
         n = position_ids.shape[1]
         count = len(hops)
         k = index
         while k < count:
-            hop = hops[k]
-            step_id = self.next_id()
             push = routes[k]
-            request = StepRequest(session=hop.session, position=position, push=push, receipt=asks[k])
-            hidden = inputs[hop.span.start]
-            codec = carried(self.codecs[k], hidden.dtype)
-            hidden = inputs[hop.span.start] = roundtrip(hidden, codec)  # raises if the codec cannot carry it
-            tensors = step_inputs(hidden, position_ids, mask)
-            try:
-                await hop.stream.send(Message("step", step_id, request, tensors, (codec,)))
-            except ShoalError as exc:
-                raise HopFailed(k, exc) from exc
+            step_id = self.next_id()
+            tensors = await self.send_step(k, step_id, inputs, position_ids, mask, position)
             last = k + len(push)
             sent_to = k
             while True:  # replies of hop k, then of the hops it pushed to
-                hop = hops[k]
-                started = time.perf_counter()
+                sent = tensors if k == sent_to else step_inputs(inputs[hops[k].span.start], position_ids, mask)
                 try:
-                    message = await self._reply(hop, step_id, n, pushed=k > sent_to)
-                    reply = message.reply(StepReply)
-                except _PushLost:
+                    output, reply, receipt = await self.accept(k, step_id, n, position, sent, pushed=k > sent_to)
+                except PushLost:
                     break  # the server lives but the push never reached it: send it the step ourselves
-                except (ShoalError, TimeoutError) as exc:
-                    raise HopFailed(k, exc) from exc
-                peer = hop.span.peer_id
-                if asks[k]:  # what it was sent: by the client, or pushed (the previous reply the client got)
-                    sent = tensors if k == sent_to else step_inputs(inputs[hop.span.start], position_ids, mask)
-                    pushed_by = hops[k - 1] if k > sent_to else None
-                    try:
-                        receipt = self._check(hop, k, reply.receipt, message.tensors[0], sent, step_id, position,
-                                              message.codec_of(0), pushed_by)  # fmt: skip
-                    except ReceiptError as exc:  # the hop of the server blamed (the earlier one for equivocation)
-                        raise HopFailed(k if exc.hop is None else exc.hop, exc) from exc
-                    await self._advance(hop, position, sent)
-                    if receipts is not None:
-                        receipts[hop.span.start] = receipt
-                if n == 1:
-                    feedback.observed_step(peer, (time.perf_counter() - started) * 1e3)
-                feedback.succeeded(peer)
-                hop.draining = reply.draining
-                inputs[hop.span.end] = message.tensors[0]
+                if receipt is not None and receipts is not None:
+                    receipts[hops[k].span.start] = receipt
+                inputs[hops[k].span.end] = output
                 k += 1
                 if k > last or reply.pushed is False:
                     break
+
+    async def send_step(
+        self,
+        k: int,
+        step_id: int,
+        inputs: MutableMapping[int, Tensor],
+        position_ids: Tensor,
+        mask: Tensor | None,
+        position: int,
+    ) -> list[Tensor]:
+        """Send hop ``k`` step ``step_id`` (pushed on along its route) over ``inputs`` at its first
+        block, which becomes what its server decodes (the codec's round trip); returns the tensors
+        sent. Raises :class:`HopFailed`."""
+        hop = self.hops[k]
+        request = StepRequest(session=hop.session, position=position, push=self._routes[k], receipt=self.asks[k])
+        codec = carried(self.codecs[k], inputs[hop.span.start].dtype)
+        hidden = inputs[hop.span.start] = roundtrip(inputs[hop.span.start], codec)  # raises if it cannot carry it
+        tensors = step_inputs(hidden, position_ids, mask)
+        try:
+            await hop.stream.send(Message("step", step_id, request, tensors, (codec,)))
+        except ShoalError as exc:
+            raise HopFailed(k, exc) from exc
+        return tensors
+
+    async def accept(
+        self, k: int, step_id: int, n: int, position: int, sent: Sequence[Tensor], pushed: bool
+    ) -> tuple[Tensor, StepReply, Receipt | None]:
+        """Hop ``k``'s reply to step ``step_id`` (``n`` positions at ``position``), its receipt checked
+        against ``sent`` (what its server decoded, if honest: for a ``pushed`` step, the previous hop's
+        reply as the client got it): (output, reply, checked receipt or None). Raises
+        :class:`HopFailed` (a failed receipt check too), :class:`PushLost`."""
+        hop = self.hops[k]
+        started = time.perf_counter()
+        try:
+            message = await self._reply(hop, step_id, n, pushed=pushed)
+            reply = message.reply(StepReply)
+        except (ShoalError, TimeoutError) as exc:
+            raise HopFailed(k, exc) from exc
+        receipt = None
+        if self.asks[k]:
+            pushed_by = self.hops[k - 1] if pushed else None
+            try:
+                receipt = self._check(hop, k, reply.receipt, message.tensors[0], sent, step_id, position,
+                                      message.codec_of(0), pushed_by)  # fmt: skip
+            except ReceiptError as exc:  # the hop of the server blamed (the earlier one for equivocation)
+                raise HopFailed(k if exc.hop is None else exc.hop, exc) from exc
+            await self._advance(hop, position, sent)
+        if n == 1:
+            self.feedback.observed_step(hop.span.peer_id, (time.perf_counter() - started) * 1e3)
+        self.feedback.succeeded(hop.span.peer_id)
+        hop.draining = reply.draining
+        return message.tensors[0], reply, receipt
 
     async def replay(self, hop: Hop, tensors: list[Tensor], n: int, position: int = 0) -> Tensor:
         """One step over positions ``[position, position + n)`` on ``hop`` (not pushed on): its
@@ -301,7 +338,7 @@ class ChainDriver:
     async def _reply(self, hop: Hop, step_id: int, n: int, pushed: bool = False) -> Message:
         """The reply to step ``step_id`` from ``hop``. Late: ping the server; a live one gets more
         time (up to the request deadline), a dead one fails the hop. A live server late with a
-        ``pushed`` step may never have received it: :class:`_PushLost` (the caller resends)."""
+        ``pushed`` step may never have received it: :class:`PushLost` (the caller resends)."""
         estimate = self.feedback.expected_step_ms(hop.span) / 1e3
         deadline = max(MIN_DEADLINE, DEADLINE_FACTOR * estimate) * max(1.0, n / 8)
         give_up = time.monotonic() + self.request_deadline * max(1.0, n / 256)
@@ -313,7 +350,7 @@ class ChainDriver:
                 if not await self.feedback.alive(hop.span):
                     raise ClosedError(f"server {hop.span.peer_id[:10]} stopped answering")
                 if pushed:
-                    raise _PushLost()
+                    raise PushLost()
                 continue
             if message.id != step_id:
                 continue  # a late reply to an earlier (abandoned) step
@@ -333,6 +370,7 @@ __all__ = [
     "MIN_DEADLINE",
     "ChainDriver",
     "HopFailed",
+    "PushLost",
     "announced_adapter",
     "codec_for",
     "push_reach",

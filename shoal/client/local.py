@@ -76,7 +76,10 @@ class LocalBlockSequence:
                 hidden = self._run(span, hidden, position_ids, attention_mask, None, 0, part)
         return hidden
 
-    def open_session(self, batch_size: int, max_length: int, prompts: Tensor | None = None) -> LocalBlockSession:
+    def open_session(
+        self, batch_size: int, max_length: int, prompts: Tensor | None = None, share: int = 0
+    ) -> LocalBlockSession:
+        """``share`` is for servers' prefix caches: local blocks share nothing."""
         if batch_size < 1 or max_length < 1:
             raise BadRequest(f"bad session size: batch_size={batch_size}, max_length={max_length}")
         caches = [span.allocate_cache(batch_size, max_length) for span in self.spans]

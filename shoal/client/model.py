@@ -237,12 +237,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"no prompts to {what}: load the model with tuning_mode='ptune' or 'deep_ptune'")
         return self.ptune
 
-    def _open_cache(self, batch_size: int, max_length: int) -> SessionCache:
-        """A session for ``max_length`` tokens (and the prompts), opened with the deep prompts."""
+    def _open_cache(self, batch_size: int, max_length: int, share_prefix: int = 0) -> SessionCache:
+        """A session for ``max_length`` tokens (and the prompts), opened with the deep prompts (whose
+        sessions servers never share). ``share_prefix``: its first tokens other peers may reuse."""
         deep = self.ptune.deep_prompts() if self.ptune is not None else None
         length = max_length + self.pre_seq_len
         if deep is None:
-            return SessionCache(self.blocks.open_session(batch_size, length), self.pre_seq_len)
+            shared = {"share": share_prefix + self.pre_seq_len} if share_prefix > 0 else {}  # any blocks take none
+            return SessionCache(self.blocks.open_session(batch_size, length, **shared), self.pre_seq_len)
         prompts = deep.detach().to(self.wire_dtype)
         return SessionCache(self.blocks.open_session(batch_size, length, prompts=prompts), self.pre_seq_len)
 
@@ -264,11 +266,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return planner
 
     @contextmanager
-    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[SessionCache]:
-        """Hold one session across ``generate`` calls (each sends only tokens it does not hold)."""
+    def inference_session(self, max_length: int, batch_size: int = 1, share_prefix: int = 0) -> Iterator[SessionCache]:
+        """Hold one session across ``generate`` calls (each sends only tokens it does not hold).
+        ``share_prefix``: its first tokens, whose server-side KV pages other peers' sessions may reuse
+        (a system prompt; the default 0 lets only this peer's own later sessions reuse them)."""
         if self._active is not None:
             raise RuntimeError("an inference session is already active on this model")
-        cache = self._open_cache(batch_size, max_length)
+        cache = self._open_cache(batch_size, max_length, share_prefix)
         self._active = cache
         try:
             yield cache

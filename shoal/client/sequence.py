@@ -23,6 +23,7 @@ from shoal.client.audit import Verification
 from shoal.client.directory import ServerDirectory
 from shoal.client.driver import announced_adapter, codec_for
 from shoal.client.history import step_inputs
+from shoal.client.pipeline import DEFAULT_PREFILL_CHUNK, chunk_bounds
 from shoal.client.recovery import MAX_RECOVERIES, gave_up
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.client.session import RemoteSession
@@ -47,6 +48,8 @@ class RemoteSequence:
     """Blocks ``[0, num_blocks)`` served by the servers a :class:`ServerDirectory` knows.
     ``push``: sessions let servers hand a step's output straight to the next (where both can).
     ``compression``: the codec of the hidden states sent to every server that announced it.
+    ``prefill_chunk``: a session step of more positions travels the chain in chunks of this many,
+    pipelined (:mod:`shoal.client.pipeline`; None or 0: off); read at every step of every session.
     Forwards, backwards and sessions run with the directory's adapter, if it has one."""
 
     def __init__(
@@ -59,7 +62,9 @@ class RemoteSequence:
         push: bool = True,
         compression: Codec = Codec.RAW,
         verification: Verification | None = None,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ):
+        chunk_bounds(0, prefill_chunk)  # raises on a negative size
         self.node = node
         self.verification = verification if verification is not None else Verification()  # audit mode: the counters
         self.runtime = runtime
@@ -67,6 +72,7 @@ class RemoteSequence:
         self.num_blocks = num_blocks
         self.push = push
         self.compression = compression
+        self.prefill_chunk = prefill_chunk
         self._route = directory.route_inference(0, cache_tokens=0, push=push)  # until a session opens
         self._session: RemoteSession | None = None  # the latest one opened
         self.witness = Witness(node, directory, self.verification)  # testifies for every session (audit mode)
@@ -89,6 +95,7 @@ class RemoteSequence:
         min_quality: Quantization = DEFAULT_MIN_QUALITY,
         adapter: AdapterChoice | None = None,
         verification: Verification | None = None,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> RemoteSequence:
         """Tickets with a swarm id: join the swarm through any of them and route over its table
         (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets:
@@ -97,7 +104,8 @@ class RemoteSequence:
         (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside this process).
         ``min_quality``: route only over servers whose weights are at least this good.
         ``adapter``: route only over servers serving this LoRA adapter, and run with it.
-        ``verification``: audit mode and its counters (:mod:`shoal.client.audit`; default: off)."""
+        ``verification``: audit mode and its counters (:mod:`shoal.client.audit`; default: off).
+        ``prefill_chunk``: positions per chunk of a pipelined session step (None or 0: off)."""
         runtime = runtime or shared_loop()
         tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
         if not tickets:
@@ -114,7 +122,7 @@ class RemoteSequence:
                 )  # fmt: skip
                 await directory.refresh()
                 sequence = cls(node, runtime, directory, num_blocks, push=push, compression=compression,
-                               verification=verification)  # fmt: skip
+                               verification=verification, prefill_chunk=prefill_chunk)  # fmt: skip
                 directory.start()
                 return sequence
             except BaseException:
@@ -222,9 +230,13 @@ class RemoteSequence:
             check_forward_receipt(span, receipt, tensors, reply, adapter=self.adapter, prompts=prompts is not None)
         return sent, reply.tensors[0]
 
-    def open_session(self, batch_size: int, max_length: int, prompts: Tensor | None = None) -> RemoteSession:
-        """A session over a chain of servers; ``prompts``: its deep prompts (see :class:`RemoteSession`)."""
-        session = RemoteSession(self, batch_size, max_length, None if prompts is None else prompts.detach())
+    def open_session(
+        self, batch_size: int, max_length: int, prompts: Tensor | None = None, share: int = 0
+    ) -> RemoteSession:
+        """A session over a chain of servers; ``prompts``: its deep prompts, ``share``: the positions
+        other peers may reuse (see :class:`RemoteSession`)."""
+        prompts = None if prompts is None else prompts.detach()
+        session = RemoteSession(self, batch_size, max_length, prompts, share=share)
         self.runtime.run(session.open())
         self._session = session
         return session

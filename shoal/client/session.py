@@ -8,6 +8,9 @@ installs in the driver (and whose replay outputs it adds to the history). Routin
 servers only through :class:`~shoal.client.feedback.RouteFeedback`.
 
 * a hop that fails mid-step is aborted and rebuilt; the step goes on from the first hop replaced;
+* a step longer than ``prefill_chunk`` positions is pipelined (:mod:`shoal.client.pipeline`): its
+  chunks are steps of their own in the history; after a failure the hop is rebuilt as above and the
+  step finishes sequentially from the chunks every hop answered;
 * a reply flagged ``draining`` (the server is leaving) moves that span the same way, before the
   next step; while nobody can take over, the leaving server keeps serving;
 * in audit mode (:mod:`shoal.client.audit`), every hop has an auditor that gets the hop's recorded
@@ -29,8 +32,9 @@ from shoal.client.audit import Conviction, LieDetected, Verification
 from shoal.client.auditors import Audits
 from shoal.client.blocks import SessionPositions
 from shoal.client.driver import ChainDriver, HopFailed
-from shoal.client.history import SpanHistory
+from shoal.client.history import SpanHistory, cat_serial
 from shoal.client.hops import Hop, close_all
+from shoal.client.pipeline import Chunk, chunk_bounds, positions, run_pipelined
 from shoal.client.recovery import MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
 from shoal.errors import BadRequest, ShoalError
 from shoal.routing import ServerSpan
@@ -45,9 +49,13 @@ class RemoteSession(SessionPositions):
     """A :class:`~shoal.client.blocks.BlockSession` over a chain of servers (one stream each).
     ``prompts``: deep prompts ``[num_blocks, batch or 1, N, hidden]`` every server adds to its
     blocks' inputs at positions ``[0, N)`` (each gets its span's slice when its session opens,
-    a replacement too). The session runs with the sequence's adapter, if it has one."""
+    a replacement too). ``share``: positions ``[0, share)`` whose KV pages servers may let other
+    peers reuse (:mod:`shoal.server.prefix`; 0: only this peer's own later sessions). The session
+    runs with the sequence's adapter, if it has one."""
 
-    def __init__(self, sequence: RemoteSequence, batch_size: int, max_length: int, prompts: Tensor | None = None):
+    def __init__(
+        self, sequence: RemoteSequence, batch_size: int, max_length: int, prompts: Tensor | None = None, share: int = 0
+    ):
         super().__init__(batch_size, max_length)
         self.runtime = sequence.runtime
         self.num_blocks = sequence.num_blocks
@@ -58,7 +66,7 @@ class RemoteSession(SessionPositions):
             adapter=adapter, prompts=prompts is not None,
         )  # fmt: skip
         request = OpenRequest(
-            max_length=max_length, batch_size=batch_size, prompts=prompts is not None, adapter=adapter
+            max_length=max_length, batch_size=batch_size, prompts=prompts is not None, adapter=adapter, share=share
         )
         self._recovery = ChainRecovery(
             sequence.node, directory, directory, request, push=sequence.push, prompts=prompts
@@ -69,6 +77,7 @@ class RemoteSession(SessionPositions):
         self.recoveries: list[RecoveryRecord] = []  # what happened, in order
         self.verification: Verification = sequence.verification
         self._push = sequence.push
+        self._sequence = sequence  # its prefill_chunk, read at every step (a model reuses its session)
         self._audits: Audits | None = None
         if self.verification.auditing:
             self._audits = Audits(
@@ -139,11 +148,11 @@ class RemoteSession(SessionPositions):
     # ---- steps ---------------------------------------------------------------------------------
 
     def step(self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        """One step; in audit mode, every ``audit_every`` positions (redundant: every step), the
-        audits (may raise :class:`LieDetected`: the step's output is void, the session rolled back)."""
-        n = self._check_step(hidden, attention_mask)
+        """One step (pipelined in chunks when longer than the sequence's ``prefill_chunk``); in audit mode, every
+        ``audit_every`` positions (redundant: every step), the audits (may raise :class:`LieDetected`:
+        the step's output is void, the session rolled back)."""
+        self._check_step(hidden, attention_mask)
         out = self.runtime.run(self._step(hidden, position_ids, attention_mask))
-        self._position += n
         if self._audits is not None and self._audits.due(self._position):
             self.runtime.run(self._audit_round())
         return out
@@ -178,29 +187,94 @@ class RemoteSession(SessionPositions):
         raise LieDetected(position, conviction.peer, conviction.blocks)
 
     async def _step(self, hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> Tensor:
-        driver, position = self._driver, self._position
+        """Run the step; the session's position (and history) advance with each part that every hop
+        answered (the chunks of a pipelined step, then the rest). A step that fails leaves the
+        session where it was, as a failed sequential step does."""
+        start, n = self._position, hidden.shape[1]
+        outputs: list[Tensor] = []
+        try:
+            failed = await self._move_draining()
+            done = 0
+            chunk = self._sequence.prefill_chunk
+            bounds = chunk_bounds(n, chunk) if len(self._driver.hops) > 1 else [(0, n)]
+            if len(bounds) > 1:
+                done, failed = await self._pipelined(hidden, position_ids, mask, bounds, outputs, failed)
+            if done:  # the rest, after the chunks that went through
+                hidden, position_ids = positions(hidden, done, n), positions(position_ids, done, n)
+            if done < n:
+                outputs.append(await self._sequential(hidden, position_ids, mask, failed))
+        except BaseException:
+            if self._position > start:
+                self.position = start  # the history forgets the chunks that went through
+            raise
+        return outputs[0] if len(outputs) == 1 else cat_serial(outputs, dim=1)
+
+    async def _move_draining(self) -> frozenset[str]:
+        """A server said it is leaving: move its span first. Returns the servers found failing."""
+        driver = self._driver
         failed: frozenset[str] = frozenset()
-        while (leaving := driver.leaving()) is not None:  # the server said it is leaving: move its span first
+        while (leaving := driver.leaving()) is not None:
             peer = driver.hops[leaving].span.peer_id
             _, failed = await self._recover(leaving, ShoalError(f"server {peer[:10]} is draining"), failed, drain=True)
+        return failed
+
+    async def _pipelined(
+        self,
+        hidden: Tensor,
+        position_ids: Tensor,
+        mask: Tensor | None,
+        bounds: list[tuple[int, int]],
+        outputs: list[Tensor],
+        failed: frozenset[str],
+    ) -> tuple[int, frozenset[str]]:
+        """The step in chunks ``bounds`` through the chain at once (:mod:`shoal.client.pipeline`); each
+        chunk every hop answered is recorded as a step of its own, its output appended to ``outputs``.
+        After a failure, the failed hop is recovered. Returns the positions done, the servers failing."""
+        chunks = [Chunk.cut(hidden, position_ids, mask, self._position, a, b) for a, b in bounds]
+        complete, failure = await run_pipelined(self._driver, chunks)
+        for chunk in chunks[:complete]:
+            self._record(chunk.inputs, chunk.position_ids, chunk.mask, chunk.n, chunk.receipts)
+            outputs.append(chunk.inputs[self.num_blocks])
+        if failure is not None:
+            _, failed = await self._failed(failure, failed)
+        return (chunks[complete].start if complete < len(chunks) else hidden.shape[1]), failed
+
+    async def _sequential(
+        self, hidden: Tensor, position_ids: Tensor, mask: Tensor | None, failed: frozenset[str]
+    ) -> Tensor:
+        """The step as one message down the chain, recovering every hop that fails on the way."""
         inputs: dict[int, Tensor] = {0: hidden}  # block -> this step's input there
         receipts: dict[int, Receipt] = {}  # block -> the signed receipt of the hop starting there
         index = 0
         while True:
             try:
-                await driver.run(index, inputs, position_ids, mask, position, receipts)
+                await self._driver.run(index, inputs, position_ids, mask, self._position, receipts)
                 break
             except HopFailed as failure:
-                if isinstance(failure.cause, BadRequest):  # our request was wrong: another server would
-                    raise failure.cause from None  # refuse it too; the session stays usable
-                if isinstance(failure.cause, ReceiptError) and self._audits is not None:
-                    blocks = driver.hops[failure.index].span.blocks  # its signed receipt says another computation
-                    self._audits.convict(failure.cause.peer, blocks, position)
-                await driver.hops[failure.index].abort()
-                index, failed = await self._recover(failure.index, failure.cause, failed)
-        starts = driver.starts | {self.num_blocks} if self._audits is not None else driver.starts
-        self._history.record(inputs, starts, position_ids, mask, position + hidden.shape[1], receipts)
+                index, failed = await self._failed(failure, failed)
+        self._record(inputs, position_ids, mask, hidden.shape[1], receipts)
         return inputs[self.num_blocks]
+
+    async def _failed(self, failure: HopFailed, failed: frozenset[str]) -> tuple[int, frozenset[str]]:
+        """Hop ``failure.index`` failed at the session's position: abort and recover it (see
+        :meth:`_recover`); a bad request is raised instead (another server would refuse it too)."""
+        driver = self._driver
+        if isinstance(failure.cause, BadRequest):  # the session stays usable
+            raise failure.cause from None
+        if isinstance(failure.cause, ReceiptError) and self._audits is not None:
+            blocks = driver.hops[failure.index].span.blocks  # its signed receipt says another computation
+            self._audits.convict(failure.cause.peer, blocks, self._position)
+        await driver.hops[failure.index].abort()
+        return await self._recover(failure.index, failure.cause, failed)
+
+    def _record(
+        self, inputs: dict[int, Tensor], position_ids: Tensor, mask: Tensor | None, n: int, receipts: dict[int, Receipt]
+    ) -> None:
+        """A step of ``n`` positions went through every hop: into the history, and the session moves on."""
+        driver = self._driver
+        starts = driver.starts | {self.num_blocks} if self._audits is not None else driver.starts
+        self._history.record(inputs, starts, position_ids, mask, self._position + n, receipts)
+        self._position += n
 
     async def _recover(
         self, index: int, cause: BaseException, failed: frozenset[str], drain: bool = False

@@ -30,6 +30,7 @@ keep their distribution (the target's sampled tokens are compared with the draft
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -47,6 +48,7 @@ from shoal.errors import UsageError
 
 __all__ = [
     "VERIFY_COUNTERS",
+    "ChatPrompt",
     "Completion",
     "Engine",
     "GatewayError",
@@ -61,6 +63,15 @@ __all__ = [
 DEFAULT_MAX_TOKENS = 512  # when a request names no max_tokens (and the context leaves room)
 #: The client's verification counters (:class:`~shoal.client.audit.Verification`) an answer reports.
 VERIFY_COUNTERS = ("audits", "audited_positions", "disagreements", "settled", "unsettled", "bans", "rollbacks")
+
+
+class ChatPrompt(list):
+    """A chat's token ids, and how many of the first its system prompt covers (``shared``: what
+    :meth:`Engine.complete` lets servers reuse across peers, see :mod:`shoal.server.prefix`)."""
+
+    def __init__(self, ids: Sequence[int], shared: int = 0):
+        super().__init__(ids)
+        self.shared = shared
 
 
 class GatewayError(Exception):
@@ -293,12 +304,14 @@ class Engine:
         self.totals = Totals()
 
     @contextmanager
-    def _session(self, positions: int) -> Iterator[SessionCache]:
+    def _session(self, positions: int, shared: int = 0) -> Iterator[SessionCache]:
         """The session ``generate`` runs in, listed in :meth:`routes` meanwhile: the thread's active
         one (a chat holds one across its turns), else one of ``positions`` for this call (what
-        ``generate`` would reserve itself: prompt + new tokens)."""
+        ``generate`` would reserve itself: prompt + new tokens) whose first ``shared`` tokens servers
+        may let other peers reuse."""
         held = self.model.active_session
-        with nullcontext(held) if held is not None else self.model.inference_session(positions) as cache:
+        shares = {"share_prefix": shared} if shared else {}  # models that know no sharing work too
+        with nullcontext(held) if held is not None else self.model.inference_session(positions, **shares) as cache:
             with self._live_lock:
                 self._live.add(cache)
             try:
@@ -327,7 +340,23 @@ class Engine:
             encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
         except Exception as exc:  # the template rejected the conversation (e.g. roles out of order)
             raise GatewayError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        return list(encoded["input_ids"])
+        ids = list(encoded["input_ids"])
+        return ChatPrompt(ids, shared=self._system_tokens(messages, ids))
+
+    def _system_tokens(self, messages: list[dict], ids: list[int]) -> int:
+        """How many of ``ids`` (the whole conversation's) the leading system messages' rendering covers:
+        the same for every conversation under that system prompt, so servers may let other peers reuse
+        their pages (shoal.server.prefix). Its token ids' common prefix with ``ids``: tokens the template
+        ends the system part with that the full rendering merges differently are not counted."""
+        system = list(itertools.takewhile(lambda m: m.get("role") in ("system", "developer"), messages))
+        if not system or len(system) == len(messages):
+            return 0
+        try:
+            alone = self.tokenizer.apply_chat_template(system, add_generation_prompt=False, return_dict=True)
+        except Exception:  # a template that wants a user turn: share nothing
+            return 0
+        same = [mine == full for mine, full in zip(alone["input_ids"], ids, strict=False)] + [False]
+        return same.index(False)
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -383,7 +412,8 @@ class Engine:
             drafting |= {"streamer": _Released(stream, on_text), "hold_back": True}
         before = self.model.last_speculation  # this thread's; replaced only by a speculative call
         counted = {name: getattr(verification, name) for name in VERIFY_COUNTERS}
-        with torch.inference_mode(), self._session(len(prompt) + sampling.max_tokens) as cache:
+        shared = getattr(prompt, "shared", 0) if self.model.active_session is None else 0
+        with torch.inference_mode(), self._session(len(prompt) + sampling.max_tokens, shared) as cache:
             out = self.model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
