@@ -137,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kv_overcommit=args.kv_overcommit,
         max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,
+        contended_cost=args.contended_cost,
         max_sessions_per_peer=args.max_sessions_per_peer,
         session_idle_timeout=args.session_timeout,
         identity_file=Path(args.identity) if args.identity else None,
@@ -236,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; not with --quant)",
     )
     serve.add_argument("--cache-tokens", type=positive_int, default=8192, help="KV cache budget per block, in tokens")
+    serve.add_argument(
+        "--contended-cost", type=positive_float, default=1.5, metavar="STEPS",
+        help="while steps of several peers wait, a batch grows only while it costs at most about this many "
+        "lone steps (fairness: nobody's step waits behind a long batch of another's)",
+    )  # fmt: skip
     serve.add_argument(
         "--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE, metavar="POSITIONS",
         help="positions per KV page: sessions take pages as they grow, and share full pages of equal prefixes",

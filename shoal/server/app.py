@@ -94,7 +94,8 @@ def load_block_server(
         "full-precision" if config.quant is Quantization.NONE else config.quant, time.perf_counter() - started,
     )  # fmt: skip
     backend = SpanBackend(built, hf_config.hidden_size, config.device, executor, adapters,
-                          max_batch=config.max_batch, prefill_chunk=config.prefill_chunk)  # fmt: skip
+                          max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+                          contended_cost=config.contended_cost)  # fmt: skip
     backend.warm_up()
     pool = built.allocate_pool(max(1, config.cache_tokens // config.page_size), config.page_size)
     signer = ReceiptSigner(secret_key) if secret_key is not None else None

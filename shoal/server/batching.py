@@ -11,7 +11,13 @@ step runs at once, and steps that arrive while a batch runs make the next one.
 
 Fairness: the queue is filled round-robin by peer, one step of each peer per round, and the peers
 served go to the back, so a peer with 24 waiting sessions gets no more of a scarce batch than a
-peer with one. A step left waiting when a batch was taken counts as deferred (per peer too).
+peer with one. A step left waiting when a batch was taken counts as deferred (per peer too). And
+while steps of more than one peer wait, a batch is kept short: it grows only while its expected
+cost stays within ``contended_cost`` (1.5 by default) times a lone step's, from the costs measured
+as batches run (:class:`BatchCosts`). On a GPU a batch of 32 costs little more than one step, so the
+limit rarely bites; on a CPU 16 rows cost ~3x one, and a lone session of one peer beside 24 sessions
+of another would otherwise wait behind, and then ride in, batches several times longer than its own
+step. One peer alone gets full batches (the most throughput).
 
 Chunked prefill: a step of more than ``prefill_chunk`` new positions (rows x tokens) is cut into
 chunks of at most that many, each queued when the one before it finished, so other sessions'
@@ -30,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -95,6 +102,9 @@ class StepQueue:
 
     def add(self, step: PendingStep) -> None:
         self._by_peer.setdefault(step.peer, deque()).append(step)
+
+    def peers_waiting(self) -> int:
+        return sum(1 for queue in self._by_peer.values() if queue)
 
     def drain(self) -> list[PendingStep]:
         """Everything waiting, removed (to fail it when the server goes)."""
@@ -165,6 +175,35 @@ class StepQueue:
                 del self._by_peer[peer]
 
 
+class BatchCosts:
+    """Seconds a batched forward took, by its new positions (power-of-two buckets), as moving averages."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(positions: int) -> int:
+        return 1 << max(0, positions - 1).bit_length()
+
+    def record(self, positions: int, seconds: float) -> None:
+        bucket, old = self.bucket(positions), self._seconds.get(self.bucket(positions))
+        self._seconds[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def limit(self, factor: float, most: int) -> int:
+        """The most new positions a batch may take to cost at most ``factor`` lone steps (a bucket
+        not measured yet is allowed: trying it measures it)."""
+        alone = self._seconds.get(1)
+        if alone is None:
+            return most
+        allowed, bucket = 1, 2
+        while bucket <= most:
+            cost = self._seconds.get(bucket)
+            if cost is not None and cost > factor * alone:
+                break
+            allowed, bucket = bucket, bucket * 2
+        return allowed if bucket <= most else most
+
+
 class Batcher:
     """Session steps of one span, batched on the compute thread (see the module docstring)."""
 
@@ -176,6 +215,7 @@ class Batcher:
         adapter_context: AdapterContext,
         max_batch: int = 32,
         prefill_chunk: int = 128,
+        contended_cost: float = 1.5,
     ):
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be at least 1, got {max_batch}, {prefill_chunk}")
@@ -186,6 +226,7 @@ class Batcher:
         self._lock = threading.Lock()
         self._queue = StepQueue()
         self._scheduled = False  # a drain task is queued or running
+        self.contended_cost, self.costs = contended_cost, BatchCosts()
         self.batches = 0  # forwards run (a lone step is a batch of one)
         self.batched_steps = 0  # steps (and chunks) they carried
         self.batch_rows_max = 0
@@ -266,7 +307,10 @@ class Batcher:
     def _drain(self) -> None:
         """Runs on the compute thread: one batch, then itself again if steps are left."""
         with self._lock:
-            batch = self._queue.take(self.max_batch, self.max_positions)
+            rows, positions = self.max_batch, self.max_positions
+            if self._queue.peers_waiting() > 1:  # keep batches short while peers compete (module docstring)
+                rows = positions = min(rows, self.costs.limit(self.contended_cost, self.max_batch))
+            batch = self._queue.take(rows, positions)
         try:
             if batch:
                 self._run(batch)
@@ -297,7 +341,10 @@ class Batcher:
         self.batch_rows_max = max(self.batch_rows_max, sum(p.rows for p in ready))
         self.batch_steps_max = max(self.batch_steps_max, len(ready))
         self.prefill_chunks += sum(p.chunk for p in ready)
+        started = time.perf_counter()
         self._forward(ready, split_on_error=True)
+        if ready[0].prompts is None:
+            self.costs.record(sum(p.positions for p in ready), time.perf_counter() - started)
 
     def _forward(self, ready: list[PendingStep], split_on_error: bool) -> None:
         try:

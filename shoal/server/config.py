@@ -74,6 +74,7 @@ class ServerConfig:
     kv_overcommit: float = 1.0  # admit sessions whose max_lengths commit up to this many times the pages
     max_batch: int = 32  # session rows one batched forward takes at most (1: no batching)
     prefill_chunk: int = 128  # new positions (rows x tokens) a step runs per compute task at most
+    contended_cost: float = 1.5  # while peers compete, a batch costs at most ~this many lone steps
     max_sessions_per_peer: int = 16
     session_idle_timeout: float = 300.0  # a session with no message for this long is closed
     identity_file: Path | None = None
@@ -110,6 +111,8 @@ class ServerConfig:
                              f"{self.prefill_chunk}")  # fmt: skip
         if self.page_size < 1 or self.cache_tokens < self.page_size:
             raise UsageError(f"--page-size must be in [1, --cache-tokens {self.cache_tokens}], got {self.page_size}")
+        if not self.contended_cost >= 1.0:
+            raise UsageError(f"--contended-cost must be at least 1, got {self.contended_cost}")
         if not 1.0 <= self.kv_overcommit <= 64.0:
             raise UsageError(f"--kv-overcommit must be in [1, 64], got {self.kv_overcommit}")
         if not self.balance_period > 0:

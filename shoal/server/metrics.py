@@ -146,8 +146,20 @@ class ServerCollector(Collector):
         yield rejected
         yield GaugeMetricFamily("shoal_cache_capacity_tokens", "KV cache budget", value=budget.capacity_tokens)
         yield GaugeMetricFamily(
-            "shoal_cache_reserved_tokens", "KV cache held by sessions", value=budget.reserved_tokens
+            "shoal_cache_reserved_tokens",
+            "KV positions live sessions committed (max_length)",
+            value=budget.reserved_tokens,
         )
+        yield GaugeMetricFamily("shoal_kv_pages", "KV pages of the pool", value=c.kv_pages_total)
+        yield GaugeMetricFamily(
+            "shoal_kv_pages_in_use", "KV pages held (by sessions or the prefix cache)", value=c.kv_pages_in_use
+        )
+        yield CounterMetricFamily("shoal_batches", "Batched forwards run (a lone step is a batch of one)",
+                                  value=c.batches)  # fmt: skip
+        yield CounterMetricFamily("shoal_batched_steps", "Session steps (or prefill chunks) batches carried",
+                                  value=c.batched_steps)  # fmt: skip
+        yield CounterMetricFamily("shoal_steps_deferred", "Times a waiting step was left out of a batch that ran",
+                                  value=c.steps_deferred)  # fmt: skip
         yield GaugeMetricFamily("shoal_cache_free_tokens", "KV cache free for new sessions", value=budget.free_tokens)
         yield GaugeMetricFamily(
             "shoal_prefix_cache_pages",

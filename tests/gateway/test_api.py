@@ -360,6 +360,9 @@ def test_server_metrics_count_rejected_frames_and_records(swarm):
 
     now = wait_for(counted, 10, what="rejected frame and record counted")
     assert now["shoal_cache_capacity_tokens"] == CACHE_TOKENS
+    assert now["shoal_kv_pages"] == CACHE_TOKENS // 16 and 0 <= now["shoal_kv_pages_in_use"] <= now["shoal_kv_pages"]
+    batches, steps = now["shoal_batches_total"], now["shoal_steps_total"]
+    assert batches <= now["shoal_batched_steps_total"] and (batches > 0) == (steps > 0)
     assert now["shoal_step_latency_seconds_count"] == now["shoal_steps_total"] > 0
     assert 0 < now["shoal_step_latency_seconds_sum"] < now["shoal_steps_total"]  # well under 1 s per step
     info = f'shoal_server_info{{dtype="float32",end="2",model="{MODEL_ID}",start="0",version="{__version__}"}}'

@@ -186,9 +186,10 @@ def test_max_batch_one_runs_every_step_alone(span, server_factory):
 
 def test_a_chunked_prefill_equals_the_unchunked_run_and_a_decode_step_runs_beside_it(span, server_factory):
     """Prefill of 2 rows x 30 tokens with prefill_chunk 8: chunks of 4 tokens, 8 of them. A decode
-    step of another session, queued with the first chunk, is done before the prefill is."""
+    step of another session (of the same peer: peers competing keep batches short, see
+    test_fairness), queued with the first chunk, is done before the prefill is."""
     long = Plan(batch=2, max_length=40, prompt=30, decode=2, seed=5, padding=(2, 0), peer="peer-a")
-    short = Plan(batch=1, max_length=20, prompt=3, decode=1, seed=6, peer="peer-b")
+    short = Plan(batch=1, max_length=20, prompt=3, decode=1, seed=6, peer="peer-a")
     server = server_factory(max_batch=4, prefill_chunk=8)
     short_cache = server.cache(short)
     hidden, positions, mask, _ = short.steps()[0]

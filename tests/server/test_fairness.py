@@ -183,3 +183,20 @@ def test_one_peer_with_24_sessions_cannot_starve_another_peers_one(span):
     assert backend.batcher.batch_rows_max == 8
     scale = float(alone.abs().max())
     assert float((outputs[24] - alone).abs().max()) <= 1e-4 * max(1.0, scale)
+
+
+def test_contended_batches_stay_within_their_cost_in_lone_steps():
+    """BatchCosts: a lone step measured at 10 ms, 2 positions at 12, 4 at 14, 8 at 22: at 1.5x a lone
+    step batches may take 4 positions (8 cost 2.2x); unmeasured sizes are allowed (trying measures
+    them); nothing measured yet: no limit but the batcher's own."""
+    from shoal.server.batching import BatchCosts
+
+    costs = BatchCosts()
+    assert costs.limit(1.5, 32) == 32
+    for positions, seconds in ((1, 0.010), (2, 0.012), (3, 0.014), (8, 0.022)):
+        costs.record(positions, seconds)
+    assert costs.limit(1.5, 32) == 4
+    assert costs.limit(3.0, 32) == 32  # 16 and 32 not measured: allowed
+    assert costs.limit(3.0, 8) == 8
+    costs.record(16, 0.040)
+    assert costs.limit(3.0, 32) == 8
