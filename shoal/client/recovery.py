@@ -25,7 +25,7 @@ from torch import Tensor
 from shoal.client.feedback import RouteFeedback, RoutePlanner
 from shoal.client.history import SpanHistory
 from shoal.client.hops import Hop, close_all
-from shoal.errors import BadRequest, ShoalError
+from shoal.errors import BadRequest, BusyError, ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.routing import NoRouteError, ServerSpan, format_blocks
 from shoal.transport import BaseNode
@@ -116,12 +116,21 @@ class ChainRecovery:
 
     async def open_chain(self) -> list[Hop]:
         """Hops over a whole route, opened in parallel; a server that fails to open is banned and
-        the route drawn again without it."""
+        the route drawn again without it. A full one (``busy``) is only left out of this open: it
+        is not broken, and other sessions may get room there at once. When only full servers could
+        take the session, the :class:`BusyError` is what the caller hears (try later), not "no route"."""
         failed: set[str] = set()
+        busy: BusyError | None = None  # the last "no room" answer (a full server is left out, not banned)
+        broken = False
         for attempt in range(MAX_RECOVERIES + 1):
-            route = self.planner.route_inference(
-                0, cache_tokens=self.cache_tokens, push=self.push, exclude=failed, needs=self.needs
-            )
+            try:
+                route = self.planner.route_inference(
+                    0, cache_tokens=self.cache_tokens, push=self.push, exclude=failed, needs=self.needs
+                )
+            except NoRouteError:
+                if busy is not None and not broken:  # only full servers could take it: busy, not unavailable
+                    raise busy from None
+                raise
             results = await asyncio.gather(*(self.open_hop(span) for span in route), return_exceptions=True)
             errors = [(span, r) for span, r in zip(route, results, strict=True) if isinstance(r, BaseException)]
             if not errors:
@@ -131,9 +140,15 @@ class ChainRecovery:
                 if isinstance(error, BadRequest) or not isinstance(error, ShoalError):
                     raise error
                 failed.add(span.peer_id)
-                self.feedback.failed(span.peer_id)
+                if isinstance(error, BusyError):  # full, not broken: no ban (others' sessions may open there)
+                    busy = error
+                else:
+                    broken = True
+                    self.feedback.failed(span.peer_id)
                 log.warning("could not open a session on %s: %s", span.peer_id[:10], error)
             if attempt == MAX_RECOVERIES:
+                if busy is not None and not broken:
+                    raise busy
                 raise gave_up(self.planner, failed, 0, errors[0][1], self.needs)
         raise AssertionError("unreachable")
 

@@ -142,6 +142,10 @@ class PagedCache:
         any shared page those positions fall in by a private copy. Tensor work: compute thread."""
         if self.closed:
             raise ValueError("the cache is closed")
+        if not 0 <= past_length <= self.length:
+            raise ValueError(f"past_length {past_length} outside the cached [0, {self.length}]")
+        if end > self.max_length:
+            raise ValueError(f"positions up to {end} exceed the cache's {self.max_length}")
         if past_length < self.length:
             self.truncate(past_length)
         size, pool = self.pool.page_size, self.pool

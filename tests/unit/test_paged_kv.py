@@ -49,10 +49,10 @@ def test_cache_takes_pages_as_it_grows_all_or_nothing():
     assert cache.pages_held() == 0
     cache.prepare(0, 5)  # 2 pages per row
     assert [len(t) for t in cache.tables] == [2, 2] and pool.free_pages == 1
+    cache.length = 5
     with pytest.raises(PagesExhausted, match="needs 2 more KV pages"):
         cache.prepare(5, 9)  # one more page per row: 2 needed, 1 free
     assert [len(t) for t in cache.tables] == [2, 2] and pool.free_pages == 1  # nothing taken
-    cache.length = 5
     cache.truncate(3)  # back into the first page: the second goes back
     assert [len(t) for t in cache.tables] == [1, 1] and cache.length == 3 and pool.free_pages == 3
     cache.close()
