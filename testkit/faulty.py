@@ -143,11 +143,35 @@ def _relative_change(after: torch.Tensor, before: torch.Tensor) -> float:
     return float((after.float() - before).norm() / before.norm().clamp_min(1e-30))
 
 
+def _held_pages(cache: Any, start: int, end: int):
+    """What ``cache``'s pages hold at positions ``[start, end)``, and a function that puts it back
+    after a step wrote there (a page taken by the step, or its copy on write, gets what the page
+    it replaces held; a new one zeros, as a page is handed out)."""
+    pool, size = cache.pool, cache.pool.page_size
+    first, last = start // size, -(-end // size)
+    parts = pool.keys + pool.values
+    saved = {(r, k): [t[table[k] * size : (table[k] + 1) * size].clone() for t in parts]
+             for r, table in enumerate(cache.tables) for k in range(first, min(last, len(table)))}  # fmt: skip
+
+    def restore() -> None:
+        for r, table in enumerate(cache.tables):
+            for k in range(first, min(last, len(table))):
+                page = table[k]
+                for t, held in zip(parts, saved.get((r, k)) or [None] * len(parts), strict=True):
+                    if held is None:
+                        t[page * size : (page + 1) * size].zero_()
+                    else:
+                        t[page * size : (page + 1) * size] = held
+
+    return restore
+
+
 class FaultyBackend:
     """A :class:`SpanBackend` stand-in that runs the real one and alters the step as the faults say.
 
     Runs one step at a time: a block fault swaps a layer of the span for its run only. A stale-cache
-    step deep-copies the session's cache on the event loop thread (fine for tests, not for timing)."""
+    step copies the session's pages it writes on the event loop thread and puts them back after
+    (fine for tests, not for timing)."""
 
     def __init__(self, inner: SpanBackend, state: FaultState):
         self.inner = inner
@@ -247,7 +271,7 @@ class FaultyBackend:
                 await asyncio.Future()  # never answers; the closing node cancels this task
             hits = self._hits(call)
             stale = cache is not None and any(isinstance(f, StaleCache) for _, f in hits)
-            run_cache = copy.deepcopy(cache) if stale else cache
+            restore = _held_pages(cache, past_length, past_length + hidden.shape[1]) if stale else None
             layers = self._layers() if any(isinstance(f, BLOCK_FAULTS) for _, f in hits) else None
             swapped = []
             try:
@@ -256,13 +280,13 @@ class FaultyBackend:
                         index = fault.block - self.span.start
                         swapped.append((index, layers[index]))
                         layers[index] = self._replacements[i]
-                out = await self.inner.run(hidden, position_ids, mask, run_cache, past_length, **options)
+                out = await self.inner.run(hidden, position_ids, mask, cache, past_length, **options)
             finally:
                 for index, original in reversed(swapped):
                     layers[index] = original
             self._commit(cache, call)
-            if stale:
-                cache.length = run_cache.length  # the session moves on; its slots keep what they held
+            if restore is not None:
+                restore()  # the session moves on; its slots keep what they held
             if any(isinstance(f, OUTPUT_FAULTS) for _, f in hits):
                 out = out.clone()  # the span's output is an inference tensor: not writable out here
             issued = _Issued(out, call)
