@@ -12,22 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from shoal.errors import ShoalError
 from shoal.wire.schema import Receipt
-from shoal.wire.tensors import as_numpy
-
-
-def cat_serial(chunks: list[Tensor], dim: int) -> Tensor:
-    """``torch.cat`` of CPU tensors without OpenMP. Histories are joined on the client's event loop
-    thread, and the first parallel region a thread opens gives it a libgomp pool of its own: with
-    the model thread's pool that is more threads than CPUs, and from then on every parallel region
-    of the process sleeps at its barriers (the LM head gets ~1.8x slower). numpy joins serially."""
-    joined = np.concatenate([as_numpy(chunk) for chunk in chunks], axis=dim)  # bf16 as same-size ints
-    return torch.from_numpy(joined).view(chunks[0].dtype)
+from shoal.wire.tensors import cat_serial
 
 
 def step_inputs(hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> list[Tensor]:

@@ -75,9 +75,9 @@ class PagePool:
 
     def allocate(self) -> int:
         """A zeroed page, referenced once (tensor work: call it on the compute thread)."""
+        if not self._free and self.reclaim is not None:  # outside the lock: reclaim takes the index's first
+            self.reclaim(1)
         with self._lock:
-            if not self._free and self.reclaim is not None:
-                self.reclaim(1)
             if not self._free:
                 raise PagesExhausted(f"all {self.num_pages} KV pages of {self.page_size} positions are in use")
             page = self._free.pop()
@@ -212,6 +212,8 @@ class PackedSteps:
         pool = steps[0].cache.pool
         if any(step.cache.pool is not pool for step in steps):
             raise ValueError("steps of one batch must share a page pool")
+        if len({step.hidden.dtype for step in steps}) > 1:
+            raise ValueError("steps of one batch must send the same dtype (one input buffer)")
         self.steps, self.pool = list(steps), pool
         for step in steps:  # the pages each step writes (a no-op where the scheduler took them already)
             step.cache.prepare(step.past_length, step.past_length + step.hidden.shape[1])

@@ -10,12 +10,14 @@ its own output, and queues itself again if steps are left. There is no window: a
 step runs at once, and steps that arrive while a batch runs make the next one.
 
 Fairness: the queue is filled round-robin by peer, one step of each peer per round, and the peers
-served go to the back, so a peer with 24 waiting sessions gets no more of a scarce batch than a
-peer with one. A step left waiting when a batch was taken counts as deferred (per peer too). And
-while steps of more than one peer wait, a batch is kept short: it grows only while its expected
-cost stays within ``contended_cost`` (1.5 by default) times a lone step's, from the costs measured
-as batches run (:class:`BatchCosts`). On a GPU a batch of 32 costs little more than one step, so the
-limit rarely bites; on a CPU 16 rows cost ~3x one, and a lone session of one peer beside 24 sessions
+served go to the back (rounds start with the peer served least recently: one whose single session
+was away on the rest of the chain comes first when it is back), so a peer with 24 waiting sessions
+gets no more of a scarce batch than a peer with one. A step left waiting when a batch was taken
+counts as deferred (per peer too). And while more than one peer has queued steps within the last
+second, a batch is kept short: it grows only while its expected cost stays within
+``contended_cost`` (1.5 by default) times a lone step's, from the costs measured as batches run
+(:class:`BatchCosts`). On a GPU a batch of 32 costs little more than one step, so the limit rarely
+bites; on a CPU 16 rows cost ~3x one, and a lone session of one peer beside 24 sessions
 of another would otherwise wait behind, and then ride in, batches several times longer than its own
 step. One peer alone gets full batches (the most throughput).
 
@@ -47,10 +49,13 @@ import torch
 
 from shoal.errors import BadRequest, BusyError, Unavailable
 from shoal.models.kv import CachedStep, PagesExhausted
+from shoal.wire.tensors import cat_serial
 
 #: what the batcher queues its drain task with (a concurrent future back); RuntimeError once shut down
 Submit = Callable[[Callable[[], None]], Future]
 AdapterContext = Callable[[str | None], contextlib.AbstractContextManager]
+MAX_REMEMBERED_PEERS = 4096  # when they last were served (then only those waiting are kept)
+CONTENTION_SECONDS = 1.0  # peers that queued a step this recently compete for the compute thread
 BUSY = "server is busy: its KV cache has no free page for this step; retry, or use another server"
 
 
@@ -96,6 +101,8 @@ class StepQueue:
         self._by_peer: OrderedDict[str | None, deque[PendingStep]] = OrderedDict()
         self.deferred = 0
         self.deferred_by_peer: Counter[str | None] = Counter()
+        self._served_at: dict[str | None, int] = {}  # peer -> the batch that last served it
+        self._batches = 0
 
     def __len__(self) -> int:
         return sum(len(steps) for steps in self._by_peer.values())
@@ -125,7 +132,7 @@ class StepQueue:
         progress = True
         while progress and self._by_peer:
             progress = False
-            for peer in list(self._by_peer):
+            for peer in sorted(self._by_peer, key=lambda p: self._served_at.get(p, -1)):  # least recently first
                 queue = self._by_peer[peer]
                 pick = 0 if not batch else self._fitting(queue, batch, max_rows - rows, max_positions - positions)
                 if pick is None:
@@ -140,11 +147,15 @@ class StepQueue:
                 if batch[0].prompts is not None or rows >= max_rows:
                     progress = False
                     break
-        for peer in served:  # served peers to the back, emptied ones out
+        self._batches += 1
+        for peer in served:  # served peers to the back (a peer whose queue empties keeps its turn), emptied ones out
+            self._served_at[peer] = self._batches
             if self._by_peer[peer]:
                 self._by_peer.move_to_end(peer)
             else:
                 del self._by_peer[peer]
+        if len(self._served_at) > MAX_REMEMBERED_PEERS:
+            self._served_at = {p: n for p, n in self._served_at.items() if p in self._by_peer}
         for peer, queue in self._by_peer.items():
             self.deferred += len(queue)
             self.deferred_by_peer[peer] += len(queue)
@@ -158,6 +169,8 @@ class StepQueue:
         pool = getattr(first.cache, "pool", None)
         for index, step in enumerate(queue):
             if step.prompts is not None or step.adapter != first.adapter or id(step.cache) in caches:
+                continue
+            if step.hidden.dtype != first.hidden.dtype:  # one input buffer: another dtype would round it
                 continue
             if getattr(step.cache, "pool", None) is not pool:
                 continue
@@ -227,6 +240,7 @@ class Batcher:
         self._queue = StepQueue()
         self._scheduled = False  # a drain task is queued or running
         self.contended_cost, self.costs = contended_cost, BatchCosts()
+        self._last_seen: dict[str | None, float] = {}  # peer -> when its last step was queued
         self.batches = 0  # forwards run (a lone step is a batch of one)
         self.batched_steps = 0  # steps (and chunks) they carried
         self.batch_rows_max = 0
@@ -276,12 +290,13 @@ class Batcher:
                 cache, past_length + a, prompts, adapter, peer, chunk=len(chunks) > 1,
             )  # fmt: skip
             outputs.append(await asyncio.wrap_future(self._enqueue(pending)))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        return outputs[0] if len(outputs) == 1 else cat_serial(outputs, dim=1)  # no OpenMP on the event loop
 
     # ---- the drain task ---------------------------------------------------------------------------
     def _enqueue(self, pending: PendingStep) -> Future:
         with self._lock:
             self._queue.add(pending)
+            self._last_seen[pending.peer] = time.monotonic()
             if self._scheduled:
                 return pending.future
             self._scheduled = True
@@ -308,7 +323,7 @@ class Batcher:
         """Runs on the compute thread: one batch, then itself again if steps are left."""
         with self._lock:
             rows, positions = self.max_batch, self.max_positions
-            if self._queue.peers_waiting() > 1:  # keep batches short while peers compete (module docstring)
+            if self._contended():  # keep batches short while peers compete (module docstring)
                 rows = positions = min(rows, self.costs.limit(self.contended_cost, self.max_batch))
             batch = self._queue.take(rows, positions)
         try:
@@ -319,6 +334,16 @@ class Batcher:
                 self._scheduled = again = len(self._queue) > 0
             if again:
                 self._schedule()
+
+    def _contended(self) -> bool:
+        """Whether steps of more than one peer came in the last :data:`CONTENTION_SECONDS` (under
+        the lock). Not only those waiting now: a peer with one session has none queued while its
+        step travels the rest of the chain, and a long batch started meanwhile would hold up its next."""
+        now = time.monotonic()
+        for peer, seen in list(self._last_seen.items()):
+            if now - seen > CONTENTION_SECONDS:
+                del self._last_seen[peer]
+        return len(self._last_seen) > 1
 
     def _run(self, batch: list[PendingStep]) -> None:
         """Take each step's pages (one without fails alone: busy), run the rest as one forward."""

@@ -55,8 +55,6 @@ from shoal.verify.state import HASH_INLINE_BYTES, STATE_BYTES, chain_states
 from shoal.wire.tensors import as_numpy
 
 PREFIX_CONTEXT = b"shoal/prefix/1\0"
-#: peers remembered as having sent one page's inputs themselves (more just do not reuse it unshared)
-MAX_OWNERS = 16
 
 #: runs ``(hidden, position_ids, mask, past_length)`` through the span with the session's cache
 RunStep = Callable[[Tensor, Tensor, "Tensor | None", int], Awaitable[Tensor]]
@@ -75,11 +73,8 @@ class PrefixEntry:
 
     page: int
     outputs: Tensor
-    owners: set[str]
+    owner: str  # the peer that sent its inputs first
     shareable: bool
-
-    def usable_by(self, peer: str) -> bool:
-        return self.shareable or peer in self.owners
 
 
 class PrefixIndex:
@@ -98,21 +93,26 @@ class PrefixIndex:
         return len(self._entries)
 
     def __contains__(self, digest: bytes) -> bool:
-        return digest in self._entries
+        """Whether a shareable page, or any peer's own page, is kept under ``digest``."""
+        return any(key[: len(digest)] == digest for key in self._entries)
+
+    @staticmethod
+    def _key(digest: bytes, peer: str | None) -> bytes:
+        """A shareable page is kept under its digest; a peer's own page under the digest and the peer,
+        so that another peer sending the same inputs registers (and is counted as) a page of its own:
+        the counters must not tell it whether someone sent that prefix before."""
+        return digest if peer is None else digest + b"\0" + peer.encode()
 
     def cached_pages(self) -> int:
         """Pages only the cache holds (no live session uses them): what :meth:`reclaim` can free."""
         with self._lock:
             return sum(1 for entry in self._entries.values() if self.pool.refcount(entry.page) == 1)
 
-    def peek(self, digest: bytes) -> PrefixEntry | None:
-        """The entry under ``digest``, whoever may reuse it (a session rolling back into its own page)."""
-        return self._entries.get(digest)
-
     def lookup(self, digest: bytes, peer: str) -> PrefixEntry | None:
-        """The entry ``peer`` may reuse under ``digest`` (not touched: see :meth:`adopt`)."""
-        entry = self._entries.get(digest)
-        return entry if entry is not None and entry.usable_by(peer) else None
+        """The entry ``peer`` may reuse under ``digest``: its own, else a shareable one (not touched:
+        see :meth:`adopt`)."""
+        entry = self._entries.get(self._key(digest, peer))
+        return entry if entry is not None else self._entries.get(digest)
 
     def adopt(
         self, cache: Any, position: int, digests: Sequence[Sequence[bytes]], peer: str
@@ -137,10 +137,11 @@ class PrefixIndex:
             self._touch([[e for e in page] for page in hits])
             return hits
 
-    def touch(self, chains: Sequence[Sequence[bytes]]) -> None:
-        """Mark pages used (``chains[k][r]``: page ``k`` of row ``r``), the first page most recently."""
+    def touch(self, chains: Sequence[Sequence[bytes]], peer: str) -> None:
+        """Mark ``peer``'s pages used (``chains[k][r]``: page ``k`` of row ``r``), the first most recently."""
         with self._lock:
-            self._touch([[self._entries[d] for d in page if d in self._entries] for page in chains])
+            found = [[self.lookup(d, peer) for d in page] for page in chains]
+            self._touch([[entry for entry in page if entry is not None] for page in found])
 
     def _touch(self, pages: Sequence[Sequence[PrefixEntry]]) -> None:
         for page in reversed(pages):
@@ -148,20 +149,19 @@ class PrefixIndex:
                 self._entries.move_to_end(self._by_page[entry.page])
 
     def register(self, digest: bytes, page: int, outputs: Tensor, owner: str, shareable: bool) -> bool:
-        """Keep ``page`` (a full page whose inputs hash to ``digest``) for reuse; False when the digest
-        is known already (``owner`` then may reuse it too) or the page is registered under another."""
+        """Keep ``page`` (a full page whose inputs hash to ``digest``) for reuse, by ``owner`` only or,
+        ``shareable``, by anyone; False when such an entry is known already (a shareable one then
+        is reused, not replaced) or the page is registered under another."""
+        key = self._key(digest, None if shareable else owner)
         with self._lock:
-            known = self._entries.get(digest)
+            known = self._entries.get(key)
             if known is not None:
-                if len(known.owners) < MAX_OWNERS:
-                    known.owners.add(owner)
-                known.shareable = known.shareable or shareable
                 return False
             if page in self._by_page:
                 return False
             self.pool.retain(page)
-            self._entries[digest] = PrefixEntry(page, outputs, {owner}, shareable)
-            self._by_page[page] = digest
+            self._entries[key] = PrefixEntry(page, outputs, owner, shareable)
+            self._by_page[page] = key
             return True
 
     def reclaim(self, wanted: int) -> int:
@@ -229,7 +229,7 @@ class SessionPrefix:
         tails: list[np.ndarray | None] = []
         if page < self.registered:
             for row in self.rows:
-                entry = index.peek(bytes(row.states[(page + 1) * size * STATE_BYTES :][:STATE_BYTES]))
+                entry = index.lookup(bytes(row.states[(page + 1) * size * STATE_BYTES :][:STATE_BYTES]), self.peer)
                 tails.append(None if entry is None else as_numpy(entry.outputs)[: position - page * size].copy())
             if any(tail is None for tail in tails):
                 position, tails = page * size, []
@@ -287,8 +287,8 @@ class SessionPrefix:
         ``run`` (from the first missed position, the mask still covering ``[0, past + n)``), register
         the pages that became full. Returns the output and how many positions were not recomputed."""
         n = hidden.shape[1]
+        self.truncate(position, index)  # first: the plan extends the chains from what they hold then
         plan = await self.plan(position, hidden, position_ids, mask)
-        self.truncate(position, index)
         hits = index.adopt(cache, position, self.page_digests(plan, n), self.peer)
         reused = len(hits) * self.page_size
         try:
@@ -324,7 +324,7 @@ class SessionPrefix:
         self.registered = full
         if full > first:  # the whole chain again, its first page last: reclaim takes the deepest first
             index.touch([[bytes(row.states[(k + 1) * size * STATE_BYTES : ((k + 1) * size + 1) * STATE_BYTES])
-                          for row in self.rows] for k in range(full)])  # fmt: skip
+                          for row in self.rows] for k in range(full)], self.peer)  # fmt: skip
 
 
 def _row_states(
@@ -349,4 +349,4 @@ def _joined(hits: list[list[PrefixEntry]], rest: Tensor | None, hidden: Tensor) 
     return torch.from_numpy(np.ascontiguousarray(stored)).view(hidden.dtype if rest is None else rest.dtype)
 
 
-__all__ = ["MAX_OWNERS", "PREFIX_CONTEXT", "PrefixEntry", "PrefixIndex", "SessionPrefix", "prefix_seed"]
+__all__ = ["PREFIX_CONTEXT", "PrefixEntry", "PrefixIndex", "SessionPrefix", "prefix_seed"]

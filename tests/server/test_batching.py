@@ -193,7 +193,7 @@ def test_a_chunked_prefill_equals_the_unchunked_run_and_a_decode_step_runs_besid
     server = server_factory(max_batch=4, prefill_chunk=8)
     short_cache = server.cache(short)
     hidden, positions, mask, _ = short.steps()[0]
-    asyncio.run(server.backend.run(hidden, positions, mask, short_cache, 0))  # its prefill: 3 positions, one task
+    asyncio.run(server.backend.run(hidden, positions, mask, short_cache, 0, peer=short.peer))  # its prefill: one task
 
     async def race() -> tuple[list[str], torch.Tensor, torch.Tensor]:
         done: list[str] = []

@@ -200,3 +200,18 @@ def test_contended_batches_stay_within_their_cost_in_lone_steps():
     assert costs.limit(3.0, 8) == 8
     costs.record(16, 0.040)
     assert costs.limit(3.0, 32) == 8
+
+
+def test_a_peer_whose_queue_emptied_is_first_when_it_is_back():
+    """Peer b's single session is away (on the rest of the chain) while a's many steps run; when b's
+    next step comes back, the round starts with b, served least recently, not behind a."""
+    queue = StepQueue()
+    many = [pending("a") for _ in range(4)]
+    lone = pending("b")
+    for step in [*many, lone]:
+        queue.add(step)
+    assert queue.take(max_rows=2, max_positions=2) == [many[0], lone]
+    assert queue.take(max_rows=1, max_positions=1) == [many[1]]  # b away: a alone
+    back = pending("b")
+    queue.add(back)  # queued after a's, served first
+    assert queue.take(max_rows=1, max_positions=1) == [back]

@@ -134,13 +134,18 @@ def test_one_batched_forward_equals_each_session_alone(spans):
     assert (got - span(again, torch.tensor([[17]]), None, solo_cache, 17)).abs().max().item() <= ATOL
 
 
-def test_steps_of_different_pools_do_not_batch(spans):
+def test_steps_of_different_pools_or_dtypes_do_not_batch(spans):
     span = spans[0]
     caches = [PagedCache(span.allocate_pool(4, 4), 1, 8) for _ in range(2)]
     width = span.config.hidden_size
     steps = [CachedStep(torch.randn(1, 1, width), torch.zeros(1, 1, dtype=torch.long), None, c, 0) for c in caches]
     with pytest.raises(ValueError, match="share a page pool"):
         span.forward_steps(steps)
+    pool = span.allocate_pool(4, 4)
+    mixed = [CachedStep(torch.randn(1, 1, width, dtype=dtype), torch.zeros(1, 1, dtype=torch.long), None,
+                        PagedCache(pool, 1, 8), 0) for dtype in (torch.bfloat16, torch.float32)]  # fmt: skip
+    with pytest.raises(ValueError, match="same dtype"):  # one input buffer would round the fp32 step
+        span.forward_steps(mixed)
 
 
 def test_cli_page_size_default_is_the_kv_default():

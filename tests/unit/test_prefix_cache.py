@@ -12,7 +12,7 @@ import torch
 
 from shoal.models.base import CacheGeometry
 from shoal.models.kv import PagedCache, PagePool, PagesExhausted
-from shoal.server.prefix import MAX_OWNERS, PrefixIndex, SessionPrefix, prefix_seed
+from shoal.server.prefix import PrefixIndex, SessionPrefix, prefix_seed
 from shoal.verify.state import chain_states
 
 P = 4  # positions a page
@@ -158,13 +158,21 @@ def test_other_peers_reuse_only_shared_pages() -> None:
     assert server.step(server.open("c"), 0, hidden, positions)[1] == P
 
 
-def test_owners_are_bounded() -> None:
-    hidden, positions = inputs(4)
-    server = Swarmless(pages=64)
-    for i in range(MAX_OWNERS + 3):
-        server.step(server.open(f"peer{i}"), 0, hidden, positions)
-    entry = server.index.lookup(next(iter(server.index._entries)), "peer0")
-    assert entry is not None and len(entry.owners) == MAX_OWNERS
+def test_an_unshared_prefix_another_peer_sent_first_counts_as_new() -> None:
+    """Two peers send the same inputs unshared: each keeps pages of its own, so what the counters
+    show (pages cached) is the same whether or not someone sent that prefix before."""
+    hidden, positions = inputs(8)
+    alone, after = Swarmless(pages=64), Swarmless(pages=64)
+    server_seen = []
+    for server, peers in ((alone, ["attacker"]), (after, ["victim", "attacker"])):
+        for peer in peers:
+            cache, _ = session = server.open(peer)
+            before = server.index.cached_pages()
+            _, reused = server.step(session, 0, hidden, positions)
+            cache.close()
+            assert reused == 0
+        server_seen.append(server.index.cached_pages() - before)
+    assert server_seen[0] == server_seen[1] > 0
 
 
 def test_a_hit_needs_every_row() -> None:
