@@ -33,7 +33,8 @@ Measured (prints ONE JSON object):
 * ``ttft_ms_1024_{pipelined,unpipelined}``: ``generate`` of a 1,024-token prompt to its first
   token (session open + prefill + LM head), with the client's pipelined prefill
   (``model.blocks.prefill_chunk``, :mod:`shoal.client.pipeline`) and without (0);
-  ``ttft_ratio_pipelined_1024`` = unpipelined / pipelined.
+  ``ttft_ratio_pipelined_1024`` = unpipelined / pipelined (after one untimed run of each: the
+  servers' first long prefills).
 
 Every run records ``foreign_cpu``: the share of the machine other processes used meanwhile (see
 :class:`bench.generate.CpuMeter`); numbers from a busy machine say so. A server flag or client
@@ -318,6 +319,9 @@ def measure_ttft(model, config, args, meter: CpuMeter) -> dict:
     runs: dict[str, list[float]] = {"pipelined": [], "unpipelined": []}
     foreign = []
     pad = config.pad_token_id if config.pad_token_id is not None else 0
+    for chunk in (args.client_prefill_chunk, 0):  # warm-up, not timed: the servers' first long prefills
+        model.blocks.prefill_chunk = chunk
+        run_once(model, torch.randint(3, config.vocab_size, (1, TTFT_PROMPT), generator=generator), 2, pad)
     for rep in range(args.repeats):
         for label in ("pipelined", "unpipelined") if rep % 2 == 0 else ("unpipelined", "pipelined"):
             model.blocks.prefill_chunk = args.client_prefill_chunk if label == "pipelined" else 0
