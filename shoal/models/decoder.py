@@ -99,6 +99,16 @@ def checked_step(
     return attention_mask.to(device=hidden.device, dtype=torch.bool)
 
 
+def packed_steps(steps: list[CachedStep]) -> PackedSteps:
+    """``steps`` checked (:func:`checked_step`, the mask as bool) and laid out as one batch."""
+    checked = [
+        CachedStep(s.hidden, s.position_ids, checked_step(s.hidden, s.attention_mask, s.cache, s.past_length),
+                   s.cache, s.past_length)
+        for s in steps
+    ]  # fmt: skip
+    return PackedSteps(checked, steps[0].hidden.device)
+
+
 class DecoderSpan(BlockSpan):
     """Blocks ``[start, end)`` of a llama-like model with their rotary embedding and masks."""
 
@@ -176,12 +186,7 @@ class DecoderSpan(BlockSpan):
 
     def forward_steps(self, steps: list[CachedStep]) -> list[torch.Tensor]:
         """One batched forward of several sessions' cached steps (see :mod:`shoal.models.kv`)."""
-        checked = [
-            CachedStep(s.hidden, s.position_ids, checked_step(s.hidden, s.attention_mask, s.cache, s.past_length),
-                       s.cache, s.past_length)
-            for s in steps
-        ]  # fmt: skip
-        return self._run(PackedSteps(checked, steps[0].hidden.device), None)
+        return self._run(packed_steps(steps), None)
 
     def _run(self, batch: PackedSteps, prompts: torch.Tensor | None) -> list[torch.Tensor]:
         hidden = batch.hidden.to(self.dtype)

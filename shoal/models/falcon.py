@@ -30,6 +30,7 @@ from shoal.models.decoder import (
     _MaskSizes,
     check_range,
     checked_step,
+    packed_steps,
     prepare_config,
     span_from_blocks,
 )
@@ -126,12 +127,7 @@ class FalconSpan(BlockSpan):
 
     def forward_steps(self, steps: list[CachedStep]) -> list[torch.Tensor]:
         """One batched forward of several sessions' cached steps (see :mod:`shoal.models.kv`)."""
-        checked = [
-            CachedStep(s.hidden, s.position_ids, checked_step(s.hidden, s.attention_mask, s.cache, s.past_length),
-                       s.cache, s.past_length)
-            for s in steps
-        ]  # fmt: skip
-        return self._run(PackedSteps(checked, steps[0].hidden.device), None)
+        return self._run(packed_steps(steps), None)
 
     def _run(self, batch: PackedSteps, prompts: torch.Tensor | None) -> list[torch.Tensor]:
         hidden = batch.hidden.to(self.dtype)
