@@ -397,8 +397,6 @@ class SpanBackend:
         caches = [PagedCache(pool, 1, tokens + 1) for _ in range(2)]  # one pool: one batch reads one pool
         with torch.inference_mode():
             for past, n, batch in ((0, tokens, caches[:1]), (0, tokens, caches[1:]), (tokens, 1, caches)):
-                for cache in batch:
-                    cache.prepare(past, past + n)
                 positions = torch.arange(past, past + n, device=device).unsqueeze(0)
                 self.span.forward_steps([CachedStep(hidden[:, :n], positions, None, c, past) for c in batch])
 
