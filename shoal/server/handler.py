@@ -98,6 +98,7 @@ class BlockServer:
         self._sessions: dict[SessionId, ServedSession] = {}
         self._per_peer: Counter[PeerId] = Counter()
         self._push_tasks: set[asyncio.Task] = set()
+        self._session_tasks: set[asyncio.Task] = set()  # streams serving a session, until their handler ends
         self.prefix = PrefixIndex(budget.pool)  # closed sessions' full pages, reused by digest; sets pool.reclaim
         self.judge = Judge(backend, info, self.counters)  # evidence of other servers' lies (EVIDENCE)
         self.pusher = Pusher(self.counters, refuses=self.judge.convicted)  # never to a liar convicted here
@@ -163,7 +164,8 @@ class BlockServer:
         ``timeout`` passes; then finish in-flight steps and close what is left."""
         self.draining = True
         deadline = asyncio.get_running_loop().time() + timeout
-        while self._sessions and asyncio.get_running_loop().time() < deadline:
+        # a closed session's stream is waited for too: its close reply must leave before the node closes
+        while (self._sessions or self._session_tasks) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
         for session in list(self._sessions.values()):
             remaining = max(0.0, deadline - asyncio.get_running_loop().time()) + 1.0
@@ -246,6 +248,8 @@ class BlockServer:
                                            lambda dtype: prefix_seed(start, end, adapter, dtype, width),
                                            peer_id, meta.share)  # fmt: skip
         session.task = asyncio.current_task()
+        self._session_tasks.add(session.task)
+        session.task.add_done_callback(self._session_tasks.discard)
         self._sessions[session.id] = session
         self.counters.sessions_opened += 1
         self.counters.sessions_active += 1
