@@ -289,7 +289,7 @@ class Batcher:
                 None if mask is None else mask[:, : past_length + b],
                 cache, past_length + a, prompts, adapter, peer, chunk=len(chunks) > 1,
             )  # fmt: skip
-            outputs.append(await asyncio.wrap_future(self._enqueue(pending)))
+            outputs.append(await _settled(self._enqueue(pending)))
         return outputs[0] if len(outputs) == 1 else cat_serial(outputs, dim=1)  # no OpenMP on the event loop
 
     # ---- the drain task ---------------------------------------------------------------------------
@@ -402,6 +402,23 @@ class Batcher:
                                 p.past_length) for p in ready]  # fmt: skip
             outs = self.span.forward_steps(steps)
         return [out.to("cpu", p.hidden.dtype) for out, p in zip(outs, ready, strict=True)]
+
+
+async def _settled(future: Future) -> torch.Tensor:
+    """The step's output. Cancelled (its session torn down) while its batch runs, it still waits
+    for the batch: the compute thread is writing the session's pages, which must not go back to the
+    pool (and to another session) until it is done. A step still queued is simply dropped."""
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if not future.cancel():  # taken into a batch (or just done): wait it out, then end
+            waiter = asyncio.wrap_future(future)
+            while not waiter.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([waiter])
+            if not waiter.cancelled():
+                waiter.exception()  # retrieved: nobody wants this step's result any more
+        raise
 
 
 def _on(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:

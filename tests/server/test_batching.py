@@ -287,3 +287,43 @@ def test_an_idle_servers_lone_step_runs_at_once(span, server_factory):
     assert through < 3 * forward + 0.02, (through, forward)
     batcher = server.backend.batcher
     assert batcher.batches == batcher.batched_steps == 6 and batcher.steps_deferred == 0
+
+
+def test_a_step_cancelled_while_its_batch_runs_ends_only_after_the_batch(span, server_factory):
+    """A session torn down mid-step (its task cancelled: the client vanished, the server leaves)
+    frees its pages only once the compute thread stopped writing them: the cancelled step waits
+    for its batch to end, then ends cancelled. A step cancelled while still queued never runs."""
+    plan = Plan(batch=1, max_length=16, prompt=3, decode=0, seed=12)
+    server = server_factory(max_batch=8)
+    batcher = server.backend.batcher
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldSpan:
+        """The span, its batched forward held until ``release`` (so the batch is running)."""
+
+        def __getattr__(self, name):
+            return getattr(span, name)
+
+        def forward_steps(self, steps):
+            entered.set()
+            assert release.wait(WAIT)
+            return span.forward_steps(steps)
+
+    batcher.span = HeldSpan()
+    hidden, positions, mask, past = plan.steps()[0]
+
+    async def scenario() -> None:
+        running = asyncio.create_task(server.backend.run(hidden, positions, mask, server.cache(plan), past))
+        assert await asyncio.to_thread(entered.wait, WAIT)
+        queued = asyncio.create_task(server.backend.run(hidden, positions, mask, server.cache(plan), past))
+        await asyncio.sleep(0)  # queued behind the running batch
+        queued.cancel()
+        running.cancel()
+        await asyncio.sleep(0.1)
+        assert queued.cancelled() and not running.done()  # waits for the compute thread
+        release.set()
+        await asyncio.wait_for(asyncio.wait([running]), WAIT)
+        assert running.cancelled()
+
+    asyncio.run(scenario())
+    assert batcher.batches == 1 and batcher.batched_steps == 1  # the queued step was dropped unrun
