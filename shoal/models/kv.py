@@ -232,7 +232,9 @@ class PackedSteps:
             table = step.cache.tables[r][:pages]
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
         offsets = torch.arange(size)
-        self.read_slots = (tables.to(device)[:, :, None] * size + offsets.to(device)).reshape(-1)
+        self.read_pages = tables.to(device).reshape(-1)  # [rows * pages]: what each layer gathers
+        self.read_slots = (self.read_pages.view(len(rows), pages, 1) * size + offsets.to(device)).reshape(-1)
+        self._gathered: dict[int, torch.Tensor] = {}  # keys 0 / values 1: reused by every layer (no grad)
         # queries: absolute positions, and which are real (not padding)
         q_index = torch.arange(n_max, device=device)
         self.query_positions = past[:, None] + q_index[None, :]
@@ -289,6 +291,22 @@ class PackedSteps:
         mask = torch.where(real | (keys == 0), mask, lowest)
         return mask.to(additive)[:, None]
 
+    def gather(self, pool_part: torch.Tensor, which: int) -> torch.Tensor:
+        """The pages every row reads, ``[rows, G, heads, dim]``, gathered a page at a time. Without
+        gradients into one buffer per keys/values that each layer's gather overwrites (the layer
+        before is done with it): a fresh ~MB-sized tensor per layer costs more than the copy."""
+        size = self.pool.page_size
+        pages = pool_part.view(-1, size, *pool_part.shape[1:])
+        shape = (self.read_pages.shape[0], *pages.shape[1:])
+        if torch.is_grad_enabled():
+            out = pages.index_select(0, self.read_pages)
+        else:
+            out = self._gathered.get(which)
+            if out is None or out.shape != shape or out.dtype != pages.dtype:
+                out = self._gathered[which] = pages.new_empty(shape)
+            torch.index_select(pages, 0, self.read_pages, out=out)
+        return out.view(self.rows, self.kv_length, *pool_part.shape[1:])
+
     def cache_step(self, start: int, store_every: int = 1) -> PagedStep:
         return PagedStep(self, start, store_every)
 
@@ -319,11 +337,12 @@ class PagedStep:
             key_states, value_states = key_states[:, ::g], value_states[:, ::g]
         rows, heads, n, dim = key_states.shape
         out = []
-        for pool_part, states in ((batch.pool.keys[i], key_states), (batch.pool.values[i], value_states)):
+        for which, (pool_part, states) in enumerate(
+            ((batch.pool.keys[i], key_states), (batch.pool.values[i], value_states))
+        ):
             flat = states.transpose(1, 2).reshape(rows * n, heads, dim)
             pool_part.index_copy_(0, batch.write_slots, flat.index_select(0, batch.write_index).to(pool_part.dtype))
-            read = pool_part.index_select(0, batch.read_slots).view(rows, batch.kv_length, heads, dim)
-            read = read.transpose(1, 2)
+            read = batch.gather(pool_part, which).transpose(1, 2)
             out.append(read.repeat_interleave(g, dim=1) if g > 1 else read)
         return out[0], out[1]
 
