@@ -4,11 +4,13 @@
                                               [--new-tokens 16] [--repeats 2] [--only aggregate,fairness,kv,ttft]
 
 Two ``shoal serve`` processes (one torch thread each, standing in for two machines) each host half
-of the model's blocks. The batched pair runs with ``--max-batch 32``; the unbatched pair is the
-same servers with ``--max-batch 1`` (both pairs start up front, so runs alternate without
-restarts). Every session is driven by this one client process: each session's steps are the client
-library's synchronous ``RemoteSession.step`` called from a thread of its own, all of them sharing
-the client's one event loop (:mod:`shoal.client.runtime`).
+of the model's blocks, with ``--packed-weights`` (oneDNN's layout for batched decode steps,
+:mod:`shoal.models.packed`; ``--plain-weights`` leaves it off). The batched pair runs with
+``--max-batch 32``; the unbatched pair is the same servers with ``--max-batch 1`` (both pairs
+start up front, so runs alternate without restarts). Every session is driven by this one client
+process: each session's steps are the client library's synchronous ``RemoteSession.step`` called
+from a thread of its own, all of them sharing the client's one event loop
+(:mod:`shoal.client.runtime`).
 
 Measured (prints ONE JSON object):
 
@@ -344,7 +346,15 @@ def measure_ttft(model, config, args, meter: CpuMeter) -> dict:
 # ---- the benchmark ------------------------------------------------------------------------------
 
 
-SCHEDULER_COUNTERS = ("batches", "batched_steps", "batch_rows_max", "steps_deferred", "prefill_chunks", "steps")
+SCHEDULER_COUNTERS = (
+    "batches",
+    "batched_steps",
+    "batch_rows_max",
+    "steps_deferred",
+    "prefill_chunks",
+    "merge_waits",
+    "steps",
+)
 
 
 def scheduler_counters(model) -> dict[str, dict[str, int]]:
@@ -362,6 +372,12 @@ def server_args(args, max_batch: int) -> list[str]:
              "--max-sessions-per-peer", "64", "--prefill-chunk", str(args.server_prefill_chunk)]  # fmt: skip
     if "kv" in args.only:
         flags += ["--page-size", str(args.page_size)]
+    if args.merge_wait is not None:
+        flags += ["--merge-wait", str(args.merge_wait)]
+    if args.contended_cost is not None:
+        flags += ["--contended-cost", str(args.contended_cost)]
+    if not args.plain_weights:
+        flags += ["--packed-weights"]
     return flags
 
 
@@ -418,6 +434,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fairness-steps", type=int, default=24, help="steps the single session times per run")
     parser.add_argument("--max-batch", type=int, default=32, help="the batched servers' --max-batch")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--merge-wait", type=float, default=None, help="the servers' --merge-wait (default: theirs)")
+    parser.add_argument("--contended-cost", type=float, default=None, help="the servers' --contended-cost")
+    parser.add_argument("--plain-weights", action="store_true", help="servers without --packed-weights")
     parser.add_argument("--cache-tokens", type=int, default=8192, help="servers' --cache-tokens (per block)")
     parser.add_argument("--server-prefill-chunk", type=int, default=128, help="servers' --prefill-chunk")
     parser.add_argument("--client-prefill-chunk", type=int, default=128, help="the pipelined prefill's chunk")
@@ -449,6 +468,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "repeats": args.repeats, "fairness_other_peer_sessions": FAIRNESS_LOAD_SESSIONS,
         "kv_session": {"max_length": KV_MAX_LENGTH, "positions": KV_PROMPT}, "ttft_prompt_tokens": TTFT_PROMPT,
         "measured": args.only, "decode_input": "embeddings of random tokens; no LM head on the client",
+        "server_flags": server_args(args, args.max_batch),
     }  # fmt: skip
     machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                "loadavg_at_start": load_at_start, "loadavg_at_end": os.getloadavg(),

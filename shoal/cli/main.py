@@ -138,6 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,
         contended_cost=args.contended_cost,
+        merge_wait=args.merge_wait,
+        packed_weights=args.packed_weights,
         max_sessions_per_peer=args.max_sessions_per_peer,
         session_idle_timeout=args.session_timeout,
         identity_file=Path(args.identity) if args.identity else None,
@@ -238,9 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--cache-tokens", type=positive_int, default=8192, help="KV cache budget per block, in tokens")
     serve.add_argument(
-        "--contended-cost", type=positive_float, default=1.5, metavar="STEPS",
+        "--contended-cost", type=positive_float, default=1.25, metavar="STEPS",
         help="while steps of several peers wait, a batch grows only while it costs at most about this many "
         "lone steps (fairness: nobody's step waits behind a long batch of another's)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--merge-wait", type=float, default=1.5, metavar="STEPS",
+        help="a free compute thread waits up to this many lone steps' time for sessions due back, so they "
+        "join one batch instead of splitting into groups (0: never waits; never while peers compete)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--packed-weights", action="store_true",
+        help="fp32 on the CPU: add a copy of the linear weights in oneDNN's packed layout, so batched decode "
+        "steps cost about one step's time (the linear weights take twice the memory)",
     )  # fmt: skip
     serve.add_argument(
         "--page-size", type=positive_int, default=DEFAULT_PAGE_SIZE, metavar="POSITIONS",

@@ -28,6 +28,7 @@ from shoal import __version__
 from shoal.checkpoints import load_config, load_span, model_fingerprints, model_name, resolve_model
 from shoal.ids import BlockRange
 from shoal.models import BlockSpan, get_family
+from shoal.models.packed import pack_linears
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
 from shoal.server.announce import Announcement, keep_measuring
@@ -77,6 +78,8 @@ def load_block_server(
     if on_fingerprints is not None:
         on_fingerprints(fingerprints)
     adapters = load_adapters(built, config.adapters, hf_config) if config.adapters else None
+    if config.packed_weights:  # after the adapters: the layers they wrap keep the plain layout
+        log.info("packed %d linear layers for oneDNN", pack_linears(built))
     info = SpanInfo(
         model=model_name(config.model),
         num_blocks=total,
@@ -95,7 +98,7 @@ def load_block_server(
     )  # fmt: skip
     backend = SpanBackend(built, hf_config.hidden_size, config.device, executor, adapters,
                           max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
-                          contended_cost=config.contended_cost)  # fmt: skip
+                          contended_cost=config.contended_cost, merge_wait=config.merge_wait)  # fmt: skip
     backend.warm_up()
     pool = built.allocate_pool(max(1, config.cache_tokens // config.page_size), config.page_size)
     signer = ReceiptSigner(secret_key) if secret_key is not None else None
@@ -232,7 +235,12 @@ class _Presence:
         n = config.num_blocks
         if n is None:
             n = default_num_blocks(
-                self.hf_config, config.dtype, config.device, config.cache_tokens, quantization=config.quant
+                self.hf_config,
+                config.dtype,
+                config.device,
+                config.cache_tokens,
+                quantization=config.quant,
+                packed=config.packed_weights,
             )
         n = min(n, self.total)
         if not config.new_swarm:  # let servers starting at the same time see each other's choices

@@ -73,7 +73,8 @@ class SpanBackend:
         *,
         max_batch: int = 32,
         prefill_chunk: int = 128,
-        contended_cost: float = 1.5,
+        contended_cost: float = 1.25,
+        merge_wait: float = 1.5,
     ):
         self.span = span
         self.hidden_size = hidden_size
@@ -83,7 +84,7 @@ class SpanBackend:
         self._executor = executor or compute_thread()
         self._counted_from = self.compute_counts()  # the executor may be shared with an earlier span
         self.batcher = Batcher(span, device, lambda drain: self._queue(Priority.INFERENCE, drain), self._adapter,
-                               max_batch, prefill_chunk, contended_cost)  # fmt: skip
+                               max_batch, prefill_chunk, contended_cost, merge_wait)  # fmt: skip
 
     @property
     def num_blocks(self) -> int:

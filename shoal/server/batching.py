@@ -9,16 +9,25 @@ step of every other row), runs them as ONE ``span.forward_steps``, settles each 
 its own output, and queues itself again if steps are left. There is no window: an idle server's lone
 step runs at once, and steps that arrive while a batch runs make the next one.
 
+Merging: the steps of one client's sessions come back as a burst spread over milliseconds, and a
+batch started on its first would split them into groups that stay apart (each a forward of its
+own every round). So when the thread frees up with steps waiting, and other sessions are due back
+(:class:`~shoal.server.pacing.Arrivals`: as long after their last step as they were away
+before), it waits for them up to ``merge_wait`` (1.5) lone steps' time. A lone session is never
+due while its own step waits, so an idle server's step still runs at once; and there is no wait
+while peers compete (below): nobody waits for another peer's sessions.
+
 Fairness: the queue is filled round-robin by peer, one step of each peer per round, and the peers
 served go to the back (rounds start with the peer served least recently: one whose single session
 was away on the rest of the chain comes first when it is back), so a peer with 24 waiting sessions
 gets no more of a scarce batch than a peer with one. A step left waiting when a batch was taken
 counts as deferred (per peer too). And while more than one peer has queued steps within the last
 second, a batch is kept short: it grows only while its expected cost stays within
-``contended_cost`` (1.5 by default) times a lone step's, from the costs measured as batches run
-(:class:`BatchCosts`). On a GPU a batch of 32 costs little more than one step, so the limit rarely
-bites; on a CPU 16 rows cost ~3x one, and a lone session of one peer beside 24 sessions
-of another would otherwise wait behind, and then ride in, batches several times longer than its own
+``contended_cost`` (1.25 by default) times a lone step's, from the costs measured as batches run
+(:class:`~shoal.server.pacing.BatchCosts`). On a GPU a batch of 32 costs little more than one
+step, so the limit rarely bites; on a CPU 16 rows cost ~1.5x one (fp32 with oneDNN's packed
+weights, :mod:`shoal.models.packed`; ~3x without), and a lone session of one peer beside 24
+sessions of another would otherwise wait behind, and then ride in, batches longer than its own
 step. One peer alone gets full batches (the most throughput).
 
 Chunked prefill: a step of more than ``prefill_chunk`` new positions (rows x tokens) is cut into
@@ -49,6 +58,7 @@ import torch
 
 from shoal.errors import BadRequest, BusyError, Unavailable
 from shoal.models.kv import CachedStep, PagesExhausted
+from shoal.server.pacing import Arrivals, BatchCosts
 from shoal.wire.tensors import cat_serial
 
 #: what the batcher queues its drain task with (a concurrent future back); RuntimeError once shut down
@@ -109,6 +119,9 @@ class StepQueue:
 
     def add(self, step: PendingStep) -> None:
         self._by_peer.setdefault(step.peer, deque()).append(step)
+
+    def rows_waiting(self) -> int:
+        return sum(step.rows for queue in self._by_peer.values() for step in queue)
 
     def peers_waiting(self) -> int:
         return sum(1 for queue in self._by_peer.values() if queue)
@@ -188,35 +201,6 @@ class StepQueue:
                 del self._by_peer[peer]
 
 
-class BatchCosts:
-    """Seconds a batched forward took, by its new positions (power-of-two buckets), as moving averages."""
-
-    def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
-
-    @staticmethod
-    def bucket(positions: int) -> int:
-        return 1 << max(0, positions - 1).bit_length()
-
-    def record(self, positions: int, seconds: float) -> None:
-        bucket, old = self.bucket(positions), self._seconds.get(self.bucket(positions))
-        self._seconds[bucket] = seconds if old is None else 0.8 * old + 0.2 * seconds
-
-    def limit(self, factor: float, most: int) -> int:
-        """The most new positions a batch may take to cost at most ``factor`` lone steps (a bucket
-        not measured yet is allowed: trying it measures it)."""
-        alone = self._seconds.get(1)
-        if alone is None:
-            return most
-        allowed, bucket = 1, 2
-        while bucket <= most:
-            cost = self._seconds.get(bucket)
-            if cost is not None and cost > factor * alone:
-                break
-            allowed, bucket = bucket, bucket * 2
-        return allowed if bucket <= most else most
-
-
 class Batcher:
     """Session steps of one span, batched on the compute thread (see the module docstring)."""
 
@@ -228,7 +212,8 @@ class Batcher:
         adapter_context: AdapterContext,
         max_batch: int = 32,
         prefill_chunk: int = 128,
-        contended_cost: float = 1.5,
+        contended_cost: float = 1.25,
+        merge_wait: float = 1.5,
     ):
         if max_batch < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be at least 1, got {max_batch}, {prefill_chunk}")
@@ -240,6 +225,9 @@ class Batcher:
         self._queue = StepQueue()
         self._scheduled = False  # a drain task is queued or running
         self.contended_cost, self.costs = contended_cost, BatchCosts()
+        self.merge_wait, self.arrivals = merge_wait, Arrivals()
+        self._arrived = threading.Condition(self._lock)  # a step was queued (a merge wait may end)
+        self.merge_waits = 0  # batches started after waiting for sessions due back
         self._last_seen: dict[str | None, float] = {}  # peer -> when its last step was queued
         self.batches = 0  # forwards run (a lone step is a batch of one)
         self.batched_steps = 0  # steps (and chunks) they carried
@@ -264,6 +252,7 @@ class Batcher:
             "batch_rows_max": self.batch_rows_max,
             "steps_deferred": self.steps_deferred,
             "prefill_chunks": self.prefill_chunks,
+            "merge_waits": self.merge_waits,
         }
 
     async def step(
@@ -296,7 +285,10 @@ class Batcher:
     def _enqueue(self, pending: PendingStep) -> Future:
         with self._lock:
             self._queue.add(pending)
-            self._last_seen[pending.peer] = time.monotonic()
+            now = self._last_seen[pending.peer] = time.monotonic()
+            if not pending.chunk:
+                self.arrivals.arrived(pending.cache, now)
+            self._arrived.notify()
             if self._scheduled:
                 return pending.future
             self._scheduled = True
@@ -325,15 +317,37 @@ class Batcher:
             rows, positions = self.max_batch, self.max_positions
             if self._contended():  # keep batches short while peers compete (module docstring)
                 rows = positions = min(rows, self.costs.limit(self.contended_cost, self.max_batch))
+            else:
+                self._wait_for_due()
             batch = self._queue.take(rows, positions)
         try:
             if batch:
                 self._run(batch)
         finally:
+            now = time.monotonic()
+            with self._lock:
+                for pending in batch:
+                    if not pending.chunk:
+                        self.arrivals.finished(pending.cache, now)
             with self._lock:
                 self._scheduled = again = len(self._queue) > 0
             if again:
                 self._schedule()
+
+    def _wait_for_due(self) -> None:
+        """Under the lock: while sessions are due back within ``merge_wait`` lone steps and the
+        batch is not full, wait for them (they join this batch instead of starting a group of their
+        own). An idle server's lone session is never due while its own step waits: no wait."""
+        alone = self.costs.alone()
+        if self.max_batch == 1 or not self.merge_wait or alone is None:
+            return
+        window = self.merge_wait * alone
+        now = time.monotonic()
+        deadline, waited = now + window, False
+        while now < deadline and self._queue.rows_waiting() < self.max_batch and self.arrivals.due(now, window):
+            self._arrived.wait(deadline - now)
+            now, waited = time.monotonic(), True
+        self.merge_waits += waited
 
     def _contended(self) -> bool:
         """Whether steps of more than one peer came in the last :data:`CONTENTION_SECONDS` (under

@@ -74,7 +74,9 @@ class ServerConfig:
     kv_overcommit: float = 1.0  # admit sessions whose max_lengths commit up to this many times the pages
     max_batch: int = 32  # session rows one batched forward takes at most (1: no batching)
     prefill_chunk: int = 128  # new positions (rows x tokens) a step runs per compute task at most
-    contended_cost: float = 1.5  # while peers compete, a batch costs at most ~this many lone steps
+    contended_cost: float = 1.25  # while peers compete, a batch costs at most ~this many lone steps
+    merge_wait: float = 1.5  # a free compute thread waits up to this many lone steps for sessions due back
+    packed_weights: bool = False  # fp32 CPU: add oneDNN's packed copy of the linear weights (shoal.models.packed)
     max_sessions_per_peer: int = 16
     session_idle_timeout: float = 300.0  # a session with no message for this long is closed
     identity_file: Path | None = None
@@ -111,6 +113,12 @@ class ServerConfig:
                              f"{self.prefill_chunk}")  # fmt: skip
         if self.page_size < 1 or self.cache_tokens < self.page_size:
             raise UsageError(f"--page-size must be in [1, --cache-tokens {self.cache_tokens}], got {self.page_size}")
+        if self.packed_weights and not (
+            self.device == "cpu" and self.dtype == torch.float32 and self.quant is Quantization.NONE
+        ):
+            raise UsageError("--packed-weights is for fp32 weights on the CPU (not with --device, --dtype or --quant)")
+        if not 0.0 <= self.merge_wait <= 4.0:
+            raise UsageError(f"--merge-wait must be in [0, 4], got {self.merge_wait}")
         if not self.contended_cost >= 1.0:
             raise UsageError(f"--contended-cost must be at least 1, got {self.contended_cost}")
         if not 1.0 <= self.kv_overcommit <= 64.0:

@@ -34,6 +34,7 @@ import torch
 
 from shoal.checkpoints.fetch import shoal_home
 from shoal.models import get_family
+from shoal.models.packed import packed_bytes
 from shoal.quantization import Quantization
 from shoal.quantization.weights import block_quantizer, planned_bytes
 from shoal.transport import META, Node, Ticket
@@ -289,10 +290,12 @@ def default_num_blocks(
     cache_tokens: int,
     free_bytes: int | None = None,
     quantization: Quantization = Quantization.NONE,
+    packed: bool = False,
 ) -> int:
     """How many blocks fit in the free memory (less a margin): weights (quantised ones at their
-    quantised size) plus the per-block KV cache budget of ``cache_tokens`` tokens, and room to load
-    one more block in full precision; at most the model's blocks. Raises when not even one fits."""
+    quantised size, ``packed`` ones twice: :mod:`shoal.models.packed`) plus the per-block KV cache
+    budget of ``cache_tokens`` tokens, and room to load one more block in full precision; at most
+    the model's blocks. Raises when not even one fits."""
     family = get_family(hf_config)
     total = family.num_blocks(hf_config)
     free = free_memory(device) if free_bytes is None else free_bytes
@@ -300,6 +303,8 @@ def default_num_blocks(
     if quantization is not Quantization.NONE:
         usable -= block_bytes(hf_config, dtype)  # the block being loaded, before it is quantised
     per_block = block_bytes(hf_config, dtype, quantization, device)
+    if packed:
+        per_block += packed_bytes(meta_block(hf_config))
     per_block += cache_tokens * family.cache_geometry(hf_config, dtype).bytes_per_token_per_block()
     fits = usable // per_block
     if fits < 1:

@@ -160,8 +160,19 @@ def test_blocks_required_outside_a_swarm(tiny_dir: Path):
         (["--adapter", "my/lora=."], "--adapter my/lora=.: NAME must be 1-64 letters, digits"),
         (["--adapter", "tuned=/no/such/adapter"], "no adapter at /no/such/adapter"),
         (["--adapter", "tuned=.", "--quant", "int8"], "LoRA adapters on quantised servers are not supported"),
+        (["--packed-weights", "--quant", "int8"], "--packed-weights is for fp32 weights on the CPU"),
+        (["--merge-wait", "9"], "--merge-wait must be in [0, 4], got 9"),
     ],
-    ids=["port-text", "port-range", "cache-tokens", "dtype", "unknown-flag", *(f"adapter-{c}" for c in "abcd")],
+    ids=[
+        "port-text",
+        "port-range",
+        "cache-tokens",
+        "dtype",
+        "unknown-flag",
+        *(f"adapter-{c}" for c in "abcd"),
+        "packed-quantised",
+        "merge-wait",
+    ],
 )
 def test_bad_flag_values(tiny_dir: Path, flags: list[str], fragment: str):
     assert_one_line_error(shoal("serve", str(tiny_dir), "--blocks", "0:2", *flags), USAGE, fragment)

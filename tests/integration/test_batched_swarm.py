@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
+from shoal.models.packed import PackedLinear
 from testkit.tiny import tiny_checkpoint
 from tests.helpers.parity import left_padded
 
@@ -53,13 +54,17 @@ def slowed(span) -> None:
     span.forward_steps = slow
 
 
-def test_concurrent_sessions_through_two_servers_are_batched_and_equal_their_solo_runs(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["plain-weights", "packed-weights"])
+def test_concurrent_sessions_through_two_servers_are_batched_and_equal_their_solo_runs(tmp_path, packed):
+    """Also with ``--packed-weights`` (:mod:`shoal.models.packed`): batched decode steps through
+    oneDNN's layout, the same tokens, logits within the same 1e-4."""
     checkpoint = tiny_checkpoint(tmp_path / "tiny", "llama", seed=0)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = [generate(reference, rows, n) for rows, n in RUNS]
-    with InProcessSwarm(checkpoint, [BlockRange(0, 2), BlockRange(2, 4)]) as swarm:
+    with InProcessSwarm(checkpoint, [BlockRange(0, 2), BlockRange(2, 4)], packed_weights=packed) as swarm:
         first = swarm.server(BlockRange(0, 2)).server.backend
+        assert any(isinstance(m, PackedLinear) for m in first.span.modules()) == packed
         slowed(first.span)
         clients = [swarm.connect() for _ in RUNS]
         with ThreadPoolExecutor(len(RUNS)) as pool:

@@ -327,3 +327,59 @@ def test_a_step_cancelled_while_its_batch_runs_ends_only_after_the_batch(span, s
 
     asyncio.run(scenario())
     assert batcher.batches == 1 and batcher.batched_steps == 1  # the queued step was dropped unrun
+
+
+class SlowSpan:
+    """The span, each batched forward made to take at least ``seconds`` (a lone step's cost the
+    merge wait is counted in)."""
+
+    def __init__(self, span, seconds: float):
+        self.span, self.seconds = span, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.span, name)
+
+    def forward_steps(self, steps):
+        time.sleep(self.seconds)
+        return self.span.forward_steps(steps)
+
+
+def test_sessions_due_back_join_the_batch_a_free_thread_would_start_without_them(span, server_factory):
+    """Three sessions of one peer were away about 30 ms each; this round the first comes back on
+    time and the others 30 ms late. The free compute thread waits for them (they were due) and runs
+    the three as ONE batch, each still its solo output. A lone step never waits: nobody is due."""
+    plans = [Plan(batch=1, max_length=16, prompt=1, decode=3 if i == 0 else 2, seed=20 + i) for i in range(3)]
+    server = server_factory(max_batch=8, merge_wait=4.0)  # a window of 4 lone steps (~0.2 s here)
+    batcher = server.backend.batcher
+    batcher.span = SlowSpan(span, 0.05)
+    caches = [server.cache(plan) for plan in plans]
+    pending = [iter(plan.steps()) for plan in plans]
+    outs: list[list[torch.Tensor]] = [[] for _ in plans]
+
+    async def step(i: int, delay: float = 0.0) -> None:
+        await asyncio.sleep(delay)
+        hidden, positions, mask, past = next(pending[i])
+        outs[i].append(await server.backend.run(hidden, positions, mask, caches[i], past, peer="one-peer"))
+
+    async def held_round() -> None:
+        """Every session's next step, queued behind a held thread: one batch."""
+        release = server.hold()
+        tasks = [asyncio.create_task(step(i)) for i in range(3)]
+        await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+
+    async def scenario() -> int:
+        await step(0)  # alone: a lone step's cost measured, nobody due: no wait
+        assert batcher.merge_waits == 0
+        await held_round()
+        await asyncio.sleep(0.03)
+        await held_round()  # every session away ~30 ms
+        before = batcher.batches
+        await asyncio.wait_for(asyncio.gather(step(0, 0.03), step(1, 0.06), step(2, 0.06)), WAIT)
+        return before
+
+    before = asyncio.run(scenario())
+    assert batcher.batches == before + 1 and batcher.merge_waits == 1
+    for plan, out in zip(plans, outs, strict=True):
+        assert_close(torch.cat(out, dim=1), solo(span, plan))

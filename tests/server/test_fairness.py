@@ -189,7 +189,7 @@ def test_contended_batches_stay_within_their_cost_in_lone_steps():
     """BatchCosts: a lone step measured at 10 ms, 2 positions at 12, 4 at 14, 8 at 22: at 1.5x a lone
     step batches may take 4 positions (8 cost 2.2x); unmeasured sizes are allowed (trying measures
     them); nothing measured yet: no limit but the batcher's own."""
-    from shoal.server.batching import BatchCosts
+    from shoal.server.pacing import BatchCosts
 
     costs = BatchCosts()
     assert costs.limit(1.5, 32) == 32

@@ -1,0 +1,112 @@
+"""fp32 linear layers on a CPU through oneDNN's packed weight layout, for batched decode steps:
+a batch of one-token steps then costs about what one step costs.
+
+A decode step multiplies a few rows by every weight matrix of the span. ``nn.Linear`` calls MKL's
+sgemm, which is quick for one row (a matrix-vector product, bound by reading the weights) but not
+for a few: measured on this project's machine (AMD EPYC, Zen 4, one thread), the linear layers of
+8 blocks of the 270M llama take 34, 60, 60, 73 and 87 ms for 1, 2, 4, 8 and 16 rows. oneDNN, with
+the weights reordered once into the blocked layout it computes from (sized for 16 rows), takes 35,
+33, 32, 31 and 51 ms for the same: a batch of 8 costs what one row does.
+
+Only a batch of one-token steps (``[rows >= 2, 1, H]``: what continuous batching makes of decode
+steps, :mod:`shoal.server.batching`) takes that path. One row, a prefill, anything that records
+gradients (a backward, training) and anything not fp32 on the CPU runs ``nn.Linear``'s own MKL
+call on the plain weight, so a lone session computes exactly what transformers computes: oneDNN
+sums in another order (its error against fp64 is about twice MKL's, still fp32 rounding), which
+through SmolLM2's 30 blocks moves logits by ~4e-4, more than the 1e-4 the swarm's parity with
+transformers is held to. Batched rows already differ from a lone one's by their GEMM's order.
+
+The plain weight stays (and LoRA adapters, which wrap it, and the fingerprints use it), so the
+linear weights take twice their memory: hence opt-in, ``shoal serve --packed-weights``, and
+:func:`packed_bytes` for placement to count. The copy follows the weight: one changed in place is
+packed again before its next use.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: rows oneDNN lays the weights out for (it computes any number of rows from them)
+PACKED_FOR_ROWS = 16
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN (with the packed-linear ops) for the CPU."""
+    mkldnn = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` (the same weight and bias parameters) that computes no-grad fp32 CPU calls
+    from a oneDNN copy of its weight."""
+
+    packed: torch.Tensor
+    packed_version: int  # the weight's version the copy was made from
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> PackedLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias
+        layer.repack()
+        return layer
+
+    def repack(self) -> None:
+        # not a buffer: state dicts, fingerprints and byte counts see the plain weight alone
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKED_FOR_ROWS)
+        self.packed_version = self.weight._version
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one_token_batch = x.dim() == 3 and x.shape[1] == 1 and x.shape[0] >= 2
+        if not one_token_batch or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        if self.weight._version != self.packed_version:
+            self.repack()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def __deepcopy__(self, memo: dict) -> PackedLinear:
+        """A copy of the parameters, packed anew (oneDNN's copy has no storage to copy)."""
+        plain = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(plain)
+        plain.in_features, plain.out_features = self.in_features, self.out_features
+        plain.weight, plain.bias = copy.deepcopy(self.weight, memo), copy.deepcopy(self.bias, memo)
+        return PackedLinear.of(plain)
+
+
+def packable(module: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a quantised or adapted one) with fp32 weights on the CPU."""
+    return type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Swap every packable linear layer under ``module`` for a :class:`PackedLinear` of the same
+    parameters; returns how many. A no-op where this torch has no oneDNN."""
+    if not packing_available():
+        return 0
+    targets = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()]
+    swapped = 0
+    for parent, name, child in targets:
+        if packable(child):
+            setattr(parent, name, PackedLinear.of(child))
+            swapped += 1
+    return swapped
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes :func:`pack_linears` would add to ``module`` (a meta module will do): one more copy of
+    each packable layer's weight."""
+    return sum(
+        m.weight.numel() * 4
+        for m in module.modules()
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type in ("cpu", "meta")
+    )
+
+
+__all__ = ["PACKED_FOR_ROWS", "PackedLinear", "pack_linears", "packable", "packed_bytes", "packing_available"]
