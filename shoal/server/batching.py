@@ -61,6 +61,9 @@ from shoal.models.kv import CachedStep, PagesExhausted
 from shoal.server.pacing import Arrivals, BatchCosts
 from shoal.wire.tensors import cat_serial
 
+#: a burst's steps come within this many lone steps' time of each other (a client handles its
+#: sessions' replies one after another: about a millisecond each)
+BURST_GAP = 0.1
 #: what the batcher queues its drain task with (a concurrent future back); RuntimeError once shut down
 Submit = Callable[[Callable[[], None]], Future]
 AdapterContext = Callable[[str | None], contextlib.AbstractContextManager]
@@ -225,7 +228,7 @@ class Batcher:
         self._queue = StepQueue()
         self._scheduled = False  # a drain task is queued or running
         self.contended_cost, self.costs = contended_cost, BatchCosts()
-        self.merge_wait, self.arrivals = merge_wait, Arrivals()
+        self.merge_wait, self.arrivals = merge_wait, Arrivals(gone=lambda cache: getattr(cache, "closed", False))
         self._arrived = threading.Condition(self._lock)  # a step was queued (a merge wait may end)
         self.merge_waits = 0  # batches started after waiting for sessions due back
         self._last_seen: dict[str | None, float] = {}  # peer -> when its last step was queued
@@ -335,17 +338,24 @@ class Batcher:
                 self._schedule()
 
     def _wait_for_due(self) -> None:
-        """Under the lock: while sessions are due back within ``merge_wait`` lone steps and the
-        batch is not full, wait for them (they join this batch instead of starting a group of their
-        own). An idle server's lone session is never due while its own step waits: no wait."""
+        """Under the lock: while sessions are due back within ``merge_wait`` lone steps, or steps
+        keep coming in a burst (each within :data:`BURST_GAP` lone steps of the last), and the batch
+        is not full, wait for them (they join this batch instead of starting a group of their own).
+        An idle server's lone session is neither due nor in a burst while its own step waits."""
         alone = self.costs.alone()
         if self.max_batch == 1 or not self.merge_wait or alone is None:
             return
-        window = self.merge_wait * alone
+        window, gap = self.merge_wait * alone, BURST_GAP * alone
         now = time.monotonic()
         deadline, waited = now + window, False
-        while now < deadline and self._queue.rows_waiting() < self.max_batch and self.arrivals.due(now, window):
-            self._arrived.wait(deadline - now)
+        while now < deadline and self._queue.rows_waiting() < self.max_batch:
+            if self.arrivals.due(now, window):
+                until = deadline
+            elif self.arrivals.bursting(now, gap):
+                until = min(deadline, self.arrivals.last_arrival + gap)
+            else:
+                break
+            self._arrived.wait(max(0.0, until - now))
             now, waited = time.monotonic(), True
         self.merge_waits += waited
 

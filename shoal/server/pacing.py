@@ -13,12 +13,13 @@ client's sessions arrive as a burst spread over a few milliseconds (its replies 
 after another), and a batch that starts on the first of them and leaves the rest for the next one
 splits the sessions into groups that never merge again, each paying a forward of its own.
 
-Keys are whatever identifies a session's steps (the batcher uses the session's cache).
+Keys are whatever identifies a session's steps (the batcher uses the session's cache); ``gone``
+tells a key whose session ended (a closed cache), forgotten at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 #: a session that has not come back for this long is forgotten (closed, or its user thinks)
 FORGET_AFTER = 5.0
@@ -63,32 +64,47 @@ class BatchCosts:
 class Arrivals:
     """Sessions' away times, and which are due back soon."""
 
-    def __init__(self) -> None:
+    def __init__(self, gone: Callable[[Hashable], bool] = lambda key: False) -> None:
+        self._gone = gone
         self._away: dict[Hashable, float] = {}  # session -> seconds it was away last time
         self._left: dict[Hashable, float] = {}  # away session -> when its last step finished here
+        self.last_arrival = float("-inf")
 
     def arrived(self, key: Hashable, now: float) -> None:
         """A step of ``key`` was queued."""
         left = self._left.pop(key, None)
         if left is not None:
             self._away[key] = now - left
+        self.last_arrival = now
 
     def finished(self, key: Hashable, now: float) -> None:
         """``key``'s step is done here: it is away until its next."""
         self._left[key] = now
 
+    def _active(self, now: float) -> dict[Hashable, float]:
+        """The away sessions still expected (others forgotten)."""
+        for key, left in list(self._left.items()):
+            if now - left > FORGET_AFTER or self._gone(key):
+                del self._left[key]
+                self._away.pop(key, None)
+        return self._left
+
+    def bursting(self, now: float, gap: float) -> bool:
+        """Whether steps are coming in a burst: one came less than ``gap`` ago while other sessions
+        are away (and may be in it). Covers what :meth:`due` cannot predict: sessions that never
+        came back yet (a client's first decode steps after its prefills), or whose last time away
+        says nothing of this one (a pause)."""
+        return now - self.last_arrival < gap and bool(self._active(now))
+
     def due(self, now: float, within: float) -> int:
         """How many away sessions are expected back within ``within`` seconds of ``now`` (one a
         little late counts: it is about to come; one later than ``within`` does not). A session
         not yet seen coming back is expected to stay away as long as the others do (the median)."""
+        active = self._active(now)
         known = sorted(self._away.values())
         typical = known[len(known) // 2] if known else None
         count = 0
-        for key, left in list(self._left.items()):
-            if now - left > FORGET_AFTER:
-                del self._left[key]
-                self._away.pop(key, None)
-                continue
+        for key, left in active.items():
             away = self._away.get(key, typical)
             if away is not None and abs(left + away - now) <= within:
                 count += 1

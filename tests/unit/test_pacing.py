@@ -42,3 +42,30 @@ def test_a_session_away_too_long_is_forgotten():
     arrivals.arrived("a", 10.0)  # back after all: a fresh start, no away time from so long ago
     arrivals.finished("a", 10.5)
     assert arrivals.due(now=11.5, within=0.1) == 0
+
+
+def test_steps_coming_in_a_burst_while_others_are_away():
+    """A step less than ``gap`` ago while another session is away: a burst (the other may be in it);
+    a lone session's own step is no burst, nor one long ago."""
+    arrivals = Arrivals()
+    arrivals.arrived("lone", 0.0)
+    assert not arrivals.bursting(now=0.001, gap=0.005)  # nobody else: never waits
+    arrivals.finished("lone", 0.1)
+    arrivals.finished("b", 0.1)
+    arrivals.arrived("lone", 0.2)
+    assert arrivals.bursting(now=0.202, gap=0.005)  # b is away and may be right behind
+    assert not arrivals.bursting(now=0.21, gap=0.005)  # the burst is over
+
+
+def test_a_session_whose_cache_closed_is_forgotten_at_once():
+    closed: set[str] = set()
+    arrivals = Arrivals(gone=lambda key: key in closed)
+    for key in "ab":
+        arrivals.finished(key, 0.0)
+        arrivals.arrived(key, 0.1)
+        arrivals.finished(key, 0.2)
+    assert arrivals.due(now=0.3, within=0.01) == 2
+    closed.add("b")
+    assert arrivals.due(now=0.3, within=0.01) == 1
+    arrivals.arrived("a", 0.3)
+    assert not arrivals.bursting(now=0.301, gap=0.005)  # b is gone: nobody else is away
