@@ -38,6 +38,7 @@ HIDDEN_BYTES = 64 * 4  # one position's hidden state on the wire (hidden size 64
 PROMPT = torch.tensor([[1, 17, 33, 2, 90, 5, 61, 7]])
 LONG_PROMPT = torch.randint(2, 256, (1, 64), generator=torch.Generator().manual_seed(0))
 LINKS = [("client", "s0"), ("s0", "s1"), ("s1", "client")]  # the hops of a pushed step
+CAPTURE_LAG_S = 0.5  # the capture reads a datagram at most this long after the kernel passed (or dropped) it
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +161,13 @@ def test_every_hop_of_a_step_is_counted_on_its_link_and_nothing_goes_around(chec
             wait_quiet(wan)
             after = wan.all_stats()
             addrs = {node.name: node.own_addrs for node in wan.nodes}
-            refused = {name: sum(udp_drops(set(own)).values()) for name, own in addrs.items()}
-            read_at = time.monotonic()
+            # iroh keeps probing while the nodes are up, and the capture sees a datagram a little
+            # after the kernel dropped it: bracket the capture's count by the drops read well
+            # before its cut and just after it
+            refused_before = {name: sum(udp_drops(set(own)).values()) for name, own in addrs.items()}
+            read_at = time.monotonic() + CAPTURE_LAG_S
+            time.sleep(CAPTURE_LAG_S + 0.05)
+            refused_after = {name: sum(udp_drops(set(own)).values()) for name, own in addrs.items()}
             emulator = wan.socket_addresses()
         finally:
             swarm.close()  # the nodes; the emulator stays open
@@ -185,7 +191,8 @@ def test_every_hop_of_a_step_is_counted_on_its_link_and_nothing_goes_around(chec
 
     # around the emulator: counted while every node was up, before its drops were read
     _, _, around = check_capture_against_counters(datagrams, addrs, emulator, final, around_before=read_at)
-    assert {name: around[name] for name in addrs} == refused
+    for name in addrs:  # every datagram that went around was dropped by its receiver's kernel
+        assert refused_before[name] <= around[name] <= refused_after[name], (name, around, refused_before)
 
 
 @pytest.mark.parametrize(("server", "missing"), [("s0", [0, 1]), ("s1", [2, 3])])
