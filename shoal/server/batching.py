@@ -13,9 +13,11 @@ Merging: the steps of one client's sessions come back as a burst spread over mil
 batch started on its first would split them into groups that stay apart (each a forward of its
 own every round). So when the thread frees up with steps waiting, and other sessions are due back
 (:class:`~shoal.server.pacing.Arrivals`: as long after their last step as they were away
-before), it waits for them up to ``merge_wait`` (1.5) lone steps' time. A lone session is never
-due while its own step waits, so an idle server's step still runs at once; and there is no wait
-while peers compete (below): nobody waits for another peer's sessions.
+before), or steps keep coming in a burst (each within ``BURST_GAP`` lone steps of the last: what
+due times cannot tell, such as a client's first decode steps after its prefills), it waits for
+them up to ``merge_wait`` (1.5) lone steps' time. A lone session is never due, nor in a burst,
+while its own step waits, so an idle server's step still runs at once; and there is no wait while
+peers compete (below): nobody waits for another peer's sessions.
 
 Fairness: the queue is filled round-robin by peer, one step of each peer per round, and the peers
 served go to the back (rounds start with the peer served least recently: one whose single session
