@@ -51,10 +51,14 @@ class PackedLinear(nn.Linear):
 
     @classmethod
     def of(cls, linear: nn.Linear) -> PackedLinear:
+        return cls._holding(linear.weight, linear.bias)
+
+    @classmethod
+    def _holding(cls, weight: nn.Parameter, bias: nn.Parameter | None) -> PackedLinear:
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.weight, layer.bias = linear.weight, linear.bias
+        layer.out_features, layer.in_features = weight.shape
+        layer.weight, layer.bias = weight, bias
         layer.repack()
         return layer
 
@@ -73,16 +77,17 @@ class PackedLinear(nn.Linear):
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:
         """A copy of the parameters, packed anew (oneDNN's copy has no storage to copy)."""
-        plain = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(plain)
-        plain.in_features, plain.out_features = self.in_features, self.out_features
-        plain.weight, plain.bias = copy.deepcopy(self.weight, memo), copy.deepcopy(self.bias, memo)
-        return PackedLinear.of(plain)
+        return self._holding(copy.deepcopy(self.weight, memo), copy.deepcopy(self.bias, memo))
+
+
+def _plain_fp32(module: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a quantised or adapted one) with fp32 weights."""
+    return type(module) is nn.Linear and module.weight.dtype == torch.float32
 
 
 def packable(module: nn.Module) -> bool:
-    """A plain ``nn.Linear`` (not a quantised or adapted one) with fp32 weights on the CPU."""
-    return type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
+    """A plain fp32 ``nn.Linear`` on the CPU."""
+    return _plain_fp32(module) and module.weight.device.type == "cpu"
 
 
 def pack_linears(module: nn.Module) -> int:
@@ -102,11 +107,8 @@ def pack_linears(module: nn.Module) -> int:
 def packed_bytes(module: nn.Module) -> int:
     """Bytes :func:`pack_linears` would add to ``module`` (a meta module will do): one more copy of
     each packable layer's weight."""
-    return sum(
-        m.weight.numel() * 4
-        for m in module.modules()
-        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type in ("cpu", "meta")
-    )
+    planned = [m for m in module.modules() if _plain_fp32(m) and m.weight.device.type in ("cpu", "meta")]
+    return sum(m.weight.numel() * 4 for m in planned)
 
 
 __all__ = ["PACKED_FOR_ROWS", "PackedLinear", "pack_linears", "packable", "packed_bytes", "packing_available"]

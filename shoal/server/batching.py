@@ -334,7 +334,6 @@ class Batcher:
                 for pending in batch:
                     if not pending.chunk:
                         self.arrivals.finished(pending.cache, now)
-            with self._lock:
                 self._scheduled = again = len(self._queue) > 0
             if again:
                 self._schedule()
