@@ -66,10 +66,14 @@ def reference_continuation(model, tokenizer, ids: list[int], max_new_tokens: int
     return tokenizer.decode(new, skip_special_tokens=True), new
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on loopback (all bound at once while chosen: a port let go
+    can be the kernel's next pick, and two servers given one port fail to start)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 class UrlProcess(ChildProcess):
@@ -115,7 +119,7 @@ class MetricsSwarm:
         """The first span founds the swarm, the others join it in parallel; returns once every
         server's table lists every server online."""
         try:
-            ports = [free_port() for _ in spans]
+            ports = free_ports(len(spans))
             started = self.processes.start(spans, [("--metrics-port", str(port), *extra) for port in ports])
             self.servers += [Server(*spec) for spec in zip(spans, started, ports, strict=True)]
             self.processes.wait_converged(60.0)
