@@ -353,6 +353,8 @@ SCHEDULER_COUNTERS = (
     "steps_deferred",
     "prefill_chunks",
     "merge_waits",
+    "batch_groups",
+    "regroupings",
     "steps",
 )
 

@@ -246,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--merge-wait", type=float, default=1.5, metavar="STEPS",
-        help="a free compute thread waits up to this many lone steps' time for sessions due back, so they "
-        "join one batch instead of splitting into groups (0: never waits; never while peers compete)",
+        help="a free compute thread waits up to this many lone steps' time for sessions due back that ran "
+        "in its last batch with them, so they stay one batch instead of splitting into fragments (0: never "
+        "waits; never while peers compete)",
     )  # fmt: skip
     serve.add_argument(
         "--packed-weights", action="store_true",

@@ -9,15 +9,27 @@ step of every other row), runs them as ONE ``span.forward_steps``, settles each 
 its own output, and queues itself again if steps are left. There is no window: an idle server's lone
 step runs at once, and steps that arrive while a batch runs make the next one.
 
+Groups: a chain is a pipeline. One batch of all its sessions keeps one server busy at a time
+while the others wait for it, so the sessions run in as many groups as their chains keep busy
+(:func:`~shoal.server.pacing.choose_groups`, from how deep the chains are in this server's steps
+and what batches cost here): in a chain of two like servers, two groups of half the rows, one
+running here while the other runs on the other server. A batch then takes at most its group's share
+of the rows (``ceil(rows / groups)``), the steps of the sessions it started with last time first
+(their *cohort*: the batch a session's last step ran in here). A lone server's sessions stay one
+group. Counters ``batch_groups`` (now) and ``regroupings``.
+
 Merging: the steps of one client's sessions come back as a burst spread over milliseconds, and a
-batch started on its first would split them into groups that stay apart (each a forward of its
-own every round). So when the thread frees up with steps waiting, and other sessions are due back
-(:class:`~shoal.server.pacing.Arrivals`: as long after their last step as they were away
-before), or steps keep coming in a burst (each within ``BURST_GAP`` lone steps of the last: what
-due times cannot tell, such as a client's first decode steps after its prefills), it waits for
-them up to ``merge_wait`` (1.5) lone steps' time. A lone session is never due, nor in a burst,
-while its own step waits, so an idle server's step still runs at once; and there is no wait while
-peers compete (below): nobody waits for another peer's sessions.
+batch started on its first would split them into fragments that stay apart (each a forward of its
+own every round). So when the thread frees up with steps waiting, and sessions of the first step's
+cohort are due back (:class:`~shoal.server.pacing.Arrivals`: as long after their last step as
+they were away before), or steps keep coming in a burst (each within ``BURST_GAP`` lone steps of
+the last: what due times cannot tell, such as a client's first decode steps after its prefills),
+it waits for them up to ``merge_wait`` (1.5) lone steps' time, until the batch has its rows. Other
+cohorts are not waited for (the next group is due about a batch later), unless the sessions ran in
+more batches than they have groups: then any session due is, and the fragments merge. A lone
+session is never due, nor in a burst, while its own step waits, so an idle server's step still
+runs at once; and there is no wait while peers compete (below): nobody waits for another peer's
+sessions.
 
 Fairness: the queue is filled round-robin by peer, one step of each peer per round, and the peers
 served go to the back (rounds start with the peer served least recently: one whose single session
@@ -48,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -60,9 +73,10 @@ import torch
 
 from shoal.errors import BadRequest, BusyError, Unavailable
 from shoal.models.kv import CachedStep, PagesExhausted
-from shoal.server.pacing import Arrivals, BatchCosts
+from shoal.server.pacing import Arrivals, BatchCosts, choose_groups
 from shoal.wire.tensors import cat_serial
 
+log = logging.getLogger(__name__)
 #: a burst's steps come within this many lone steps' time of each other (a client handles its
 #: sessions' replies one after another: about a millisecond each)
 BURST_GAP = 0.1
@@ -128,6 +142,16 @@ class StepQueue:
     def rows_waiting(self) -> int:
         return sum(step.rows for queue in self._by_peer.values() for step in queue)
 
+    def head(self) -> PendingStep | None:
+        """The step :meth:`take` would start its batch with."""
+        self._drop_cancelled()
+        peers = self._in_turn()
+        return self._by_peer[peers[0]][0] if peers else None
+
+    def _in_turn(self) -> list[str | None]:
+        """The peers with steps waiting, the one served least recently first."""
+        return sorted(self._by_peer, key=lambda p: self._served_at.get(p, -1))
+
     def peers_waiting(self) -> int:
         return sum(1 for queue in self._by_peer.values() if queue)
 
@@ -137,12 +161,15 @@ class StepQueue:
         self._by_peer.clear()
         return steps
 
-    def take(self, max_rows: int, max_positions: int) -> list[PendingStep]:
+    def take(
+        self, max_rows: int, max_positions: int, prefer: Callable[[PendingStep], bool] | None = None
+    ) -> list[PendingStep]:
         """The next batch, set running: the oldest step of the peer whose turn it is (always, even
         alone past the limits), then rounds over the peers in turn, each round one step of each
-        peer (its oldest that fits), while rows and positions allow. Only steps of the first's
-        adapter join, none with deep prompts, none of a cache already in the batch. The peers
-        served go to the back in the order served; every step left waiting counts one deferral."""
+        peer (its oldest that fits, of those ``prefer`` admits if any), while rows and positions
+        allow. Only steps of the first's adapter join, none with deep prompts, none of a cache
+        already in the batch. The peers served go to the back in the order served; every step
+        left waiting counts one deferral."""
         self._drop_cancelled()
         batch: list[PendingStep] = []
         served: list[str | None] = []
@@ -150,9 +177,10 @@ class StepQueue:
         progress = True
         while progress and self._by_peer:
             progress = False
-            for peer in sorted(self._by_peer, key=lambda p: self._served_at.get(p, -1)):  # least recently first
+            for peer in self._in_turn():
                 queue = self._by_peer[peer]
-                pick = 0 if not batch else self._fitting(queue, batch, max_rows - rows, max_positions - positions)
+                room = (max_rows - rows, max_positions - positions)
+                pick = 0 if not batch else self._fitting(queue, batch, *room, prefer)
                 if pick is None:
                     continue
                 step = queue[pick]
@@ -180,11 +208,24 @@ class StepQueue:
         return [step for step in batch if step.future.set_running_or_notify_cancel()]
 
     @staticmethod
-    def _fitting(queue: deque[PendingStep], batch: list[PendingStep], rows: int, positions: int) -> int | None:
+    def _fitting(
+        queue: deque[PendingStep],
+        batch: list[PendingStep],
+        rows: int,
+        positions: int,
+        prefer: Callable[[PendingStep], bool] | None,
+    ) -> int | None:
         """Index of ``queue``'s oldest step that may join ``batch`` within ``rows`` and ``positions``
-        (its cache on the first's page pool: one forward reads one pool)."""
+        (its cache on the first's page pool: one forward reads one pool), of those ``prefer``
+        admits if there is one."""
+        fits = StepQueue._fits(queue, batch, rows, positions)
+        return next((index for index in fits if prefer is None or prefer(queue[index])), fits[0] if fits else None)
+
+    @staticmethod
+    def _fits(queue: deque[PendingStep], batch: list[PendingStep], rows: int, positions: int) -> list[int]:
         first, caches = batch[0], {id(step.cache) for step in batch}
         pool = getattr(first.cache, "pool", None)
+        fits = []
         for index, step in enumerate(queue):
             if step.prompts is not None or step.adapter != first.adapter or id(step.cache) in caches:
                 continue
@@ -193,8 +234,8 @@ class StepQueue:
             if getattr(step.cache, "pool", None) is not pool:
                 continue
             if step.rows <= rows and step.positions <= positions:
-                return index
-        return None
+                fits.append(index)
+        return fits
 
     def _drop_cancelled(self) -> None:
         """Steps whose session went (their future was cancelled) leave the queue uncounted."""
@@ -233,6 +274,9 @@ class Batcher:
         self.merge_wait, self.arrivals = merge_wait, Arrivals(gone=lambda cache: getattr(cache, "closed", False))
         self._arrived = threading.Condition(self._lock)  # a step was queued (a merge wait may end)
         self.merge_waits = 0  # batches started after waiting for sessions due back
+        self.groups = 1  # the sessions run in this many batches a round (pacing.choose_groups)
+        self.regroupings = 0  # times that changed
+        self._depth: float | None = None  # the chains' depth (pacing.Arrivals.depth), smoothed
         self._last_seen: dict[str | None, float] = {}  # peer -> when its last step was queued
         self.batches = 0  # forwards run (a lone step is a batch of one)
         self.batched_steps = 0  # steps (and chunks) they carried
@@ -258,6 +302,8 @@ class Batcher:
             "steps_deferred": self.steps_deferred,
             "prefill_chunks": self.prefill_chunks,
             "merge_waits": self.merge_waits,
+            "batch_groups": self.groups,
+            "regroupings": self.regroupings,
         }
 
     async def step(
@@ -292,7 +338,7 @@ class Batcher:
             self._queue.add(pending)
             now = self._last_seen[pending.peer] = time.monotonic()
             if not pending.chunk:
-                self.arrivals.arrived(pending.cache, now)
+                self.arrivals.arrived(pending.cache, now, pending.rows, pending.hidden.shape[1])
             self._arrived.notify()
             if self._scheduled:
                 return pending.future
@@ -317,42 +363,80 @@ class Batcher:
                 pending.future.set_exception(Unavailable("server is shutting down: use another server"))
 
     def _drain(self) -> None:
-        """Runs on the compute thread: one batch, then itself again if steps are left."""
-        with self._lock:
-            rows, positions = self.max_batch, self.max_positions
-            if self._contended():  # keep batches short while peers compete (module docstring)
-                rows = positions = min(rows, self.costs.limit(self.contended_cost, self.max_batch))
-            else:
-                self._wait_for_due()
-            batch = self._queue.take(rows, positions)
+        """Runs on the compute thread: one batch, then itself again if steps are left. A failure
+        of the batcher itself (not of a step: those settle their own futures) fails the batch and
+        every waiting step with it, and the batcher serves on: no step is left hanging."""
+        batch: list[PendingStep] = []
         try:
+            with self._lock:
+                batch = self._next_batch()
             if batch:
                 self._run(batch)
-        finally:
-            now = time.monotonic()
+        except BaseException as exc:
+            log.exception("continuous batching failed: failing its waiting steps")
             with self._lock:
-                for pending in batch:
-                    if not pending.chunk:
-                        self.arrivals.finished(pending.cache, now)
+                failed = batch + self._queue.drain()
+            for pending in failed:
+                if not pending.future.done() and (
+                    pending.future.running() or pending.future.set_running_or_notify_cancel()
+                ):
+                    pending.future.set_exception(exc)
+        finally:
+            with self._lock:
                 self._scheduled = again = len(self._queue) > 0
             if again:
                 self._schedule()
 
-    def _wait_for_due(self) -> None:
-        """Under the lock: while sessions are due back within ``merge_wait`` lone steps, or steps
-        keep coming in a burst (each within :data:`BURST_GAP` lone steps of the last), and the batch
-        is not full, wait for them (they join this batch instead of starting a group of their own).
-        An idle server's lone session is neither due nor in a burst while its own step waits."""
+    def _next_batch(self) -> list[PendingStep]:
+        """Under the lock: the steps of the next batch (module docstring), set running."""
+        rows, positions, prefer = self._group_rows(), self.max_positions, None
+        if self._contended():  # keep batches short while peers compete (module docstring)
+            rows = positions = min(rows, self.costs.limit(self.contended_cost, self.max_batch))
+        else:
+            head = self._queue.head()
+            cohort = None if head is None else self.arrivals.cohort_of(head.cache)
+            if cohort is not None:
+                prefer = self._in_cohort(cohort)
+            self._wait_for_due(rows, cohort)
+        return self._queue.take(rows, positions, prefer)
+
+    def _group_rows(self) -> int:
+        """Under the lock: the rows a batch may take, the sessions' rows split evenly over as many
+        groups as their chains keep busy (:func:`~shoal.server.pacing.choose_groups`, a decode
+        step's rows being its new positions), at most ``max_batch``."""
+        now = time.monotonic()
+        depth, rows, groups = self.arrivals.depth(now), self.arrivals.rows(now), 1
+        if depth is not None:  # smoothed, and kept: new sessions' chains are like the last ones' till measured
+            self._depth = depth if self._depth is None else 0.7 * self._depth + 0.3 * depth
+        if self._depth is not None and rows > 1 and self.max_batch > 1 and self.costs.alone() is not None:
+            groups = choose_groups(self._depth, rows, self.costs.predict, self.groups)
+        self.regroupings += groups != self.groups
+        self.groups = groups
+        return self.max_batch if groups == 1 else max(1, min(self.max_batch, -(-rows // groups)))
+
+    def _in_cohort(self, cohort: int) -> Callable[[PendingStep], bool]:
+        return lambda step: self.arrivals.cohort_of(step.cache) == cohort
+
+    def _wait_for_due(self, rows: int, cohort: int | None) -> None:
+        """Under the lock: while the batch has fewer than ``rows`` rows and sessions are due back
+        within ``merge_wait`` lone steps, or steps keep coming in a burst (each within
+        :data:`BURST_GAP` lone steps of the last), wait for them: they join this batch instead of
+        starting one of their own. Only sessions that ran with the first step last time (its
+        ``cohort``) are waited for, unless the sessions ran in more batches than they have groups
+        (fragments: waiting merges them). An idle server's lone session is neither due nor in a
+        burst while its own step waits."""
         alone = self.costs.alone()
         if self.max_batch == 1 or not self.merge_wait or alone is None:
             return
         window, gap = self.merge_wait * alone, BURST_GAP * alone
         now = time.monotonic()
+        if self.arrivals.cohorts(now) > self.groups:
+            cohort = None
         deadline, waited = now + window, False
-        while now < deadline and self._queue.rows_waiting() < self.max_batch:
-            if self.arrivals.due(now, window):
+        while now < deadline and self._queue.rows_waiting() < rows:
+            if self.arrivals.due(now, window, cohort):
                 until = deadline
-            elif self.arrivals.bursting(now, gap):
+            elif self.arrivals.bursting(now, gap, cohort):
                 until = min(deadline, self.arrivals.last_arrival + gap)
             else:
                 break
@@ -371,49 +455,58 @@ class Batcher:
         return len(self._last_seen) > 1
 
     def _run(self, batch: list[PendingStep]) -> None:
-        """Take each step's pages (one without fails alone: busy), run the rest as one forward."""
-        ready = []
+        """Take each step's pages (one without fails alone: busy), run the rest as one forward, then
+        settle every step's future, after :attr:`arrivals` heard the batch is done (a session can
+        be back with its next step the moment its future settles)."""
+        ready: list[PendingStep] = []
+        settled: list[tuple[PendingStep, torch.Tensor | BaseException]] = []
         for pending in batch:
             try:
                 pending.cache.prepare(pending.past_length, pending.end)
             except PagesExhausted:
-                pending.future.set_exception(BusyError(BUSY))
+                settled.append((pending, BusyError(BUSY)))
             except ValueError as exc:  # a closed cache
-                pending.future.set_exception(BadRequest(str(exc)))
+                settled.append((pending, BadRequest(str(exc))))
             except BaseException as exc:
-                pending.future.set_exception(exc)
+                settled.append((pending, exc))
             else:
                 ready.append(pending)
-        if not ready:
-            return
-        self.batches += 1
-        self.batched_steps += len(ready)
-        self.batch_rows_max = max(self.batch_rows_max, sum(p.rows for p in ready))
-        self.batch_steps_max = max(self.batch_steps_max, len(ready))
-        self.prefill_chunks += sum(p.chunk for p in ready)
-        started = time.perf_counter()
-        self._forward(ready, split_on_error=True)
-        if ready[0].prompts is None:
-            self.costs.record(sum(p.positions for p in ready), time.perf_counter() - started)
+        if ready:
+            self.batches += 1
+            self.batched_steps += len(ready)
+            self.batch_rows_max = max(self.batch_rows_max, sum(p.rows for p in ready))
+            self.batch_steps_max = max(self.batch_steps_max, len(ready))
+            self.prefill_chunks += sum(p.chunk for p in ready)
+            started = time.perf_counter()
+            settled += self._forward(ready, split_on_error=True)
+            if ready[0].prompts is None:
+                self.costs.record(sum(p.positions for p in ready), time.perf_counter() - started)
+        now = time.monotonic()
+        with self._lock:
+            for pending in batch:
+                if not pending.chunk:
+                    self.arrivals.finished(pending.cache, now, self.batches)
+        for pending, outcome in settled:
+            if isinstance(outcome, BaseException):
+                pending.future.set_exception(outcome)
+            else:
+                pending.future.set_result(outcome)
 
-    def _forward(self, ready: list[PendingStep], split_on_error: bool) -> None:
+    def _forward(
+        self, ready: list[PendingStep], split_on_error: bool
+    ) -> list[tuple[PendingStep, torch.Tensor | BaseException]]:
+        """Each step's output, or the error it fails with."""
         try:
             with self._adapter_context(ready[0].adapter), torch.inference_mode():
                 outputs = self._outputs(ready)
         except (ValueError, PagesExhausted) as exc:  # the span's checks, or pages: find the step(s) concerned
-            if split_on_error and len(ready) > 1:
-                for pending in ready:  # each alone rewrites only its own positions
-                    self._forward([pending], split_on_error=False)
-                return
+            if split_on_error and len(ready) > 1:  # each alone rewrites only its own positions
+                return [outcome for pending in ready for outcome in self._forward([pending], split_on_error=False)]
             error = BusyError(BUSY) if isinstance(exc, PagesExhausted) else BadRequest(str(exc))
-            for pending in ready:
-                pending.future.set_exception(error)
+            return [(pending, error) for pending in ready]
         except BaseException as exc:
-            for pending in ready:
-                pending.future.set_exception(exc)
-        else:
-            for pending, out in zip(ready, outputs, strict=True):
-                pending.future.set_result(out)
+            return [(pending, exc) for pending in ready]
+        return list(zip(ready, outputs, strict=True))
 
     def _outputs(self, ready: list[PendingStep]) -> list[torch.Tensor]:
         """Each step's output, cast back to its input's dtype on the CPU."""

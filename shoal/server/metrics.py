@@ -160,6 +160,8 @@ class ServerCollector(Collector):
                                   value=c.batched_steps)  # fmt: skip
         yield CounterMetricFamily("shoal_steps_deferred", "Times a waiting step was left out of a batch that ran",
                                   value=c.steps_deferred)  # fmt: skip
+        yield GaugeMetricFamily("shoal_batch_groups", "Groups the sessions run in, a batch each (as many as their "
+                                "chains keep busy)", value=c.batch_groups)  # fmt: skip
         yield GaugeMetricFamily("shoal_cache_free_tokens", "KV cache free for new sessions", value=budget.free_tokens)
         yield GaugeMetricFamily(
             "shoal_prefix_cache_pages",

@@ -122,14 +122,17 @@ class ServerCounters(msgspec.Struct, kw_only=True):
     prefix_hit_tokens: int = 0  # positions a step adopted from the prefix cache instead of computing
     # continuous batching (shoal.server.batching): batched forwards run (a lone step is a batch of one),
     # the session steps (or prefill chunks) they carried, the most rows one took, times a waiting step
-    # was left out of a batch that ran, the chunks run of steps cut in pieces, and the batches that
-    # waited (briefly) for sessions due back before they started
+    # was left out of a batch that ran, the chunks run of steps cut in pieces, the batches that
+    # waited (briefly) for sessions due back before they started, the groups the sessions run in now
+    # (one batch each: as many as their chains keep busy, shoal.server.pacing) and how often that changed
     batches: int = 0
     batched_steps: int = 0
     batch_rows_max: int = 0
     steps_deferred: int = 0
     prefill_chunks: int = 0
     merge_waits: int = 0
+    batch_groups: int = 1
+    regroupings: int = 0
     # evidence of other servers' lies judged here (shoal.server.judge): received, confirmed (a verdict
     # signed and gossiped), rejected; and the rejections by reason (the EvidenceReply's tag)
     evidence_received: int = 0

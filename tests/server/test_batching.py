@@ -11,7 +11,9 @@ task holds the compute thread until every session's first step is queued, so the
 them all. Also: max_batch 1 runs one step per forward; a long prefill runs in chunks that equal the
 unchunked run while another session's decode step runs beside the first chunk; a step whose pages
 run out is "busy" alone and the server serves afterwards; a step the span refuses is a bad request
-alone; an idle server's lone step runs at once.
+alone; an idle server's lone step runs at once; sessions whose chain keeps two of this server's
+batches busy run in two groups, a lone server's in one; a failure of the batcher itself fails the
+waiting steps and the batcher serves on.
 """
 
 from __future__ import annotations
@@ -121,14 +123,15 @@ class Server:
             outs.append(await self.backend.run(hidden, positions, mask, cache, past, peer=plan.peer))
         return torch.cat(outs, dim=1)
 
-    async def concurrently(self, plans: list[Plan]) -> list[torch.Tensor]:
-        """Every plan's session at once, their first steps queued behind a held compute thread."""
+    async def concurrently(self, plans: list[Plan], return_exceptions: bool = False) -> list[torch.Tensor]:
+        """Every plan's session at once, their first steps queued behind a held compute thread
+        (``return_exceptions``: a session that failed gives its error instead of raising it)."""
         release = self.hold()
         tasks = [asyncio.create_task(self.drive(plan)) for plan in plans]
         await asyncio.sleep(0)  # every task queued its first step
         assert len(self.backend.batcher._queue) == len(plans)
         release.set()
-        return await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=return_exceptions), WAIT)
 
     def close(self) -> None:
         self.backend.shutdown()
@@ -383,3 +386,78 @@ def test_sessions_due_back_join_the_batch_a_free_thread_would_start_without_them
     assert batcher.batches == before + 1 and batcher.merge_waits == 1
     for plan, out in zip(plans, outs, strict=True):
         assert_close(torch.cat(out, dim=1), solo(span, plan))
+
+
+class CostlySpan:
+    """The span, each batched forward made to take ``base + per_row * rows`` seconds at least: a
+    CPU's costs, where more rows cost more (the tiny model itself takes about a millisecond)."""
+
+    def __init__(self, span, base: float, per_row: float):
+        self.span, self.base, self.per_row = span, base, per_row
+        self.rows: list[int] = []  # each batch's rows, in order
+
+    def __getattr__(self, name):
+        return getattr(self.span, name)
+
+    def forward_steps(self, steps):
+        rows = sum(step.hidden.shape[0] for step in steps)
+        self.rows.append(rows)
+        time.sleep(self.base + self.per_row * rows)
+        return self.span.forward_steps(steps)
+
+
+def run_chain(server: Server, plans: list[Plan], away: float) -> list[torch.Tensor]:
+    """Every plan's session at once, each away ``away`` seconds after each of its steps (on the rest
+    of its chain), as one peer's sessions."""
+    caches = [server.cache(plan) for plan in plans]
+
+    async def drive(plan: Plan, cache: PagedCache) -> torch.Tensor:
+        outs = []
+        for hidden, positions, mask, past in plan.steps():
+            outs.append(await server.backend.run(hidden, positions, mask, cache, past, peer="one-peer"))
+            await asyncio.sleep(away)
+        return torch.cat(outs, dim=1)
+
+    async def together() -> list[torch.Tensor]:
+        sessions = (drive(plan, cache) for plan, cache in zip(plans, caches, strict=True))
+        return await asyncio.wait_for(asyncio.gather(*sessions), 4 * WAIT)
+
+    return asyncio.run(together())
+
+
+@pytest.mark.parametrize(("away", "groups"), [(0.14, 2), (0.0, 1)], ids=["two-server-chain", "lone-server"])
+def test_sessions_run_in_as_many_groups_as_their_chain_keeps_busy(span, server_factory, away, groups):
+    """Four sessions whose steps are away as long as a batch of all four takes here (a second
+    server like this one) split into two groups of two: while one group is away, the other runs
+    (two batches of 2 cost 2 x 0.05 s a round, one of 4 then idle on the other server 2 x 0.07 s).
+    A lone server's sessions, back at once, stay one batch of four. Each output is its solo run's."""
+    plans = [Plan(batch=1, max_length=16, prompt=2, decode=10, seed=30 + i) for i in range(4)]
+    server = server_factory(max_batch=8)
+    batcher = server.backend.batcher
+    batcher.span = costly = CostlySpan(span, base=0.06, per_row=0.02)
+    outputs = run_chain(server, plans, away)
+    for plan, out in zip(plans, outputs, strict=True):
+        assert_close(out, solo(span, plan))
+    assert batcher.groups == groups
+    assert costly.rows[-6:-1] == [4 // groups] * 5, costly.rows  # the last rounds (the very last may be cut short)
+    assert batcher.counters()["batch_groups"] == groups
+    assert batcher.regroupings == (groups > 1)
+
+
+def test_a_failure_of_the_batcher_itself_fails_the_waiting_steps_and_it_serves_on(span, server_factory):
+    """Not a step's error (those fail their own step): the batcher's own bookkeeping raising. Every
+    step waiting then fails with that error instead of hanging, and the next step runs as usual."""
+    plans = [Plan(batch=1, max_length=16, prompt=3, decode=0, seed=40 + i) for i in range(3)]
+    server = server_factory(max_batch=8)
+    batcher = server.backend.batcher
+    broken = RuntimeError("bookkeeping broke")
+
+    def depth(now: float) -> float:
+        raise broken
+
+    batcher.arrivals.depth = depth  # the next batch's grouping raises
+    outcomes = asyncio.run(server.concurrently(plans, return_exceptions=True))
+    assert all(outcome is broken for outcome in outcomes), outcomes
+    del batcher.arrivals.depth
+    plan = plans[0]
+    assert_close(asyncio.run(server.drive(plan)), solo(span, plan))
