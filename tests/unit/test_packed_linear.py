@@ -1,7 +1,8 @@
 """oneDNN's packed linear layers (:mod:`shoal.models.packed`): a batch of one-token rows equals
 ``nn.Linear`` within fp32 rounding; everything else (one row, several tokens, recorded gradients,
 other dtypes) is ``nn.Linear``'s own call, bitwise; the copy follows in-place changes and deep
-copies; a span whose layers are packed steps a batch of decode steps as the plain one does."""
+copies; a span whose layers are packed steps a batch of decode steps as the plain one does; the
+packed copy serves batches from the rows where calibration found it quicker, the plain call below."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from torch import nn
 
 from shoal.checkpoints import load_span
 from shoal.models.kv import CachedStep, PagedCache
-from shoal.models.packed import PackedLinear, pack_linears, packed_bytes, packing_available
+from shoal.models.packed import (
+    PackedLinear,
+    calibrate,
+    pack_linears,
+    packed_bytes,
+    packed_threshold,
+    packing_available,
+)
 from testkit.tiny import tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN")
@@ -104,3 +112,25 @@ def test_a_packed_span_steps_a_batch_of_decode_steps_as_the_plain_one(tmp_path):
             outputs.append(span.forward_steps(steps))
     for got, expected in zip(outputs[1], outputs[0], strict=True):
         assert_close(got, expected)
+
+
+def test_the_packed_copy_serves_batches_from_the_rows_where_it_is_quicker():
+    """Calibration sets every layer's threshold; below it the plain call runs, bitwise."""
+    assert packed_threshold((2, 3, 4, 8, 16), (False, False, True, True, True)) == 4
+    assert packed_threshold((2, 3, 4, 8, 16), (True, False, True, True, True)) == 4  # quicker at every size after
+    assert packed_threshold((2, 3, 4, 8, 16), (True,) * 5) == 2
+    assert packed_threshold((2, 3, 4, 8, 16), (True, True, True, True, False)) == 17  # never
+    torch.manual_seed(2)
+    module = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
+    plain = copy.deepcopy(module)
+    pack_linears(module)
+    threshold = calibrate(module, rows=(2, 4), repeats=1)
+    assert threshold in (2, 4, 5) and {m.packed_from for m in module} == {threshold}
+    assert copy.deepcopy(module)[0].packed_from == threshold
+    module[0].packed_from = module[1].packed_from = 4
+    with torch.inference_mode():
+        x = torch.randn(3, 1, 64)
+        assert torch.equal(module(x), plain(x))  # 3 rows: below the threshold, MKL's own call
+        x = torch.randn(4, 1, 64)
+        assert_close(module(x), plain(x))  # 4: the packed copy
+    assert calibrate(plain) is None  # nothing packed
