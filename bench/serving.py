@@ -1,7 +1,7 @@
 """Serving benchmark: one server shared by many sessions (issue 17), on one machine.
 
     scripts/isolated python -m bench.serving [--model llama270m|smollm2] [--concurrency 1,4,16,32]
-                                              [--new-tokens 16] [--repeats 2] [--only aggregate,fairness,kv,ttft]
+                                              [--new-tokens 64] [--repeats 2] [--only aggregate,fairness,kv,ttft]
 
 Two ``shoal serve`` processes (one torch thread each, standing in for two machines) each host half
 of the model's blocks, with ``--packed-weights`` (oneDNN's layout for batched decode steps,
@@ -16,13 +16,18 @@ Measured (prints ONE JSON object):
 
 * ``aggregate_tps_{C}_{batched,unbatched}``: C sessions (prompt ``--prompt-tokens``) decode
   ``--new-tokens`` one-token steps each at once; decode steps of all sessions / wall time from the
-  moment they all start decoding to the last one's end. Batched and unbatched runs alternate,
-  ``--repeats`` each (medians). A decode step's input is the embedding of a pre-drawn random token:
-  the servers' work is exactly a greedy decode's, but the client computes no LM head (on 2 shared
-  cores it would measure the client, not the servers). ``aggregate_ratio_16`` = batched / unbatched.
-  Each run also records ``client_cpu_share``: CPU seconds of this client process (every thread) per
-  wall second (1.0: the client alone keeps a core busy). ``server_counters``: each server's
-  scheduler counters after the runs (``batches``, ``batched_steps``, ``batch_rows_max``...).
+  moment they all start decoding to the last one's end. 64 steps by default: a decode's steady
+  state. The first and last rounds of a run are the chain's pipeline filling and draining (the
+  second server waits for the first's first batch; at the end the first waits while the second
+  runs the last group), about a batch of each server's time that a run of 16 steps (~2 s at 16
+  sessions) feels and a long answer does not (``--new-tokens 16`` measures it). Batched and
+  unbatched runs alternate, ``--repeats`` each (medians). A decode step's input is the embedding
+  of a pre-drawn random token: the servers' work is exactly a greedy decode's, but the client
+  computes no LM head (on 2 shared cores it would measure the client, not the servers).
+  ``aggregate_ratio_16`` = batched / unbatched. Each run also records ``client_cpu_share``: CPU
+  seconds of this client process (every thread) per wall second (1.0: the client alone keeps a
+  core busy). ``server_counters``: each server's scheduler counters after the runs (``batches``,
+  ``batched_steps``, ``batch_rows_max``, ``batch_groups``...).
 * ``step_ms_p50_16`` / ``step_ms_p99_16``: per-session step latency (client side, request to
   reply through both servers) over every decode step of the batched runs at 16 sessions.
 * ``fairness_ratio``: the median step latency of one session of this client while another client
@@ -431,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--only", default=",".join(MEASURES), help=f"comma list of {', '.join(MEASURES)}")
     parser.add_argument("--concurrency", default="1,4,16,32", help="sessions decoding at once, comma list")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="each decoding session's prompt")
-    parser.add_argument("--new-tokens", type=int, default=16, help="decode steps per session and run")
+    parser.add_argument("--new-tokens", type=int, default=64, help="decode steps per session and run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per setting (alternating)")
     parser.add_argument("--fairness-steps", type=int, default=24, help="steps the single session times per run")
     parser.add_argument("--max-batch", type=int, default=32, help="the batched servers' --max-batch")
