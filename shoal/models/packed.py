@@ -16,12 +16,15 @@ sums in another order (its error against fp64 is about twice MKL's, still fp32 r
 through SmolLM2's 30 blocks moves logits by ~4e-4, more than the 1e-4 the swarm's parity with
 transformers is held to. Batched rows already differ from a lone one's by their GEMM's order.
 
-Which is quicker for a few rows depends on the CPU: on the Intel Xeon (AVX-512) this project runs
-on now, the same layers take 28, 29, 54, 72 and 74 ms with MKL for 1, 2, 4, 8 and 16 rows,
+Which is quicker for 2 or 3 rows depends on the CPU: on the Intel Xeon (AVX-512) this project
+runs on now, the same layers take 28, 29, 54, 72 and 74 ms with MKL for 1, 2, 4, 8 and 16 rows,
 and 35, 34, 41 and 52 ms packed for 2, 4, 8 and 16: MKL is quicker for 2 rows there, oneDNN from
-4. So :func:`calibrate` times both over the span's layers when they are packed, and a layer uses
-its packed copy from the fewest rows where it is quicker at every size timed
-(:attr:`PackedLinear.packed_from`).
+4, as on the EPYC. So :func:`calibrate` times both for 2 and 3 rows over the span's layers when
+they are packed, and the layers use their packed copy from the fewest rows where it was quicker
+(:attr:`PackedLinear.packed_from`: 2, 3 or 4). Only those: a server times this while others load
+beside it, and a measure spoilt by them then costs a few batches of 2 or 3 rows a little, never
+every batch the packed copy (timing every size, two of four servers loading at once here once
+chose never to use it).
 
 The plain weight stays (and LoRA adapters, which wrap it, and the fingerprints use it), so the
 linear weights take twice their memory: hence opt-in, ``shoal serve --packed-weights``, and
@@ -41,8 +44,8 @@ from torch import nn
 
 #: rows oneDNN lays the weights out for (it computes any number of rows from them)
 PACKED_FOR_ROWS = 16
-#: batch sizes :func:`calibrate` times (a decode batch's rows)
-CALIBRATION_ROWS = (2, 3, 4, 8, 16)
+#: batch sizes :func:`calibrate` times (from 4 rows on the packed copy is the quicker wherever measured)
+CALIBRATION_ROWS = (2, 3)
 
 
 def packing_available() -> bool:
@@ -122,32 +125,34 @@ def pack_linears(module: nn.Module) -> int:
     return swapped
 
 
-def calibrate(module: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 2) -> int | None:
+def calibrate(module: nn.Module, rows: Sequence[int] = CALIBRATION_ROWS, repeats: int = 3) -> int | None:
     """Time MKL's plain call and the packed copy for batches of each of ``rows`` one-token rows, each
     over every packed layer of ``module`` in turn (the weights as a step reads them: one layer alone
-    would sit in cache), and set every layer's :attr:`~PackedLinear.packed_from` to the fewest rows
-    from which the packed copy is quicker at every size timed (past them all: never); returns it
-    (None: nothing is packed). Tensor work: call it on the compute thread."""
+    would sit in cache), the two in turns and the quickest of ``repeats`` (other work on the machine
+    slows both alike), and set every layer's :attr:`~PackedLinear.packed_from` to the fewest rows
+    from which the packed copy was quicker at every size timed (one past them otherwise); returns
+    it (None: nothing is packed). Tensor work: call it on the compute thread."""
     layers = [m for m in module.modules() if isinstance(m, PackedLinear)]
     if not layers:
         return None
 
-    def seconds(count: int, packed: bool) -> float:
-        inputs = [torch.zeros(count, 1, layer.in_features) for layer in layers]
-        best = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for layer, x in zip(layers, inputs, strict=True):
-                if packed:
-                    layer.packed_call(x)
-                else:
-                    F.linear(x, layer.weight, layer.bias)
-            best = min(best, time.perf_counter() - started)
-        return best
+    def seconds(inputs: list[torch.Tensor], packed: bool) -> float:
+        started = time.perf_counter()
+        for layer, x in zip(layers, inputs, strict=True):
+            if packed:
+                layer.packed_call(x)
+            else:
+                F.linear(x, layer.weight, layer.bias)
+        return time.perf_counter() - started
 
+    best = {(count, packed): float("inf") for count in rows for packed in (False, True)}
     with torch.inference_mode():
-        quicker = [seconds(count, packed=True) < seconds(count, packed=False) for count in rows]
-    threshold = packed_threshold(rows, quicker)
+        for _ in range(repeats):
+            for count in rows:
+                inputs = [torch.zeros(count, 1, layer.in_features) for layer in layers]
+                for packed in (False, True):
+                    best[count, packed] = min(best[count, packed], seconds(inputs, packed))
+    threshold = packed_threshold(rows, [best[count, True] < best[count, False] for count in rows])
     for layer in layers:
         layer.packed_from = threshold
     return threshold

@@ -124,8 +124,8 @@ def test_the_packed_copy_serves_batches_from_the_rows_where_it_is_quicker():
     module = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64))
     plain = copy.deepcopy(module)
     pack_linears(module)
-    threshold = calibrate(module, rows=(2, 4), repeats=1)
-    assert threshold in (2, 4, 5) and {m.packed_from for m in module} == {threshold}
+    threshold = calibrate(module, repeats=1)
+    assert threshold in (2, 3, 4) and {m.packed_from for m in module} == {threshold}
     assert copy.deepcopy(module)[0].packed_from == threshold
     module[0].packed_from = module[1].packed_from = 4
     with torch.inference_mode():
