@@ -229,13 +229,15 @@ class SpanBackend:
         prompts: torch.Tensor | None = None,
         adapter: str | None = None,
         peer: str | None = None,
+        pushed: bool = False,
     ) -> torch.Tensor:
         """A session step (with ``cache``: batched, inference class) or a stateless forward (forward
-        class); ``peer`` asked for it (each class, and each batch, is shared fairly by peer)."""
+        class); ``peer`` asked for it (each class, and each batch, is shared fairly by peer);
+        ``pushed``: the previous server of the session's chain handed the step on."""
         try:
             if cache is not None:
                 return await self.batcher.step(hidden, position_ids, mask, cache, past_length, prompts=prompts,
-                                               adapter=adapter, peer=peer)  # fmt: skip
+                                               adapter=adapter, peer=peer, pushed=pushed)  # fmt: skip
             return await self._submit(Priority.FORWARD, self._compute, hidden, position_ids, mask, prompts, adapter,
                                       peer=peer)  # fmt: skip
         except ValueError as exc:  # the span's own consistency checks

@@ -16,7 +16,12 @@ and what batches cost here): in a chain of two like servers, two groups of half 
 running here while the other runs on the other server. A batch then takes at most its group's share
 of the rows (``ceil(rows / groups)``), the steps of the sessions it started with last time first
 (their *cohort*: the batch a session's last step ran in here). A lone server's sessions stay one
-group. Counters ``batch_groups`` (now) and ``regroupings``.
+group. The server a session's client sends its steps to groups them; a server the previous one
+pushes them to (``pushed``) runs them as they come, a batch of the previous server's a batch here
+(waiting only for its stragglers, :data:`STRAGGLER_WAIT`), so a chain keeps one grouping: two
+servers deciding apart can settle in two that make each other's measure wrong (seen, with the
+second server's batches dearer than the first's: one batch of 16 on the first and three groups
+on the second, 30% slower). Counters ``batch_groups`` (now) and ``regroupings``.
 
 Merging: the steps of one client's sessions come back as a burst spread over milliseconds, and a
 batch started on its first would split them into fragments that stay apart (each a forward of its
@@ -80,6 +85,9 @@ log = logging.getLogger(__name__)
 #: a burst's steps come within this many lone steps' time of each other (a client handles its
 #: sessions' replies one after another: about a millisecond each)
 BURST_GAP = 0.1
+#: steps the previous server pushed in one batch come within this many lone steps' time of each
+#: other (a few milliseconds); its next batch comes a batch later: not waited for
+STRAGGLER_WAIT = 0.5
 #: what the batcher queues its drain task with (a concurrent future back); RuntimeError once shut down
 Submit = Callable[[Callable[[], None]], Future]
 AdapterContext = Callable[[str | None], contextlib.AbstractContextManager]
@@ -101,6 +109,7 @@ class PendingStep:
     adapter: str | None = None
     peer: str | None = None
     chunk: bool = False  # one chunk of a step cut in pieces (counted as a prefill chunk)
+    pushed: bool = False  # handed on by the previous server of the session's chain (not from its client)
     future: Future = field(default_factory=Future)
 
     @property
@@ -317,9 +326,11 @@ class Batcher:
         prompts: torch.Tensor | None = None,
         adapter: str | None = None,
         peer: str | None = None,
+        pushed: bool = False,
     ) -> torch.Tensor:
         """One session step's output (``hidden``'s dtype, on the CPU), through the batches; a long
-        one chunk by chunk (each chunk queued once the one before it is done)."""
+        one chunk by chunk (each chunk queued once the one before it is done). ``pushed``: the
+        previous server of the session's chain handed it on (this server follows its grouping)."""
         chunks = chunk_bounds(hidden.shape[0], hidden.shape[1], self.prefill_chunk)
         outputs = []
         for a, b in chunks:
@@ -327,7 +338,7 @@ class Batcher:
                 hidden[:, a:b] if len(chunks) > 1 else hidden,
                 position_ids[:, a:b] if len(chunks) > 1 else position_ids,
                 None if mask is None else mask[:, : past_length + b],
-                cache, past_length + a, prompts, adapter, peer, chunk=len(chunks) > 1,
+                cache, past_length + a, prompts, adapter, peer, chunk=len(chunks) > 1, pushed=pushed,
             )  # fmt: skip
             outputs.append(await _settled(self._enqueue(pending)))
         return outputs[0] if len(outputs) == 1 else cat_serial(outputs, dim=1)  # no OpenMP on the event loop
@@ -338,7 +349,7 @@ class Batcher:
             self._queue.add(pending)
             now = self._last_seen[pending.peer] = time.monotonic()
             if not pending.chunk:
-                self.arrivals.arrived(pending.cache, now, pending.rows, pending.hidden.shape[1])
+                self.arrivals.arrived(pending.cache, now, pending.rows, pending.hidden.shape[1], led=not pending.pushed)
             self._arrived.notify()
             if self._scheduled:
                 return pending.future
@@ -389,27 +400,32 @@ class Batcher:
 
     def _next_batch(self) -> list[PendingStep]:
         """Under the lock: the steps of the next batch (module docstring), set running."""
-        rows, positions, prefer = self._group_rows(), self.max_positions, None
+        rows, positions = self._group_rows(), self.max_positions
         if self._contended():  # keep batches short while peers compete (module docstring)
             rows = positions = min(rows, self.costs.limit(self.contended_cost, self.max_batch))
+            return self._queue.take(rows, positions)
+        head = self._queue.head()
+        cohort = None if head is None else self.arrivals.cohort_of(head.cache)
+        if head is not None and head.pushed:  # the previous server grouped these: only its stragglers
+            rows = self.max_batch
+            self._wait_for_due(rows, cohort, min(self.merge_wait, STRAGGLER_WAIT))
         else:
-            head = self._queue.head()
-            cohort = None if head is None else self.arrivals.cohort_of(head.cache)
-            if cohort is not None:
-                prefer = self._in_cohort(cohort)
-            self._wait_for_due(rows, cohort)
-        return self._queue.take(rows, positions, prefer)
+            fragments = self.arrivals.cohorts(time.monotonic()) > self.groups  # waiting for all merges them
+            self._wait_for_due(rows, None if fragments else cohort, self.merge_wait)
+        return self._queue.take(rows, positions, None if cohort is None else self._in_cohort(cohort))
 
     def _group_rows(self) -> int:
-        """Under the lock: the rows a batch may take, the sessions' rows split evenly over as many
-        groups as their chains keep busy (:func:`~shoal.server.pacing.choose_groups`, a decode
-        step's rows being its new positions), at most ``max_batch``."""
+        """Under the lock: the rows a batch may take, the rows of the sessions this server leads
+        split evenly over as many groups as their chains keep busy
+        (:func:`~shoal.server.pacing.choose_groups`, a decode step's rows being its new positions),
+        at most ``max_batch``."""
         now = time.monotonic()
-        depth, rows, groups = self.arrivals.depth(now), self.arrivals.rows(now), 1
+        depth, rows = self.arrivals.depth(now), self.arrivals.rows(now)
         if depth is not None:  # smoothed, and kept: new sessions' chains are like the last ones' till measured
             self._depth = depth if self._depth is None else 0.7 * self._depth + 0.3 * depth
-        if self._depth is not None and rows > 1 and self.max_batch > 1 and self.costs.alone() is not None:
-            groups = choose_groups(self._depth, rows, self.costs.predict, self.groups)
+        if rows < 2 or self.max_batch == 1 or self._depth is None or self.costs.alone() is None:
+            return self.max_batch  # nothing to split (the grouping stays for the sessions to come)
+        groups = choose_groups(self._depth, rows, self.costs.predict, self.groups)
         self.regroupings += groups != self.groups
         self.groups = groups
         return self.max_batch if groups == 1 else max(1, min(self.max_batch, -(-rows // groups)))
@@ -417,21 +433,17 @@ class Batcher:
     def _in_cohort(self, cohort: int) -> Callable[[PendingStep], bool]:
         return lambda step: self.arrivals.cohort_of(step.cache) == cohort
 
-    def _wait_for_due(self, rows: int, cohort: int | None) -> None:
-        """Under the lock: while the batch has fewer than ``rows`` rows and sessions are due back
-        within ``merge_wait`` lone steps, or steps keep coming in a burst (each within
-        :data:`BURST_GAP` lone steps of the last), wait for them: they join this batch instead of
-        starting one of their own. Only sessions that ran with the first step last time (its
-        ``cohort``) are waited for, unless the sessions ran in more batches than they have groups
-        (fragments: waiting merges them). An idle server's lone session is neither due nor in a
-        burst while its own step waits."""
+    def _wait_for_due(self, rows: int, cohort: int | None, lone_steps: float) -> None:
+        """Under the lock: while the batch has fewer than ``rows`` rows and sessions (of ``cohort``,
+        those that ran with the first step last time; None: any) are due back within ``lone_steps``
+        lone steps' time, or steps keep coming in a burst (each within :data:`BURST_GAP` lone steps
+        of the last), wait for them: they join this batch instead of starting one of their own. An
+        idle server's lone session is neither due nor in a burst while its own step waits."""
         alone = self.costs.alone()
-        if self.max_batch == 1 or not self.merge_wait or alone is None:
+        if self.max_batch == 1 or not lone_steps or alone is None:
             return
-        window, gap = self.merge_wait * alone, BURST_GAP * alone
+        window, gap = lone_steps * alone, BURST_GAP * alone
         now = time.monotonic()
-        if self.arrivals.cohorts(now) > self.groups:
-            cohort = None
         deadline, waited = now + window, False
         while now < deadline and self._queue.rows_waiting() < rows:
             if self.arrivals.due(now, window, cohort):

@@ -346,7 +346,7 @@ class BlockServer:
                     self.counters.pushes_received += 1
                 if session.cache is None:
                     raise NotFound(f"session {session.id} is closed")
-                reply = await self._step(session, message)
+                reply = await self._step(session, message, pushed=from_push)
                 session.last_step = max(session.last_step, message.id)
             route = message.meta.push
             if route:
@@ -382,7 +382,8 @@ class BlockServer:
         except Exception:
             log.exception("pushed step for session %s failed", session.id)
 
-    async def _step(self, session: ServedSession, message: Message) -> Message:
+    async def _step(self, session: ServedSession, message: Message, pushed: bool = False) -> Message:
+        """Run the session's step (``pushed``: handed on by the previous server of its chain)."""
         meta: StepRequest = message.meta
         if meta.session != session.id:
             raise NotFound(f"unknown session {meta.session!r} on this stream")
@@ -407,6 +408,7 @@ class BlockServer:
                 prompts=session.prompts,
                 adapter=session.adapter,
                 peer=session.peer_id,
+                pushed=pushed,
             )
 
         try:

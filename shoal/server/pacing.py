@@ -108,6 +108,7 @@ class _Session:
     away: float | None = None  # seconds it was away last time
     cohort: int | None = None  # the batch its last step ran in here
     depth: float | None = None  # its last cycle over its time here (Arrivals.depth)
+    led: bool = True  # its steps come from its client (not pushed on by the previous server)
 
 
 class Arrivals:
@@ -118,15 +119,17 @@ class Arrivals:
         self._sessions: dict[Hashable, _Session] = {}
         self.last_arrival = float("-inf")
 
-    def arrived(self, key: Hashable, now: float, rows: int = 1, width: int = 1) -> None:
-        """A step of ``key`` (``rows`` rows of ``width`` new positions) was queued. Its cycle counts
-        for :meth:`depth` only if the step before was as wide: a prefill and the decode step after
-        it cost too differently (and a client may pause between them)."""
+    def arrived(self, key: Hashable, now: float, rows: int = 1, width: int = 1, led: bool = True) -> None:
+        """A step of ``key`` (``rows`` rows of ``width`` new positions) was queued; ``led``: from
+        the session's client, not pushed on by the previous server of its chain (only those sessions
+        are grouped here: :meth:`depth`, :meth:`rows`). Its cycle counts for :meth:`depth` only if
+        the step before was as wide: a prefill and the decode step after it cost too differently
+        (and a client may pause between them)."""
         session = self._sessions.setdefault(key, _Session())
         if session.left is not None:
             session.away = now - session.left
         session.steady = width == session.width and session.left is not None
-        session.rows, session.width, session.came = rows, width, now
+        session.rows, session.width, session.came, session.led = rows, width, now, led
         self.last_arrival = now
 
     def finished(self, key: Hashable, now: float, batch: int | None = None) -> None:
@@ -148,8 +151,9 @@ class Arrivals:
         return [s for s in self._active(now).values() if s.came is None and cohort in (None, s.cohort)]
 
     def rows(self, now: float) -> int:
-        """Rows of the sessions this server serves now: here, or away and expected back."""
-        return sum(s.rows for s in self._active(now).values())
+        """Rows of the sessions this server leads now (their steps come from their clients): here,
+        or away and expected back."""
+        return sum(s.rows for s in self._active(now).values() if s.led)
 
     def cohort_of(self, key: Hashable) -> int | None:
         """The batch ``key``'s last step ran in here (None: none yet)."""
@@ -157,14 +161,16 @@ class Arrivals:
         return None if session is None else session.cohort
 
     def cohorts(self, now: float) -> int:
-        """How many batches the sessions' last steps here ran in (the groups they run in now)."""
-        return len({s.cohort for s in self._active(now).values()})
+        """How many batches the sessions' last steps here ran in (the groups they run in now; a
+        session yet to finish a step here is in none)."""
+        return len({s.cohort for s in self._active(now).values() if s.cohort is not None})
 
     def depth(self, now: float) -> float | None:
-        """How deep the sessions' chains are, in this server's steps (the module docstring): the
-        median over sessions of their last cycle (from one step's end here to the next's, of like
-        steps) over that next step's time here (queued to done); None until a session has one."""
-        depths = [s.depth for s in self._active(now).values() if s.depth is not None]
+        """How deep the chains of the sessions this server leads are, in its steps (the module
+        docstring): the median over them of their last cycle (from one step's end here to the
+        next's, of like steps) over that next step's time here (queued to done); None until one
+        has one."""
+        depths = [s.depth for s in self._active(now).values() if s.depth is not None and s.led]
         return statistics.median(depths) if depths else None
 
     def bursting(self, now: float, gap: float, cohort: int | None = None) -> bool:

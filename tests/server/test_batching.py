@@ -406,21 +406,25 @@ class CostlySpan:
         return self.span.forward_steps(steps)
 
 
-def run_chain(server: Server, plans: list[Plan], away: float) -> list[torch.Tensor]:
+def run_chain(server: Server, plans: list[Plan], away: float, pushed: bool = False) -> list[torch.Tensor]:
     """Every plan's session at once, each away ``away`` seconds after each of its steps (on the rest
-    of its chain), as one peer's sessions."""
+    of its chain), as one peer's sessions, their first steps one batch; ``pushed``: the steps come
+    from a previous server."""
     caches = [server.cache(plan) for plan in plans]
 
     async def drive(plan: Plan, cache: PagedCache) -> torch.Tensor:
         outs = []
         for hidden, positions, mask, past in plan.steps():
-            outs.append(await server.backend.run(hidden, positions, mask, cache, past, peer="one-peer"))
+            outs.append(await server.backend.run(hidden, positions, mask, cache, past, peer="one-peer", pushed=pushed))
             await asyncio.sleep(away)
         return torch.cat(outs, dim=1)
 
     async def together() -> list[torch.Tensor]:
-        sessions = (drive(plan, cache) for plan, cache in zip(plans, caches, strict=True))
-        return await asyncio.wait_for(asyncio.gather(*sessions), 4 * WAIT)
+        release = server.hold()  # the first batch holds every session's first step
+        tasks = [asyncio.create_task(drive(plan, cache)) for plan, cache in zip(plans, caches, strict=True)]
+        await asyncio.sleep(0)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 4 * WAIT)
 
     return asyncio.run(together())
 
@@ -461,3 +465,18 @@ def test_a_failure_of_the_batcher_itself_fails_the_waiting_steps_and_it_serves_o
     del batcher.arrivals.depth
     plan = plans[0]
     assert_close(asyncio.run(server.drive(plan)), solo(span, plan))
+
+
+def test_steps_pushed_by_the_previous_server_run_in_the_bursts_they_come_in(span, server_factory):
+    """The server a chain's client talks to groups its sessions; the next one follows: the same four
+    sessions as in a two-server chain, their steps pushed on together, run as one batch each time
+    (no grouping of its own that the first server's could contradict)."""
+    plans = [Plan(batch=1, max_length=16, prompt=2, decode=10, seed=30 + i) for i in range(4)]
+    server = server_factory(max_batch=8)
+    batcher = server.backend.batcher
+    batcher.span = costly = CostlySpan(span, base=0.06, per_row=0.02)
+    outputs = run_chain(server, plans, away=0.14, pushed=True)
+    for plan, out in zip(plans, outputs, strict=True):
+        assert_close(out, solo(span, plan))
+    assert costly.rows[-6:-1] == [4] * 5, costly.rows
+    assert batcher.groups == 1 and batcher.regroupings == 0

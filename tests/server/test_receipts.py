@@ -135,9 +135,9 @@ def asked_receipts(record: list[bool]) -> Prepare:
     def prepare(server: BlockServer) -> BlockServer:
         step = server._step
 
-        async def spy(session, message):
+        async def spy(session, message, **options):
             record.append(message.meta.receipt)
-            return await step(session, message)
+            return await step(session, message, **options)
 
         server._step = spy
         return server

@@ -113,8 +113,9 @@ def test_sessions_are_counted_by_rows_and_by_the_batch_they_last_ran_in():
     arrivals.arrived("c", 0.2, rows=2)  # here, never ran
     assert arrivals.rows(now=0.25) == 6
     assert arrivals.cohort_of("a") == arrivals.cohort_of("b") == 7 and arrivals.cohort_of("c") is None
-    assert arrivals.cohorts(now=0.25) == 2
+    assert arrivals.cohorts(now=0.25) == 1  # c, new, makes no fragment
     arrivals.finished("c", 0.3, batch=8)  # due back like the others: at 0.4
+    assert arrivals.cohorts(now=0.3) == 2
     assert arrivals.due(now=0.3, within=0.02, cohort=7) == 2
     assert arrivals.due(now=0.3, within=0.02, cohort=8) == 0
     assert arrivals.due(now=0.4, within=0.02, cohort=8) == 1
