@@ -86,7 +86,8 @@ log = logging.getLogger(__name__)
 #: sessions' replies one after another: about a millisecond each)
 BURST_GAP = 0.1
 #: steps the previous server pushed in one batch come within this many lone steps' time of each
-#: other (a few milliseconds); its next batch comes a batch later: not waited for
+#: other (a few milliseconds), whichever batches here they ran in; its next batch comes a batch
+#: later: not waited for
 STRAGGLER_WAIT = 0.5
 #: what the batcher queues its drain task with (a concurrent future back); RuntimeError once shut down
 Submit = Callable[[Callable[[], None]], Future]
@@ -408,7 +409,7 @@ class Batcher:
         cohort = None if head is None else self.arrivals.cohort_of(head.cache)
         if head is not None and head.pushed:  # the previous server grouped these: only its stragglers
             rows = self.max_batch
-            self._wait_for_due(rows, cohort, min(self.merge_wait, STRAGGLER_WAIT))
+            self._wait_for_due(rows, None, min(self.merge_wait, STRAGGLER_WAIT))
         else:
             fragments = self.arrivals.cohorts(time.monotonic()) > self.groups  # waiting for all merges them
             self._wait_for_due(rows, None if fragments else cohort, self.merge_wait)
