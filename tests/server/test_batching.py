@@ -116,22 +116,31 @@ class Server:
         assert entered.wait(WAIT)
         return release
 
-    async def drive(self, plan: Plan, cache: PagedCache | None = None) -> torch.Tensor:
+    async def drive(
+        self, plan: Plan, cache: PagedCache | None = None, away: float | None = None, pushed: bool = False
+    ) -> torch.Tensor:
+        """The plan's session, step after step; ``away``: it spends that long after each step on the
+        rest of its chain; ``pushed``: its steps come from a previous server, not its client."""
         cache = cache if cache is not None else self.cache(plan)
         outs = []
         for hidden, positions, mask, past in plan.steps():
-            outs.append(await self.backend.run(hidden, positions, mask, cache, past, peer=plan.peer))
+            outs.append(await self.backend.run(hidden, positions, mask, cache, past, peer=plan.peer, pushed=pushed))
+            if away is not None:
+                await asyncio.sleep(away)
         return torch.cat(outs, dim=1)
 
-    async def concurrently(self, plans: list[Plan], return_exceptions: bool = False) -> list[torch.Tensor]:
-        """Every plan's session at once, their first steps queued behind a held compute thread
-        (``return_exceptions``: a session that failed gives its error instead of raising it)."""
+    async def concurrently(
+        self, plans: list[Plan], return_exceptions: bool = False, timeout: float = WAIT, **driving
+    ) -> list[torch.Tensor]:
+        """Every plan's session at once (:meth:`drive` with ``driving``), their first steps queued
+        behind a held compute thread (``return_exceptions``: a session that failed gives its error
+        instead of raising it)."""
         release = self.hold()
-        tasks = [asyncio.create_task(self.drive(plan)) for plan in plans]
+        tasks = [asyncio.create_task(self.drive(plan, **driving)) for plan in plans]
         await asyncio.sleep(0)  # every task queued its first step
         assert len(self.backend.batcher._queue) == len(plans)
         release.set()
-        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=return_exceptions), WAIT)
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=return_exceptions), timeout)
 
     def close(self) -> None:
         self.backend.shutdown()
@@ -410,29 +419,6 @@ class CostlySpan:
         return self.span.forward_steps(steps)
 
 
-def run_chain(server: Server, plans: list[Plan], away: float, pushed: bool = False) -> list[torch.Tensor]:
-    """Every plan's session at once, each away ``away`` seconds after each of its steps (on the rest
-    of its chain), as one peer's sessions, their first steps one batch; ``pushed``: the steps come
-    from a previous server."""
-    caches = [server.cache(plan) for plan in plans]
-
-    async def drive(plan: Plan, cache: PagedCache) -> torch.Tensor:
-        outs = []
-        for hidden, positions, mask, past in plan.steps():
-            outs.append(await server.backend.run(hidden, positions, mask, cache, past, peer="one-peer", pushed=pushed))
-            await asyncio.sleep(away)
-        return torch.cat(outs, dim=1)
-
-    async def together() -> list[torch.Tensor]:
-        release = server.hold()  # the first batch holds every session's first step
-        tasks = [asyncio.create_task(drive(plan, cache)) for plan, cache in zip(plans, caches, strict=True)]
-        await asyncio.sleep(0)
-        release.set()
-        return await asyncio.wait_for(asyncio.gather(*tasks), 4 * WAIT)
-
-    return asyncio.run(together())
-
-
 @pytest.mark.parametrize(("away", "groups"), [(0.14, 2), (0.0, 1)], ids=["two-server-chain", "lone-server"])
 def test_sessions_run_in_as_many_groups_as_their_chain_keeps_busy(span, server_factory, away, groups):
     """Four sessions whose steps are away as long as a batch of all four takes here (a second
@@ -443,7 +429,7 @@ def test_sessions_run_in_as_many_groups_as_their_chain_keeps_busy(span, server_f
     server = server_factory(max_batch=8)
     batcher = server.backend.batcher
     batcher.span = costly = CostlySpan(span, base=0.06, per_row=0.02)
-    outputs = run_chain(server, plans, away)
+    outputs = asyncio.run(server.concurrently(plans, timeout=4 * WAIT, away=away))  # one peer's sessions
     for plan, out in zip(plans, outputs, strict=True):
         assert_close(out, solo(span, plan))
     assert batcher.groups == groups
@@ -479,7 +465,7 @@ def test_steps_pushed_by_the_previous_server_run_in_the_bursts_they_come_in(span
     server = server_factory(max_batch=8)
     batcher = server.backend.batcher
     batcher.span = costly = CostlySpan(span, base=0.06, per_row=0.02)
-    outputs = run_chain(server, plans, away=0.14, pushed=True)
+    outputs = asyncio.run(server.concurrently(plans, timeout=4 * WAIT, away=0.14, pushed=True))
     for plan, out in zip(plans, outputs, strict=True):
         assert_close(out, solo(span, plan))
     assert costly.rows[-6:-1] == [4] * 5, costly.rows
