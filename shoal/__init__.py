@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
+# A library logs; the application decides where that goes (the ``shoal`` command configures it):
+# without this, Python's last-resort handler would print shoal's warnings on a user's stderr.
+logging.getLogger("shoal").addHandler(logging.NullHandler())
+
 __version__ = "0.1.0"
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "__version__"]
 

@@ -66,6 +66,10 @@ class BlockSequence(Protocol):
         ``[0, share)`` whose cached pages servers may let other peers reuse (a system prompt)."""
         ...
 
+    def close(self) -> None:
+        """Release what the sequence holds (a node, background tasks); idempotent."""
+        ...
+
 
 class SessionPositions:
     """The bookkeeping every :class:`BlockSession` shares, wherever its blocks run: the positions

@@ -85,6 +85,9 @@ class LocalBlockSequence:
         caches = [span.allocate_cache(batch_size, max_length) for span in self.spans]
         return LocalBlockSession(self, caches, batch_size, max_length, None if prompts is None else prompts.detach())
 
+    def close(self) -> None:
+        """In-process blocks hold nothing to release."""
+
     def _run(
         self,
         span: BlockSpan,

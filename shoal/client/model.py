@@ -187,6 +187,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module: torch.nn.Module) -> None:
         """The head's tensors come from the checkpoint: nothing to initialise."""
 
+    def close(self) -> None:
+        """Stop the model's background work (server list refresh, witness) and close its node.
+        Idempotent; also done when the model is garbage-collected or the interpreter exits. Sessions
+        still open end with it (their servers free them)."""
+        self.blocks.close()
+
+    def __enter__(self) -> DistributedModelForCausalLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # Per thread, so that threads sharing the model (e.g. a gateway) each generate in their own session.
     @property
     def _active(self) -> SessionCache | None:

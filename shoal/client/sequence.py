@@ -14,7 +14,8 @@ one that does not vouch for the answer bans the server for an hour and re-routes
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -76,6 +77,9 @@ class RemoteSequence:
         self._route = directory.route_inference(0, cache_tokens=0, push=push)  # until a session opens
         self._session: RemoteSession | None = None  # the latest one opened
         self.witness = Witness(node, directory, self.verification)  # testifies for every session (audit mode)
+        # closed by close(), when garbage-collected, or at the latest at interpreter exit (runtime.shutdown)
+        self._token = runtime.track(_closer(node, directory, self.witness))
+        self._finalizer = weakref.finalize(self, runtime.close_soon, self._token)
 
     @classmethod
     def connect(
@@ -250,13 +254,27 @@ class RemoteSequence:
 
         return self.runtime.run(gather())
 
-    def close(self) -> None:
-        async def shutdown() -> None:
-            await self.witness.close()  # testimony still on its way, bounded (its judges answer meanwhile)
-            await self.directory.stop()
-            await self.node.close()
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
-        self.runtime.run(shutdown())
+    def close(self) -> None:
+        """Stop the background refresh and the witness, and close the node (idempotent)."""
+        if self._finalizer.detach() is None:
+            return
+        self.runtime.untrack(self._token)
+        self.runtime.run(_closer(self.node, self.directory, self.witness)())
+
+
+def _closer(node: BaseNode, directory: ServerDirectory, witness: Witness) -> Callable[[], Awaitable[None]]:
+    """How a sequence's resources end; holds them, not the sequence (which may be collected first)."""
+
+    async def close() -> None:
+        await witness.close()  # testimony still on its way, bounded (its judges answer meanwhile)
+        await directory.stop()
+        await node.close()
+
+    return close
 
 
 def check_forward_receipt(

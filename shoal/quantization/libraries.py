@@ -37,7 +37,9 @@ def quiet_import_warnings() -> None:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet_imports() -> Iterator[None]:
+    """Only errors from :data:`IMPORT_WARNING_LOGGERS` within (the client's imports: transformers
+    imports torchao); their levels are restored after, so a library user's logging stays theirs."""
     loggers = [logging.getLogger(name) for name in IMPORT_WARNING_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -55,7 +57,7 @@ def require_library(quantization: Quantization) -> Quantization:
         return quantization
     package, modules = LIBRARIES[quantization]
     try:
-        with _quiet():
+        with quiet_imports():
             for module in modules:
                 importlib.import_module(module)
     except ImportError as exc:
