@@ -24,10 +24,11 @@ LIBRARIES: dict[Quantization, tuple[str, tuple[str, ...]]] = {
 }
 
 #: Loggers that warn when the libraries import about what a CPU build of torch lacks (torchao's
-#: CUDA-only extensions, triton; bitsandbytes' optional kernel hub) and about torch.compile
+#: CUDA-only extensions, triton; bitsandbytes' optional kernel hub, and the hub client of its
+#: ``kernels`` package, offline here) and about torch.compile
 #: registrations: expected, not news. transformers imports torchao whenever it is installed, so
 #: every shoal command would print them; the CLI and :func:`require_library` show errors only.
-IMPORT_WARNING_LOGGERS = ("torchao", "bitsandbytes", "torch.utils._pytree")
+IMPORT_WARNING_LOGGERS = ("torchao", "bitsandbytes", "kernels", "torch.utils._pytree")
 
 
 def quiet_import_warnings() -> None:
