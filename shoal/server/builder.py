@@ -162,7 +162,7 @@ def load_block_server(
         raise ValueError("the receipt key is not the node's: its receipts would not verify")
     started = time.perf_counter()
     check_blocks(span, model)
-    model_dir = resolve_model(config.model, blocks=span)  # from the Hub: fetches the span's shards
+    model_dir = resolve_model(config.model, blocks=span, config=model.hf_config)  # from the Hub: the span's shards
     hf_config, start, end = model.hf_config, span.start, span.end
     built, prints = load_span(model_dir, start, end, config.dtype, config.device, config.quant, config=hf_config)
     fingerprints = [prints[i] for i in range(start, end)]
