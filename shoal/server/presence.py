@@ -73,11 +73,8 @@ class Presence:
     ):
         config = checked.config
         self.config, self.node, self.gate, self.compute = config, node, gate, compute
-        self.model_dir, self.hf_config, self.total = (
-            checked.model.model_dir,
-            checked.model.hf_config,
-            checked.model.num_blocks,
-        )
+        self.hf_config = checked.model.hf_config  # read once, by the preflight
+        self.total = checked.model.num_blocks
         self.model = model_name(config.model)
         self.rng = random.Random()
         self.leaving = False
