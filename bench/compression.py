@@ -215,8 +215,9 @@ def unique_bytes() -> int:
 def memory_child(model: str, fmt: str) -> None:
     """In a fresh process: load every block of ``model`` on one server in ``fmt`` and step once;
     print the unique memory gained and the peak resident memory over the baseline."""
-    from shoal.server.app import load_block_server
+    from shoal.server.builder import load_block_server
     from shoal.server.config import ServerConfig
+    from shoal.server.preflight import check_server
 
     torch.set_num_threads(1)
     model_dir = fetch_model(model, progress=False)
@@ -226,7 +227,7 @@ def memory_child(model: str, fmt: str) -> None:
     server_config = ServerConfig(model=str(model_dir), blocks=blocks, dtype=dtype, quant=quant, cache_tokens=64)
     baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     before = unique_bytes()
-    server = load_block_server(server_config, blocks)
+    server = load_block_server(check_server(server_config), blocks)
     span = server.backend.span
     cache = span.allocate_cache(1, 8)
     with torch.inference_mode():

@@ -5,16 +5,16 @@ that exist already, without a flag or hook in ``shoal/``:
   interface; its input checks and cache allocation pass through unchanged) and alters what a step
   computes (skipped or re-weighted blocks, a stale cache) or returns (noise, zeros, its input);
 * the streams the server answers on: :class:`FaultyStream` delays or drops replies;
-* the node given to ``attach``: :class:`FaultyNode` hands out push streams that carry another
+* the node the server pushes through: :class:`FaultyNode` hands out push streams that carry another
   tensor to the next server than the one the client gets (equivocation).
 
 The three share a :class:`FaultState`: the faults, the :class:`~testkit.faults.FaultRecord`, and the
 outputs in flight (found again by identity when the server sends them: the reply and the push carry
 the very tensor :meth:`FaultyBackend.run` returned).
 
-    server = make_faulty(load_block_server(config, span), [Noise(0.1)])
-    local = await serve_locally(server)          # an iroh node on loopback answering the blocks protocol
-    ... drive it ...; server.record.entries("noise")
+    # an iroh node on loopback answering the blocks protocol with a server built for it
+    local = await serve_locally(lambda node: make_faulty(load_block_server(checked, span, node), [Noise(0.1)]))
+    ... drive it ...; local.server.record.entries("noise")
 """
 
 from __future__ import annotations
@@ -26,15 +26,17 @@ import random
 import sys
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from shoal.protocols import BLOCKS
 from shoal.server.backend import SpanBackend
 from shoal.server.handler import BlockServer
+from shoal.server.presence import LoadingGate
+from shoal.server.push import Pusher
 from shoal.transport import BaseNode, MemoryNetwork, MessageStream, Node, Ticket, TransportConfig
 from shoal.wire import Message
 from testkit.faults import (
@@ -402,10 +404,6 @@ class FaultyBlockServer(BlockServer):
     def record(self) -> FaultRecord:
         return self.fault_state.record
 
-    def attach(self, node: BaseNode) -> None:
-        self.fault_state.node = node
-        super().attach(FaultyNode(node, self.fault_state))
-
     async def handle(self, stream: MessageStream, peer_id: str) -> None:
         await super().handle(FaultyStream(stream, self.fault_state), peer_id)
 
@@ -421,8 +419,9 @@ def make_faulty(
     faulty.__dict__.update(vars(server))
     faulty.fault_state = state
     faulty.backend = FaultyBackend(server.backend, state)
-    if server.node is not None:
-        faulty.attach(server.node)
+    node = state.node = server.pusher.node
+    if node is not None:  # its pushes leave through the node seam
+        faulty.pusher = Pusher(server.counters, FaultyNode(node, state), refuses=server.judge.convicted)
     return faulty
 
 
@@ -443,14 +442,15 @@ class LocalServer:
 
 
 async def serve_locally(
-    server: BlockServer, network: MemoryNetwork | None = None, transport: TransportConfig = LOOPBACK
+    build: Callable[[BaseNode], BlockServer],
+    network: MemoryNetwork | None = None,
+    transport: TransportConfig = LOOPBACK,
 ) -> LocalServer:
-    """Serve ``server`` (faulty or not) on a new node in this process: of ``network`` (the in-memory
-    transport), or an iroh node on loopback without one."""
-    handlers = {BLOCKS: server.handle}
-    if network is not None:
-        node = await network.start(transport, handlers)
-    else:
-        node = await Node.start(transport, handlers)
-    server.attach(node)
-    return LocalServer(server, node)
+    """Serve the server ``build`` makes for a new node in this process (faulty or not): of
+    ``network`` (the in-memory transport), or an iroh node on loopback without one. The node answers
+    ``busy`` until the server is built (as ``shoal serve``'s does while it loads)."""
+    gate = LoadingGate()
+    handlers = gate.handlers(swarm=False)
+    node = await (network.start(transport, handlers) if network is not None else Node.start(transport, handlers))
+    gate.server = build(node)
+    return LocalServer(gate.server, node)

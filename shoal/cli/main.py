@@ -123,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     blocks = parse_blocks(args.blocks) if args.blocks else None
     join = tuple(Ticket.parse(t) for t in args.join)
-    model = check_model(args.model)  # before the flags that depend on it, and before any weight is read
+    model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
     check_blocks(blocks, model)
     quant = check_quantization(parse_quantization(args.quant), model)  # e.g. a missing library, before anything starts
     config = ServerConfig(
@@ -159,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         adapters=tuple(parse_adapter(text) for text in args.adapter),
     )
     freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
-    run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True)))
+    run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True), model=model))
     return 0
 
 

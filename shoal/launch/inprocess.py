@@ -1,8 +1,8 @@
 """A swarm of block servers inside this process: the real handler, sessions, push chain and client,
 minus the process boundary (tests, benchmarks, notebooks).
 
-Each server is the one ``shoal serve`` builds (:func:`shoal.server.app.load_block_server`: the
-span's weights only, its own compute thread), answering on a node of one
+Each server is built by the very steps ``shoal serve`` takes (:mod:`shoal.server.builder`: the
+span's weights only, its own compute thread, a swarm presence when in one), answering on a node of one
 :class:`~shoal.transport.MemoryNetwork` by default, or on iroh nodes (``start_node=Node.start``,
 e.g. behind the WAN emulator). Servers and clients share the client runtime's event loop thread
 (:func:`shoal.client.runtime.shared_loop`), as the in-memory network requires.
@@ -19,27 +19,23 @@ through the first live server; tickets then carry the swarm id, so a client pull
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.checkpoints import model_fingerprints
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.ids import BlockRange
-from shoal.protocols import BLOCKS
-from shoal.server.app import _LoadingGate, _Presence, load_block_server
 from shoal.server.backend import compute_thread
+from shoal.server.builder import Prepare, come_online, make_presence, node_key, span_loader, start_endpoint
 from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer
+from shoal.server.preflight import check_model, check_server
+from shoal.server.presence import LoadingGate, Presence
 from shoal.swarm.gossip import GossipConfig
-from shoal.swarm.service import SWARM
 from shoal.transport import BaseNode, MemoryNetwork, StartNode, Ticket, TransportConfig
-from shoal.transport.identity import generate_key
 
-#: Turns a loaded server into the one that serves (e.g. :func:`testkit.faults.make_faulty`).
-Prepare = Callable[[BlockServer], BlockServer]
 LOOPBACK = TransportConfig(bind_addr="127.0.0.1:0")
 #: gossip for in-process swarms: news spreads within a few tenths of a second
 FAST_GOSSIP = GossipConfig(period=0.2)
@@ -53,8 +49,9 @@ class LocalServer:
     server: BlockServer
     node: BaseNode
     compute: ThreadPoolExecutor
+    gate: LoadingGate  # what its node answers through
     alive: bool = True
-    presence: _Presence | None = None  # its part in the swarm (``InProcessSwarm(swarm=...)``)
+    presence: Presence | None = None  # its part in the swarm (``InProcessSwarm(swarm=...)``)
 
     @property
     def ticket(self) -> Ticket:
@@ -85,6 +82,7 @@ class InProcessSwarm:
         """``settings``: any other :class:`~shoal.server.config.ServerConfig` field for every server
         (e.g. ``max_batch``, ``page_size``, ``kv_overcommit``)."""
         self.model_dir = Path(model_dir)
+        self.model = check_model(str(self.model_dir))  # its config read once, for every server
         self.swarm_id = swarm
         self.gossip = gossip
         self.runtime = runtime or shared_loop()
@@ -115,36 +113,29 @@ class InProcessSwarm:
         if self.swarm_id is not None:  # announced as given: no throughput measurement
             settings = {"throughput": 100.0, "gossip": self.gossip, "join": tuple(self.tickets()[:1]), **settings}
         config = ServerConfig(model=str(self.model_dir), blocks=span, transport=self.transport, **settings)
+        checked = check_server(config, self.model)
         compute = compute_thread(config.num_threads)
-        key = generate_key()  # the node's, and the one its receipts are signed with
+        key = node_key(config)  # the node's, and the one its receipts are signed with
+        run, presence = self.runtime.run, None
         try:
-            server = compute.submit(load_block_server, config, span, None, compute, secret_key=key).result()
-            if prepare is not None:
-                server = prepare(server)
-            handlers = {BLOCKS: server.handle}
-            if self.swarm_id is not None:
-                handlers[SWARM] = lambda stream, peer: local.presence.service.handle(stream, peer)
-            node = self.runtime.run(self.start_node(self.transport, handlers, secret_key=key))
+            node, gate = run(start_endpoint(config, key, self.start_node, swarm=self.swarm_id is not None))
+            try:
+                if self.swarm_id is not None:  # as ``shoal serve --join``: joined, then the span announced online
+                    presence = make_presence(checked, node, key, self.swarm_id, gate, compute)
+                    run(presence.join())
+                load = span_loader(checked, node, key, compute, presence, prepare)
+                server = run(come_online(checked, gate, presence, load, compute))
+            except BaseException:
+                if presence is not None:
+                    run(presence.service.stop(), timeout=10)
+                run(node.close(), timeout=10)
+                raise
         except BaseException:
             compute.shutdown(wait=False, cancel_futures=True)
             raise
-        server.attach(node)
-        local = LocalServer(span, server, node, compute)
+        local = LocalServer(span, server, node, compute, gate, presence=presence)
         self.servers.append(local)
-        if self.swarm_id is not None:
-            self.runtime.run(self._join(config, local, key))
         return local
-
-    async def _join(self, config: ServerConfig, local: LocalServer, key: bytes) -> None:
-        """What ``shoal serve`` does once its span is loaded: join, announce the span online."""
-        gate = _LoadingGate()
-        gate.server = local.server
-        presence = local.presence = _Presence(config, local.node, key, self.swarm_id, gate, local.compute)
-        await presence.service.join()
-        presence.service.start()
-        await presence.measure()
-        presence.announcement.model_fingerprints = model_fingerprints(presence.model_dir)
-        presence.announce_online()
 
     def server(self, span: BlockRange) -> LocalServer:
         """The first live server of ``span``."""

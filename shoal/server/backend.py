@@ -29,8 +29,9 @@ import torch
 from shoal.errors import BadRequest, Unavailable
 from shoal.models import BlockSpan, SpanCache
 from shoal.models.kv import DEFAULT_PAGE_SIZE, CachedStep, PagedCache
-from shoal.server.batching import Batcher, chunk_bounds
+from shoal.server.batching import Batcher
 from shoal.server.scheduler import ComputeScheduler, Priority, SchedulerCounts
+from shoal.server.step_queue import chunk_bounds
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

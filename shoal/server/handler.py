@@ -12,8 +12,9 @@ session token it issued at ``open``, runs the step and answers on the session's 
 so on. Every server still answers the client (who keeps the outputs to replay a span's history).
 The hand-off itself is :mod:`shoal.server.push`.
 
-Training (``train``): ``backward`` answers the gradient of a stateless pass's inputs (recomputed
-with autograd, at the lowest priority); requests may carry deep prompts and name a LoRA adapter.
+Stateless requests (:mod:`shoal.server.stateless`): ``forward``, and for training (``train``)
+``backward``, the gradient of a pass's inputs (recomputed with autograd, at the lowest priority);
+requests may carry deep prompts and name a LoRA adapter.
 Drain (leaving): new work gets ``unavailable``; open sessions' steps are served flagged ``draining``.
 Codecs: the output travels in the codec the hidden states came in (:mod:`shoal.wire.codecs`), to
 the client and, pushed, to the next server, so both decode the very same tensor. Receipts
@@ -45,7 +46,6 @@ from shoal.errors import (
     RequestTimeout,
     ShoalError,
     Unavailable,
-    WireError,
 )
 from shoal.ids import PeerId, SessionId
 from shoal.models.kv import PagedCache
@@ -55,14 +55,12 @@ from shoal.server.judge import Judge
 from shoal.server.prefix import PrefixIndex, SessionPrefix, prefix_seed
 from shoal.server.push import Pusher
 from shoal.server.session import ServedSession
-from shoal.transport import MessageStream, Node
+from shoal.server.stateless import backward, forward, in_kind
+from shoal.transport import MessageStream
 from shoal.verify.receipts import ReceiptSigner, server_receipt
 from shoal.verify.state import step_states
-from shoal.wire import Codec, InvalidMessage, Message, codecs, error_message
+from shoal.wire import InvalidMessage, Message, error_message
 from shoal.wire.schema import (
-    BackwardRequest,
-    ForwardReply,
-    ForwardRequest,
     InfoReply,
     OpenReply,
     OpenRequest,
@@ -77,11 +75,17 @@ log = logging.getLogger(__name__)
 
 
 class BlockServer:
+    """Answers the blocks protocol for one loaded span. Built whole by :mod:`shoal.server.builder`:
+    ``counters`` are the ones ``judge`` and ``pusher`` count in too."""
+
     def __init__(
         self,
         backend: SpanBackend,
         info: SpanInfo,
         budget: CacheBudget,
+        counters: ServerCounters,
+        judge: Judge,  # evidence of other servers' lies (EVIDENCE)
+        pusher: Pusher,  # steps handed to the next server (never to a liar the judge convicted)
         max_sessions_per_peer: int,
         idle_timeout: float,
         signer: ReceiptSigner | None = None,  # the node key: signs receipts (RECEIPTS) when asked
@@ -92,23 +96,15 @@ class BlockServer:
         self.budget = budget
         self.max_sessions_per_peer = max_sessions_per_peer
         self.idle_timeout = idle_timeout
-        self.counters = ServerCounters()
-        self.node: Node | None = None  # set by attach(): needed to push to the next server
+        self.counters = counters
+        self.judge = judge
+        self.pusher = pusher
         self.draining = False
         self._sessions: dict[SessionId, ServedSession] = {}
         self._per_peer: Counter[PeerId] = Counter()
         self._push_tasks: set[asyncio.Task] = set()
         self._session_tasks: set[asyncio.Task] = set()  # streams serving a session, until their handler ends
         self.prefix = PrefixIndex(budget.pool)  # closed sessions' full pages, reused by digest; sets pool.reclaim
-        self.judge = Judge(backend, info, self.counters)  # evidence of other servers' lies (EVIDENCE)
-        self.pusher = Pusher(self.counters, refuses=self.judge.convicted)  # never to a liar convicted here
-
-    def attach(self, node: Node) -> None:
-        """The endpoint this server answers on (pushes to the next server leave through it)."""
-        if self.signer is not None and self.signer.peer_id != node.id:
-            raise ValueError("the receipt key is not the node's: its receipts would not verify")
-        self.node = self.pusher.node = node
-        self.judge.peer_id = node.id
 
     def describe(self) -> InfoReply:
         return InfoReply(
@@ -138,9 +134,9 @@ class BlockServer:
                 if request.kind == "info":
                     await stream.send(Message("result", request.id, self.describe()))
                 elif request.kind == "forward":
-                    await stream.send(await self._forward(request, peer_id))
+                    await stream.send(await forward(self, request, peer_id))
                 elif request.kind == "backward":
-                    await stream.send(await self._backward(request))
+                    await stream.send(await backward(self, request))
                 elif request.kind == "evidence":
                     await stream.send(await self.judge.judge(request, peer_id, draining=self.draining))
                 elif request.kind == "open":
@@ -177,37 +173,6 @@ class BlockServer:
                 self.counters.sessions_drained += 1
                 session.task.cancel()
         await self.pusher.close()
-
-    async def _forward(self, request: Message, peer_id: PeerId) -> Message:
-        if self.draining:
-            raise Unavailable("server is draining (leaving the swarm): use another server")
-        meta: ForwardRequest = request.meta
-        hidden, position_ids, mask, prompts = self.backend.forward_inputs(request.tensors, meta.prompts)
-        self.backend.check_adapter(meta.adapter)
-        out = await self.backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter, peer=peer_id)
-        self.counters.forward_requests += 1
-        self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
-        codecs_out = _in_kind(out, request)  # first: raises if the codec cannot carry the output
-        receipt = None
-        if meta.receipt:
-            receipt = server_receipt(self.signer, self.info, request, out, adapter=meta.adapter, prompts=meta.prompts,
-                                     device=self.backend.device)  # fmt: skip
-        reply = ForwardReply(receipt=receipt)
-        return Message("result", request.id, reply, [out], codecs_out)
-
-    async def _backward(self, request: Message) -> Message:
-        """The gradients of a stateless pass's inputs; they travel raw (no codec)."""
-        if self.draining:
-            raise Unavailable("server is draining (leaving the swarm): use another server")
-        meta: BackwardRequest = request.meta
-        hidden, position_ids, mask, prompts, grad_output = self.backend.backward_inputs(request.tensors, meta.prompts)
-        self.backend.check_adapter(meta.adapter)
-        grads = await self.backend.backward(
-            hidden, position_ids, mask, grad_output, prompts=prompts, adapter=meta.adapter
-        )
-        self.counters.backward_requests += 1
-        self.counters.backward_tokens += hidden.shape[0] * hidden.shape[1]
-        return Message("result", request.id, tensors=grads)
 
     async def _open(self, peer_id: PeerId, request: Message, stream: MessageStream) -> ServedSession:
         if self.draining:
@@ -428,7 +393,7 @@ class BlockServer:
         self.counters.step_seconds += time.perf_counter() - started
         self.counters.steps += 1
         self.counters.positions_processed += hidden.shape[1]
-        codecs_out = _in_kind(out, message)
+        codecs_out = in_kind(out, message)
         receipt = None
         if meta.receipt:
             receipt = server_receipt(self.signer, self.info, message, out, session.id, position,
@@ -436,16 +401,3 @@ class BlockServer:
                                      device=self.backend.device)  # fmt: skip
         reply = StepReply(position=position + hidden.shape[1], receipt=receipt)
         return Message("result", message.id, reply, [out], codecs_out)
-
-
-def _in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:
-    """The codecs of the reply to ``request``: ``out`` travels in the codec the hidden states came
-    in. An output that codec cannot carry (q8: NaN or infinity) is the request's error."""
-    codec = request.codec_of(0)
-    if codec is Codec.RAW:
-        return ()
-    try:
-        codecs.check(codec, out)
-    except WireError as exc:
-        raise BadRequest(f"the output cannot travel in codec {codec}: {exc}") from None
-    return (codec,)

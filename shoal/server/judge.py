@@ -9,13 +9,13 @@ more) at the lowest priority of the compute thread (:meth:`SpanBackend.recompute
 never wait for it), and compares the disputed step's rows within the tolerance the accused's signed
 codec and the dtypes allow. Confirmed: the liar is banned from this server's pushes for
 :data:`~shoal.verify.receipts.LIAR_BAN_SECONDS`, and an unsigned verdict goes to
-:attr:`Judge.publish_verdict` (the server's swarm presence signs and gossips it; None outside a
+the :class:`Jurisdiction`'s ``publish`` (the server's swarm presence signs and gossips it; none outside a
 swarm). Every finding is counted in the server's counters (``evidence_*``), every request exactly
 once (received = confirmed + rejected): an error the checks did not foresee is a rejection too
 (``malformed`` for a bad input, ``not_judged`` otherwise), never a dropped stream.
 
 Judging costs a recompute, so strangers must not be able to make a judge work or remember without
-bound: in a swarm (the presence sets :attr:`Judge.table`) only an accused that the swarm's table
+bound: in a swarm (its :class:`Jurisdiction` gives the table) only an accused that the swarm's table
 lists as an online server of this model covering the blocks is judged (a throwaway key that lies
 to itself is not); at most :data:`MAX_WAITING` pieces of evidence wait or are judged at once, and
 at most one of each sender (more are ``not_judged``: busy), so one sender cannot keep the judge from
@@ -44,6 +44,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -79,19 +80,36 @@ REMEMBERED = (Reason.FORGED, Reason.MALFORMED)
 BAD_INPUTS = (BadRequest, ValueError, IndexError, TypeError, KeyError)
 
 
+@dataclass(frozen=True)
+class Jurisdiction:
+    """A judge's swarm (from the server's swarm presence): what its verdicts name, who it judges,
+    where they go."""
+
+    swarm: str  # the swarm id a verdict names
+    table: RecordTable  # the swarm's servers: only those of them are judged
+    publish: Callable[[Any], None]  # takes an unsigned VerdictRecord: signs and gossips it
+
+
 class Judge:
     """Judges evidence for the server of ``info``'s span (``backend`` computes), counting in
-    ``counters``. ``peer_id`` (set when the server attaches its node) names the judge;
-    ``publish_verdict``, ``swarm`` and ``table`` are set by the swarm presence."""
+    ``counters``; ``peer_id`` (the server's node) names the judge in its verdicts. Without a
+    ``jurisdiction`` (outside a swarm) every accused is judged and no verdict is published."""
 
-    def __init__(self, backend: SpanBackend, info: SpanInfo, counters: ServerCounters):
+    def __init__(
+        self,
+        backend: SpanBackend,
+        info: SpanInfo,
+        counters: ServerCounters,
+        peer_id: PeerId = PeerId(""),
+        jurisdiction: Jurisdiction | None = None,
+    ):
         self.backend = backend
         self.info = info
         self.counters = counters
-        self.peer_id: PeerId = PeerId("")
-        self.publish_verdict: Callable[[Any], None] | None = None  # takes an unsigned VerdictRecord
-        self.swarm = ""  # the swarm id a verdict names
-        self.table: RecordTable | None = None  # the swarm's servers: only those of them are judged
+        self.peer_id = peer_id
+        self.publish_verdict = jurisdiction.publish if jurisdiction is not None else None
+        self.swarm = jurisdiction.swarm if jurisdiction is not None else ""
+        self.table = jurisdiction.table if jurisdiction is not None else None
         self.ledger = Ledger()
         self._liars: dict[PeerId, float] = {}  # convicted here: peer -> until (monotonic), soonest first
         self._lock = asyncio.Lock()
@@ -271,4 +289,13 @@ def _intake(
     return digest, None if known(digest) else _cheap_checks(meta, tensors, bench)
 
 
-__all__ = ["BAD_INPUTS", "MAX_FORGERIES", "MAX_LIARS", "MAX_WAITING", "RECEIPTS_PER_TASK", "Judge", "blob_digest"]
+__all__ = [
+    "BAD_INPUTS",
+    "MAX_FORGERIES",
+    "MAX_LIARS",
+    "MAX_WAITING",
+    "RECEIPTS_PER_TASK",
+    "Judge",
+    "Jurisdiction",
+    "blob_digest",
+]

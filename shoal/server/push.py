@@ -26,12 +26,18 @@ MAX_PUSH_TARGETS = 256
 
 
 class Pusher:
-    """A server's pushes. ``refuses(peer)``: whether that peer is one never to push to."""
+    """A server's pushes, leaving through ``node`` (the server's endpoint; None: a server that
+    answers on none pushes nothing). ``refuses(peer)``: whether that peer is one never to push to."""
 
-    def __init__(self, counters: ServerCounters, refuses: Callable[[PeerId], bool] = lambda peer: False):
+    def __init__(
+        self,
+        counters: ServerCounters,
+        node: BaseNode | None,
+        refuses: Callable[[PeerId], bool] = lambda peer: False,
+    ):
         self.counters = counters
+        self.node = node
         self.refuses = refuses
-        self.node: BaseNode | None = None  # the server's endpoint, once attached
         self._streams: dict[str, MessageStream] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tickets: dict[str, Ticket] = {}

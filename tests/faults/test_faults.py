@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +23,10 @@ from shoal.errors import BadRequest, ClosedError, ConnectTimeout, RequestTimeout
 from shoal.ids import BlockRange
 from shoal.launch import ServerProcess, serve_args
 from shoal.protocols import BLOCKS
-from shoal.server.app import load_block_server
+from shoal.server.builder import load_block_server
 from shoal.server.config import ServerConfig
+from shoal.server.handler import BlockServer
+from shoal.server.preflight import check_server
 from shoal.transport import BaseNode, MemoryNetwork, MessageStream, Node, Ticket, TransportConfig
 from shoal.wire import Message
 from shoal.wire.schema import OpenReply, OpenRequest, PushHop, StepReply, StepRequest
@@ -63,9 +65,16 @@ def model_dir(tmp_path_factory) -> Path:
     return save_checkpoint(model, tmp_path_factory.mktemp("faults-model"))
 
 
-def load(model_dir: Path, start: int, end: int):
+def load(model_dir: Path, start: int, end: int, faults: list | None = None) -> Callable[[BaseNode], BlockServer]:
+    """Builds a server of blocks ``start:end`` for a node (made faulty with ``faults``, if any)."""
     blocks = BlockRange(start, end)
-    return load_block_server(ServerConfig(model=str(model_dir), blocks=blocks, cache_tokens=256), blocks)
+    checked = check_server(ServerConfig(model=str(model_dir), blocks=blocks, cache_tokens=256))
+
+    def build(node: BaseNode) -> BlockServer:
+        server = load_block_server(checked, blocks, node)
+        return make_faulty(server, faults) if faults is not None else server
+
+    return build
 
 
 def inputs(n: int, start: int, seed: int) -> list[torch.Tensor]:
@@ -135,7 +144,7 @@ async def pair(model_dir: Path, faults, span: tuple[int, int] = SPAN) -> AsyncIt
     servers = []
     try:
         servers.append(await serve_locally(load(model_dir, *span), network))
-        servers.append(await serve_locally(make_faulty(load(model_dir, *span), faults), network))
+        servers.append(await serve_locally(load(model_dir, *span, faults), network))
         yield Pair(*servers, await network.start(), network)
     finally:
         for server in servers:
@@ -312,9 +321,9 @@ def test_equivocation_pushes_the_next_server_another_tensor_than_the_reply(model
         try:
             honest = await serve_locally(load(model_dir, 0, 2), network)
             servers.append(honest)
-            liar = await serve_locally(make_faulty(load(model_dir, 0, 2), [Equivocate(0.3, seed=6)]), network)
+            liar = await serve_locally(load(model_dir, 0, 2, [Equivocate(0.3, seed=6)]), network)
             servers.append(liar)
-            mirror = await serve_locally(make_faulty(load(model_dir, 2, 3), [Identity()]), network)  # echoes its input
+            mirror = await serve_locally(load(model_dir, 2, 3, [Identity()]), network)  # echoes its input
             servers.append(mirror)
             client = await network.start()
             first, replica, second = [await Session.open(client, s.ticket) for s in (liar, honest, mirror)]

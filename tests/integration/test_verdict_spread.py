@@ -160,7 +160,7 @@ def test_framing_and_forged_verdicts_convict_nobody_and_are_counted(world):
         swarm=SWARM_ID, judge=peer_of(framer), accused=peer_of(framed), model=world.model, blocks=HIGH,
         evidence=evidence, receipt=receipt_by(framed),
     )  # fmt: skip
-    world.on_loop(lambda: framer.presence.publish_verdict(framing))
+    world.on_loop(lambda: framer.presence.jurisdiction.publish(framing))
     # a key that serves nothing, and a forgery (the receipt is the outsider's, not the accused's)
     key = generate_key()
     outsider = ReceiptSigner(key).peer_id

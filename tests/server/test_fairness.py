@@ -1,6 +1,6 @@
 """Fair sharing of a server by peers: the compute thread's classes round-robin by peer
 (:class:`~shoal.server.scheduler.ComputeScheduler`), and batches filled round-robin by peer
-(:class:`~shoal.server.batching.StepQueue`), so one peer with 24 sessions cannot starve another's one.
+(:class:`~shoal.server.step_queue.StepQueue`), so one peer with 24 sessions cannot starve another's one.
 
 Order is made deterministic as in test_scheduler: a gate holds the worker until everything is queued.
 """
@@ -16,8 +16,8 @@ import torch
 from shoal.checkpoints import load_span
 from shoal.models.kv import PagedCache
 from shoal.server.backend import SpanBackend, compute_thread
-from shoal.server.batching import PendingStep, StepQueue
 from shoal.server.scheduler import ComputeScheduler, Priority
+from shoal.server.step_queue import PendingStep, StepQueue
 from testkit.tiny import tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(60)

@@ -2,7 +2,7 @@
 vanishing and idle clients, forged pushes and a drain: every failure is a clear error of the right
 type, and the server keeps serving correct results afterwards.
 
-Real servers (``load_block_server``, what ``shoal serve`` runs) in this process, on an in-memory
+Real servers (:mod:`shoal.server.builder`, what ``shoal serve`` runs) in this process, on an in-memory
 network (:class:`shoal.launch.InProcessSwarm`), talked to with raw typed messages from client nodes
 of the same network (:mod:`tests.helpers.servers`): the protocol is the point here, not the client.
 Each test gets fresh servers (tens of milliseconds), so counters are exact. Unless a test says

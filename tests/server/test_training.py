@@ -1,7 +1,7 @@
 """Training through a server (issue 20, the server side): ``backward``, deep prompts on forwards and
 sessions, LoRA adapters, and training at the compute thread's lowest priority.
 
-Real servers (``load_block_server``) in this process on an in-memory network
+Real servers (:mod:`shoal.server.builder`) in this process on an in-memory network
 (:class:`shoal.launch.InProcessSwarm`), one torch thread, talked to with raw typed messages. "Equal"
 means: the same blocks run locally (:func:`shoal.checkpoints.load_span`) give the same values, for
 gradients within ``max|diff| <= 1e-4 * max|g| + 1e-7`` of local autograd.

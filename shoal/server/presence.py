@@ -1,0 +1,258 @@
+"""A server's part in a swarm (:class:`Presence`: its records, its measured throughput, where it
+sits and when it moves), and the :class:`LoadingGate` its node answers through while a span loads.
+
+Without ``--blocks`` the server measures its throughput (:mod:`shoal.server.throughput`), reads the
+swarm's table, chooses the span that best fills the weakest part of the swarm's coverage
+(:mod:`shoal.server.placement`), and every ``balance_period`` re-checks whether moving would clearly
+help; a move announces the new span as ``joining``, drains the old span, loads the new one and
+announces it ``online``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+
+from shoal.checkpoints import model_name
+from shoal.ids import BlockRange
+from shoal.protocols import BLOCKS
+from shoal.server.announce import Announcement
+from shoal.server.handler import BlockServer
+from shoal.server.judge import Jurisdiction
+from shoal.server.placement import Balance, Placed, choose_span, plan_move
+from shoal.server.preflight import CheckedServer
+from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
+from shoal.swarm.records import State
+from shoal.swarm.service import SWARM, SwarmService
+from shoal.swarm.table import RecordTable
+from shoal.swarm.verdicts import VerdictKeeper
+from shoal.transport import BaseNode, Handler, Protocol
+from shoal.wire import error_message
+
+log = logging.getLogger(__name__)
+MAX_DEFERRALS = 3  # re-checks in a row a server leaves a move to another one
+Loader = Callable[[BlockRange], Awaitable[BlockServer]]  # loads a span on the compute thread
+
+
+class LoadingGate:
+    """The node's handlers, bound before there is anything to answer with: the blocks protocol
+    answers ``busy`` while no span is loaded (starting, or moving), the swarm protocol ends streams
+    that come before the server's presence exists."""
+
+    def __init__(self) -> None:
+        self.server: BlockServer | None = None  # the span served now
+        self.presence: Presence | None = None  # the server's part in the swarm, once made
+
+    def handlers(self, swarm: bool) -> dict[Protocol, Handler]:
+        """Per protocol, what answers (``swarm``: the server takes part in one)."""
+        return {BLOCKS: self.blocks, SWARM: self.swarm} if swarm else {BLOCKS: self.blocks}
+
+    async def blocks(self, stream, peer_id: str) -> None:
+        server = self.server
+        if server is None:
+            request = await stream.recv(5.0)
+            await stream.send(error_message(request.id, "busy", "server is still loading its blocks"))
+            return
+        await server.handle(stream, peer_id)
+
+    async def swarm(self, stream, peer_id: str) -> None:
+        if self.presence is not None:
+            await self.presence.service.handle(stream, peer_id)
+
+
+class Presence:
+    """A server's part in a swarm: its announcement, its measurement, where it sits, its moves."""
+
+    def __init__(
+        self, checked: CheckedServer, node: BaseNode, key: bytes, swarm_id: str, gate: LoadingGate, compute: Executor
+    ):
+        config = checked.config
+        self.config, self.node, self.gate, self.compute = config, node, gate, compute
+        self.hf_config = checked.model.hf_config  # read once, by the preflight
+        self.total = checked.model.num_blocks
+        self.model = model_name(config.model)
+        self.rng = random.Random()
+        self.leaving = False
+        blocks = config.blocks or BlockRange(0, 1)  # until placed: nothing is announced without fingerprints
+        self.announcement = Announcement(
+            node, key, swarm_id, self.model, blocks, fingerprints=[], throughput=0.0, gossip=config.gossip,
+            quantization=config.quant,
+        )  # fmt: skip
+        table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
+        self.service = SwarmService(node, table, config.gossip, list(config.join), self.own_records)
+        self.announcement.service = self.service
+        self.verdicts = VerdictKeeper(key, self.service.publish)  # kept a day, even while the accused is away
+
+    @property
+    def jurisdiction(self) -> Jurisdiction:
+        """What every span this server loads judges in: its swarm, its table, its verdicts (signed,
+        gossiped, re-signed while online)."""
+        table = self.service.table
+        return Jurisdiction(table.swarm, table, self.verdicts.add)
+
+    async def join(self) -> None:
+        """Join the swarm through the tickets given, gossip from now on, and measure (or take the
+        given) throughput before choosing or announcing a span."""
+        await self.service.join()
+        self.service.start()
+        await self.measure()
+
+    def own_records(self) -> list:
+        """Due for (re)publication: the server's records, and its verdicts until it leaves."""
+        return [*self.announcement.records(), *([] if self.leaving else self.verdicts.due())]
+
+    @property
+    def announced(self) -> bool:
+        a = self.announcement
+        return bool(a.fingerprints) and len(a.fingerprints) == len(a.blocks)
+
+    def publish(self) -> None:
+        self.service.publish(self.announcement.server_record(time.time()))
+
+    def announce_span(self, span: BlockRange, fingerprints: list[str], state: State) -> None:
+        if self.leaving:  # e.g. a load still running on the compute thread at shutdown
+            return
+        a = self.announcement
+        a.blocks = span
+        a.fingerprints, a.state = fingerprints, state
+        self.publish()
+
+    def known_fingerprints(self, span: BlockRange) -> list[str] | None:
+        """The span's fingerprints from the swarm's model record (None without one)."""
+        record = self.service.table.model(self.model)
+        if record is None or record.num_blocks != self.total:
+            return None
+        return [record.fingerprints[i].hex() for i in span.blocks()]
+
+    # ---- measuring -------------------------------------------------------------------------
+    async def measure(self) -> None:
+        """Fill the announcement's throughput and step_ms: given, or measured (cached)."""
+        a, config = self.announcement, self.config
+        if config.throughput is not None:
+            a.throughput = config.throughput
+            a.step_ms = 1000.0 / config.throughput if config.throughput > 0 else 0.0
+            return
+        loop = asyncio.get_running_loop()
+        measure = functools.partial(cached_compute, quantization=config.quant)
+        compute, cached = await loop.run_in_executor(self.compute, measure, self.hf_config, config.dtype, config.device)
+        network = None
+        peers = [t for t in config.join if t.peer_id != self.node.id]
+        if peers:
+            network = await measure_network(self.node, peers[0])
+        a.throughput = round(announced_throughput(compute, network, self.hf_config.hidden_size), 3)
+        a.step_ms = round(compute.step_ms, 4)
+        log.info(
+            "throughput %.1f tokens/s per block (%s: step %.3f ms, prefill %.0f tokens/s; network %s)",
+            a.throughput, "cached" if cached else "measured", compute.step_ms, compute.prefill_tokens_per_s,
+            "not measured" if network is None else f"{network / 2**20:.0f} MiB/s",
+        )  # fmt: skip
+
+    # ---- placement -------------------------------------------------------------------------
+    def placed(self) -> list[Placed]:
+        """Online and joining servers of this model in the table."""
+        now = time.time()
+        return [
+            Placed(r.peer, r.blocks, r.throughput)
+            for r in self.service.table.servers(self.model)
+            if r.expires > now and r.state is not State.OFFLINE
+        ]
+
+    async def choose(self) -> BlockRange:
+        config = self.config
+        n = config.num_blocks
+        if n is None:
+            n = default_num_blocks(
+                self.hf_config,
+                config.dtype,
+                config.device,
+                config.cache_tokens,
+                quantization=config.quant,
+                packed=config.packed_weights,
+            )
+        n = min(n, self.total)
+        if not config.new_swarm:  # let servers starting at the same time see each other's choices
+            await asyncio.sleep(config.gossip.period * self.rng.uniform(1.0, 2.0))
+        others = [p for p in self.placed() if p.peer != self.node.id]
+        span = choose_span(others, self.total, n, self.announcement.throughput, self.rng)
+        log.info("placed at blocks %s of %d (%d servers in the swarm)", span, self.total, len(others))
+        return span
+
+    async def keep_balanced(self, load: Loader) -> None:
+        """Every ``balance_period`` (+-20%): move when :func:`plan_move` says it clearly helps. A
+        server that defers to another one (which should move first) does so ``MAX_DEFERRALS`` checks
+        in a row at most: that one may never move (started with ``--blocks``)."""
+        deferred = 0
+        while True:
+            await asyncio.sleep(self.config.balance_period * self.rng.uniform(0.8, 1.2))
+            plan = plan_move(
+                self.placed(), self.total, self.node.id, self.rng, self.config.balance_margin,
+                defer=deferred < MAX_DEFERRALS,
+            )  # fmt: skip
+            if plan.defer_to is not None:
+                deferred += 1
+                log.debug("placement: leaving the next move to %s", plan.defer_to[:10])
+                continue
+            deferred = 0
+            move = plan.move
+            if move is None:
+                continue
+            a = self.announcement
+            log.info(
+                "moving from blocks %s to %s: swarm %s -> %s%s", a.blocks, move.blocks,
+                describe_balance(move.before), describe_balance(move.after),
+                f" (expected {describe_balance(move.expected)} once others follow)" if move.neutral else "",
+            )  # fmt: skip
+            await self.move(move.blocks, load)
+
+    async def move(self, span: BlockRange, load: Loader) -> None:
+        fingerprints = self.known_fingerprints(span)
+        if fingerprints is not None:
+            self.announce_span(span, fingerprints, State.JOINING)
+        old = self.gate.server
+        if old is not None:
+            await old.drain(self.config.drain_timeout)
+        self.gate.server = None  # new requests get "busy" until the new span is loaded
+        del old  # its weights and caches go (the compute thread stays: it is shared)
+        self.gate.server = await load(span)
+        self.announce_online()
+
+    def announce_online(self) -> None:
+        server = self.gate.server
+        self.announcement.cache_tokens_free = server.budget.free_tokens
+        self.announcement.adapters = tuple((a.name, a.digest) for a in server.info.adapters)
+        self.announce_span(server.info.blocks, server.info.fingerprints, State.ONLINE)
+        for signed in self.announcement.records():
+            self.service.publish(signed)
+
+    async def track_cache(self) -> None:
+        """Free cache changes with sessions: republish early when it moved by more than 10%."""
+        a = self.announcement
+        while True:
+            await asyncio.sleep(self.config.gossip.period)
+            server = self.gate.server
+            if server is None or a.state is not State.ONLINE:
+                continue
+            free = server.budget.free_tokens
+            if abs(free - a.cache_tokens_free) > 0.1 * server.budget.capacity_tokens:
+                a.cache_tokens_free = free
+                self.publish()
+
+    async def leave(self) -> None:
+        """Publish the offline record to every peer at once (before draining)."""
+        self.leaving = True
+        if self.announced:
+            await self.service.announce_to_all(self.announcement.set_state(State.OFFLINE))
+
+
+def describe_balance(balance: Balance) -> str:
+    if balance.uncovered:
+        return f"{balance.uncovered} uncovered blocks"
+    return f"bottleneck {balance.bottleneck:.3g} tokens/s"
+
+
+__all__ = ["MAX_DEFERRALS", "Loader", "LoadingGate", "Presence", "describe_balance"]

@@ -1,0 +1,68 @@
+"""Requests served without a session: ``forward`` (one pass, e.g. a client's stateless run or a
+training forward) and ``backward`` (training: the gradient of a pass's inputs, recomputed with
+autograd at the lowest priority of the compute thread). Both may carry deep prompts and name a LoRA
+adapter. Codecs: an output travels in the codec the hidden states came in (:func:`in_kind`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from shoal.errors import BadRequest, Unavailable, WireError
+from shoal.ids import PeerId
+from shoal.verify.receipts import server_receipt
+from shoal.wire import Codec, Message, codecs
+from shoal.wire.schema import BackwardRequest, ForwardReply, ForwardRequest
+
+if TYPE_CHECKING:
+    from shoal.server.handler import BlockServer
+
+
+async def forward(server: BlockServer, request: Message, peer_id: PeerId) -> Message:
+    """One pass over the span's blocks (receipt signed if asked)."""
+    if server.draining:
+        raise Unavailable("server is draining (leaving the swarm): use another server")
+    meta: ForwardRequest = request.meta
+    backend = server.backend
+    hidden, position_ids, mask, prompts = backend.forward_inputs(request.tensors, meta.prompts)
+    backend.check_adapter(meta.adapter)
+    out = await backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter, peer=peer_id)
+    server.counters.forward_requests += 1
+    server.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
+    codecs_out = in_kind(out, request)  # first: raises if the codec cannot carry the output
+    receipt = None
+    if meta.receipt:
+        receipt = server_receipt(server.signer, server.info, request, out, adapter=meta.adapter, prompts=meta.prompts,
+                                 device=backend.device)  # fmt: skip
+    return Message("result", request.id, ForwardReply(receipt=receipt), [out], codecs_out)
+
+
+async def backward(server: BlockServer, request: Message) -> Message:
+    """The gradients of a stateless pass's inputs; they travel raw (no codec)."""
+    if server.draining:
+        raise Unavailable("server is draining (leaving the swarm): use another server")
+    meta: BackwardRequest = request.meta
+    backend = server.backend
+    hidden, position_ids, mask, prompts, grad_output = backend.backward_inputs(request.tensors, meta.prompts)
+    backend.check_adapter(meta.adapter)
+    grads = await backend.backward(hidden, position_ids, mask, grad_output, prompts=prompts, adapter=meta.adapter)
+    server.counters.backward_requests += 1
+    server.counters.backward_tokens += hidden.shape[0] * hidden.shape[1]
+    return Message("result", request.id, tensors=grads)
+
+
+def in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:
+    """The codecs of the reply to ``request``: ``out`` travels in the codec the hidden states came
+    in. An output that codec cannot carry (q8: NaN or infinity) is the request's error."""
+    codec = request.codec_of(0)
+    if codec is Codec.RAW:
+        return ()
+    try:
+        codecs.check(codec, out)
+    except WireError as exc:
+        raise BadRequest(f"the output cannot travel in codec {codec}: {exc}") from None
+    return (codec,)
+
+
+__all__ = ["backward", "forward", "in_kind"]
