@@ -1,10 +1,12 @@
-"""shoal's exception tree. Lower-layer (iroh) errors are translated at one boundary,
-:mod:`shoal.transport.iroh_node`, so nothing above the transport ever sees an ``IrohError``.
+"""shoal's exception tree, drawn once, here: every error shoal raises on purpose is a
+:class:`ShoalError`. The classes defined in this module are the ones users catch most; the others live
+beside the code that raises them (module in brackets). Lower-layer (iroh) errors are translated at
+one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever sees an ``IrohError``.
 
     ShoalError
     ├── TransportError              something between two peers went wrong
-    │   ├── ConnectTimeout          the peer did not answer within the connect deadline
-    │   ├── RequestTimeout          a request, step or stream read missed its deadline
+    │   ├── ConnectTimeout          the peer did not answer within the connect deadline (also a TimeoutError)
+    │   ├── RequestTimeout          a request, step or stream read missed its deadline (also a TimeoutError)
     │   ├── RefusedError            the peer refused the connection
     │   │   └── ProtocolMismatch    ... because it speaks none of our protocol versions
     │   └── ClosedError             the connection or stream ended (peer vanished, endpoint closed)
@@ -12,17 +14,37 @@
     │   └── MessageTooLarge         ... in particular, it exceeds a size limit
     ├── RemoteError                 the peer understood the request and answered with an error
     │   ├── BadRequest              wrong shape, dtype, unknown session, step past max_length ...
+    │   │   ├── InvalidMessage      a well-framed message whose metadata does not validate [wire.messages]
+    │   │   └── UnknownAdapter      a LoRA adapter this span does not have [models.lora]
     │   ├── BusyError               no room: cache budget or per-peer session limit
     │   ├── NotFound                unknown session or resource
     │   └── Unavailable             the server is draining (leaving): use another one
+    ├── NoRouteError                no chain of known servers covers every block [routing.chain]
+    ├── LieDetected                 a server of the chain lied; generate repairs it [client.audit]
+    ├── ReceiptError                a receipt does not vouch for the answer [verify.receipts]
+    │   ├── MissingReceipt          ... none came
+    │   ├── BadSignature            ... not the server's key
+    │   ├── ReceiptMismatch         ... another computation or output than the one asked or received
+    │   └── Equivocation            ... a server pushed one tensor and answered another
+    ├── Rejected                    a judge's finding against evidence [verify.evidence]
+    ├── NoEvidence                  the client cannot build evidence of a lie [verify.evidence]
+    ├── RecordError                 a swarm record was rejected [swarm.records]
+    ├── CheckpointError             a checkpoint lacks tensors or shards, or is not safetensors [checkpoints.loading]
+    ├── HubUnreachable              a Hub model is not cached and the Hub cannot be reached [checkpoints.fetch]
+    ├── PagesExhausted              a server's KV page pool is full (also a RuntimeError) [models.kv]
+    ├── UnfitModel                  the generic path does not fit (raised as UnsupportedModelError) [models.generic]
+    ├── GatewayError                an API request refused, in OpenAI's terms (HTTP status) [gateway.engine]
     ├── IdentityError               the identity key file is missing, unreadable or corrupt
-    ├── TicketError                 a ticket string cannot be parsed
+    ├── TicketError                 a ticket string cannot be parsed (also a ValueError)
     ├── UsageError                  asked for something that cannot be: a bad flag value, a block range
     │   │                           outside the model, ... (also a ValueError)
-    │   └── ModelNotFoundError      no directory, known model or Hub id by that name (also a FileNotFoundError)
+    │   ├── ModelNotFoundError      no directory, known model or Hub id by that name (also a FileNotFoundError)
+    │   └── UnsupportedModelError   no family adapter, and the generic path does not fit [models]
     └── BindError                   an address to listen on is taken or not ours to use
 
 The ``shoal`` command turns every one of them into one line on standard error (:mod:`shoal.cli.failures`).
+From Python, catch :class:`ShoalError` (or a branch of it); ``tests/unit/test_errors_tree.py`` checks
+that this drawing names every exception class in ``shoal``.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from shoal.errors import ShoalError
 from shoal.models import BlockSpan, ClientHead, get_family
 from shoal.quantization import Quantization, parse_quantization
 from shoal.quantization.weights import block_quantizer
@@ -27,7 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 Wanted = Iterable[str] | Callable[[str], bool]
 
 
-class CheckpointError(Exception):
+class CheckpointError(ShoalError):
     """A checkpoint lacks tensors or shard files a party needs, or is not a safetensors checkpoint."""
 
 

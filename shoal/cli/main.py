@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shoal.cli.args import ArgumentParser, port_number, positive_float, positive_int
+
 if TYPE_CHECKING:
     from shoal.transport import TransportConfig
 
@@ -29,62 +31,6 @@ DESCRIPTION = """\
 Run large language models across machines that belong to different people: servers host spans of a
 model's blocks, clients (the Python API, `shoal api`, `shoal chat`) drive them. Run `shoal COMMAND
 --help` for a command's flags."""
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Shows each flag's default after its help text, unless there is nothing to show."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        nothing = default in (None, False, argparse.SUPPRESS) or default == []
-        if "%(default)" in text or nothing or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake raises :class:`~shoal.errors.UsageError` (reported as one line
-    by :mod:`shoal.cli.failures`) instead of printing usage and exiting."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        from shoal.errors import UsageError
-
-        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
-
-
-positive_int.__name__ = "positive integer"  # what argparse names in "invalid positive integer value"
-
-
-def port_number(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise ValueError(text)
-    return value
-
-
-port_number.__name__ = "port (0-65535)"
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(text)
-    return value
-
-
-positive_float.__name__ = "positive number"
 
 
 def _transport(args: argparse.Namespace) -> TransportConfig:
@@ -190,7 +136,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shoal.demo import DemoOptions, run_demo
+    from shoal.cli.demo import DemoOptions, run_demo
 
     options = DemoOptions(
         prompt=args.prompt,
@@ -338,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--max-new-tokens", type=positive_int, default=DEMO_MAX_NEW_TOKENS, help="the answer's length at most"
     )
-    from shoal.gateway.cli import add_commands, add_speculation  # api, dashboard, chat; --draft, --prompt-lookup
+    from shoal.cli.gateway import add_commands, add_speculation  # api, dashboard, chat; --draft, --prompt-lookup
 
     add_speculation(demo)
     demo.set_defaults(func=cmd_demo)

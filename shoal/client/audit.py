@@ -29,8 +29,9 @@ second chain, the hops' outputs are compared on the same inputs (all hops in par
 disagreement is settled by a third replica, and a lie is caught at the step that told it, before
 the next token is chosen from it. A ``hold_back`` streamer lags by one step at most.
 
-Limits: stateless forwards (``use_cache=False``, training) are not audited; a span's replicas are
-assumed to compute in the same dtype (the directory does not know a server's compute dtype); the
+Limits: stateless forwards (``use_cache=False``, training) are not audited; a span's auditor is an
+exact replica (same span, announced compute dtype, quantisation and adapter:
+:func:`shoal.client.directory.replicas`), so a span nobody else serves alike goes unaudited; the
 receipts of a pushed hop (:mod:`shoal.client.driver`) are what makes its recorded inputs the ones
 it computed on, so without them the session does not push (:meth:`RemoteSession._install`).
 """

@@ -44,7 +44,7 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 from shoal.client.model import SessionCache
 from shoal.client.sampling import PositionSeededSampler
 from shoal.client.session import RemoteSession
-from shoal.errors import UsageError
+from shoal.errors import ShoalError, UsageError
 
 __all__ = [
     "VERIFY_COUNTERS",
@@ -74,7 +74,7 @@ class ChatPrompt(list):
         self.shared = shared
 
 
-class GatewayError(Exception):
+class GatewayError(ShoalError):
     """A request the gateway refuses, in OpenAI's terms: HTTP status, error type, param, code."""
 
     def __init__(

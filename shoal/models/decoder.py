@@ -28,7 +28,7 @@ def _cache_kwarg(fn) -> str:
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
-_MASK_CACHE_KW = _cache_kwarg(masking_utils.create_causal_mask)
+MASK_CACHE_KW = _cache_kwarg(masking_utils.create_causal_mask)
 
 
 def sliding_window_of(config, layer_idx: int) -> int | None:
@@ -46,7 +46,7 @@ def _kv_offset(past_length: int, window: int | None) -> int:
     return 0 if window is None else max(past_length - window + 1, 0)
 
 
-class _MaskSizes:
+class MaskSizes:
     """Stands in for a transformers ``Cache`` in mask creation: only reports the query offset and
     the key/value length and offset the layers will see."""
 
@@ -157,7 +157,7 @@ class DecoderSpan(BlockSpan):
             attention_mask=attention_mask,
             position_ids=position_ids,
             layer_idx=0,
-            **{_MASK_CACHE_KW: _MaskSizes(past_length, window)},
+            **{MASK_CACHE_KW: MaskSizes(past_length, window)},
         )
 
     def _position_embeddings(self, hidden, position_ids, key: str | None):
@@ -284,7 +284,7 @@ def check_range(family, config, start: int, end: int, built: int | None = None) 
         raise ValueError(f"blocks [{start}, {end}) need {end - start} built blocks, got {built}")
 
 
-def _assign(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, dtype, device) -> nn.Module:
+def assign_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], what: str, dtype, device) -> nn.Module:
     """Give a meta-device ``module`` its checkpoint tensors, then cast and move it."""
     expected = set(module.state_dict())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -363,7 +363,7 @@ class DecoderFamily:
         config = prepare_config(config)
         with torch.device("meta"):
             layer = self.layer_cls(config, index)
-        return _assign(layer, self.convert_block_tensors(config, tensors), f"block {index}", dtype, device)
+        return assign_tensors(layer, self.convert_block_tensors(config, tensors), f"block {index}", dtype, device)
 
     def assemble_span(self, config, start, end, blocks: list[nn.Module], dtype, device) -> DecoderSpan:
         """The span of blocks ``[start, end)`` built by :meth:`build_block`."""
@@ -383,10 +383,10 @@ class DecoderFamily:
         if missing:
             raise ValueError(f"client head: missing tensors {missing}")
         embed_name, norm_name = self.client_tensor_names(config)[:2]
-        _assign(embed, {"weight": state_dict[embed_name]}, "embeddings", dtype, device)
-        _assign(norm, {"weight": state_dict[norm_name]}, "final norm", dtype, device)
+        assign_tensors(embed, {"weight": state_dict[embed_name]}, "embeddings", dtype, device)
+        assign_tensors(norm, {"weight": state_dict[norm_name]}, "final norm", dtype, device)
         if tied:
             lm_head.weight = embed.weight
         else:
-            _assign(lm_head, {"weight": state_dict["lm_head.weight"]}, "lm_head", dtype, device)
+            assign_tensors(lm_head, {"weight": state_dict["lm_head.weight"]}, "lm_head", dtype, device)
         return DecoderClientHead(embed, norm, lm_head, dtype, self.head_scalars(config))

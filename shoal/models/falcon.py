@@ -23,11 +23,11 @@ from transformers.models.falcon.modeling_falcon import FalconDecoderLayer, Falco
 
 from shoal.models.base import BlockSpan, CacheGeometry, add_deep_prompt
 from shoal.models.decoder import (
-    _MASK_CACHE_KW,
+    MASK_CACHE_KW,
     BlockTensors,
     DecoderClientHead,
-    _assign,
-    _MaskSizes,
+    MaskSizes,
+    assign_tensors,
     check_range,
     checked_step,
     packed_steps,
@@ -81,7 +81,7 @@ class FalconSpan(BlockSpan):
             attention_mask=attention_mask,
             position_ids=position_ids,
             allow_is_causal_skip=False,
-            **{_MASK_CACHE_KW: _MaskSizes(past_length, None)},
+            **{MASK_CACHE_KW: MaskSizes(past_length, None)},
         )
         if not self.config.alibi:
             return mask, None
@@ -183,7 +183,7 @@ class FalconFamily:
         config = prepare_config(config)
         with torch.device("meta"):
             layer = self.layer_cls(config, index)
-        return _assign(layer, tensors, f"block {index}", dtype, device)
+        return assign_tensors(layer, tensors, f"block {index}", dtype, device)
 
     def assemble_span(self, config, start, end, blocks: list[nn.Module], dtype, device) -> FalconSpan:
         check_range(self, config, start, end, len(blocks))
@@ -200,13 +200,13 @@ class FalconFamily:
             norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
             lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         embeddings = {"weight": state_dict[f"{PREFIX}word_embeddings.weight"]}
-        _assign(embed, embeddings, "embeddings", dtype, device)
+        assign_tensors(embed, embeddings, "embeddings", dtype, device)
         final_norm = {k: state_dict[f"{PREFIX}ln_f.{k}"] for k in ("weight", "bias")}
-        _assign(norm, final_norm, "final norm", dtype, device)
+        assign_tensors(norm, final_norm, "final norm", dtype, device)
         if config.tie_word_embeddings:
             lm_head.weight = embed.weight
         else:
-            _assign(lm_head, {"weight": state_dict["lm_head.weight"]}, "lm_head", dtype, device)
+            assign_tensors(lm_head, {"weight": state_dict["lm_head.weight"]}, "lm_head", dtype, device)
         return DecoderClientHead(embed, norm, lm_head, dtype)
 
 

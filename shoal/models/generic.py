@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.errors import ShoalError
 from shoal.models.decoder import DecoderFamily, HeadScalars
 
 __all__ = ["HEAD_SCALAR_ATTRIBUTES", "UNAPPLIED_ATTRIBUTES", "UnfitModel", "config_head_scalars", "generic_family"]
@@ -64,7 +65,7 @@ _PROBE_INIT = 0.3  # weights ~N(0, 0.3): every op moves the logits far more than
 _PROBE_RTOL = 1e-4  # of the largest |value| (at least 1): fp32, chunked vs full passes
 
 
-class UnfitModel(ValueError):
+class UnfitModel(ShoalError, ValueError):
     """The model does not fit the generic path; the message says what does not fit."""
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.errors import ShoalError
 from shoal.models.base import CacheGeometry
 
 DEFAULT_PAGE_SIZE = 16  # tokens per page: 16 wastes < 16 positions a row, and a decode step's gather stays cheap
@@ -34,7 +35,7 @@ DEFAULT_PAGE_SIZE = 16  # tokens per page: 16 wastes < 16 positions a row, and a
 ZERO_PAGE = 0
 
 
-class PagesExhausted(RuntimeError):
+class PagesExhausted(ShoalError, RuntimeError):
     """The pool has no free page (and the prefix cache could not give one back)."""
 
 

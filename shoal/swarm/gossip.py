@@ -267,11 +267,3 @@ class Gossiper:
 
     def _records(self, keys: Iterable[str | None]) -> list[bytes]:
         return [s.data for key in keys if key is not None and (s := self.table.get(key)) is not None]
-
-
-def own_record_due(held: SignedRecord | None, now: float, refresh: float) -> bool:
-    return held is None or now - held.timestamp >= refresh
-
-
-def server_peers(records: list[ServerRecord]) -> dict[str, ServerRecord]:
-    return {r.peer: r for r in records}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.demo import DemoOptions, was_cut
+from shoal.cli.demo import DemoOptions, was_cut
 from tests.cli.test_errors import shoal
 
 

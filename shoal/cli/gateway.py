@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shoal.cli.main import port_number, positive_float, positive_int
+from shoal.cli.args import port_number, positive_float, positive_int
 from shoal.transport import Deadlines, NetworkProfile, Ticket, TransportConfig
 from shoal.wire import Codec
 

@@ -1,0 +1,62 @@
+"""The ``shoal`` command's argument parsing: a parser whose mistakes are one-line errors, and the
+value types its flags share. Import-light: neither torch nor the transport."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default after its help text, unless there is nothing to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        nothing = default in (None, False, argparse.SUPPRESS) or default == []
+        if "%(default)" in text or nothing or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake raises :class:`~shoal.errors.UsageError` (reported as one line
+    by :mod:`shoal.cli.failures`) instead of printing usage and exiting."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        from shoal.errors import UsageError
+
+        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "positive integer"  # what argparse names in "invalid positive integer value"
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(text)
+    return value
+
+
+port_number.__name__ = "port (0-65535)"
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+positive_float.__name__ = "positive number"
