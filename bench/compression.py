@@ -175,7 +175,7 @@ def activation_rows(model_dir: Path, tokens: int, window: int) -> dict:
                 "perplexity": perplexity(model, ids, window),
                 "bytes_per_decode_step_per_hop": payload_per_decode_step(swarm, model, tokenizer),
             }
-            model.blocks.close()
+            model.close()
             print(f"# activations {model_dir.name} {codec.value}: {rows[codec.value]}", file=sys.stderr, flush=True)
     base = rows[Codec.RAW.value]["perplexity"]
     for row in rows.values():
@@ -198,7 +198,7 @@ def ttft_rows(model_dir: Path, prompt_tokens: int = 1024) -> dict:
                     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
                 samples.append(time.perf_counter() - started)
             rows[codec.value] = {"ttft_s": round(min(samples), 3)}
-            model.blocks.close()
+            model.close()
             print(f"# ttft {codec.value}: {rows[codec.value]}", file=sys.stderr, flush=True)
     return rows
 

@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_once(swarm, ids, args.new_tokens, 0, None, meter)[0])
         # decode steps: all but the prefill of each run
         decode = {first + r * args.new_tokens + j for r in range(args.runs) for j in range(1, args.new_tokens)}
-        swarm.blocks.close()
+        swarm.close()
     finally:
         stop_all(servers, 30)  # each writes its record as it exits
     records = [json.loads((tmp / f"server{i}.json").read_text()) for i in range(len(servers))]

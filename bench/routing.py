@@ -81,7 +81,7 @@ def push_vs_hops(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dic
                 outputs.setdefault(mode, out)
         counters = [info.counters for info in clients["push"].blocks.server_infos()]
         for client in clients.values():
-            client.blocks.close()
+            client.close()
         median = {m: statistics.median(r["decode_tok_s"] for r in runs[m]) for m in runs}
         return {
             "servers": [list(s) for s in spans],
@@ -150,7 +150,7 @@ def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
                         else {},
                     }
                 )
-            client.blocks.close()
+            client.close()
             servers[victim] = start(victim, servers["c0"].ticket if victim != "c0" else servers["s1"].ticket)
             servers[victim].wait_ready()
             wait_converged(path, list(servers.values()))  # the victim's record expired, the new one spread

@@ -243,7 +243,7 @@ def serve_load(spec: dict) -> None:
     for session in sessions:
         session.close()
     print(json.dumps({"sessions": count, "steps": done, "tokens_per_s": round(done / seconds, 2)}), flush=True)
-    model.blocks.close()
+    model.close()
 
 
 # ---- the measurements ---------------------------------------------------------------------------
@@ -414,7 +414,7 @@ def bench(args) -> dict:
         if "ttft" in args.only:
             result |= measure_ttft(models["batched"], config, args, meter)
         for model in models.values():
-            model.blocks.close()
+            model.close()
         return result
     finally:
         for servers in pairs.values():

@@ -109,7 +109,7 @@ def training_worker(model_dir: str, tickets: list[str], batch: int, started, sto
         results.put({"steps": len(counted), "tok_s": tokens / sum(counted) if counted else 0.0,
                      "step_s_p50": statistics.median(counted) if counted else 0.0})  # fmt: skip
     finally:
-        model.blocks.close()
+        model.close()
 
 
 def decode_steps(model, n: int) -> list[float]:
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
         training_alone = results.get(timeout=300)
         worker.join(60)
         counters = [info.counters for info in infer.blocks.server_infos()]
-        infer.blocks.close()
+        infer.close()
 
     local = context.Pool(1).apply(local_loop, (model_dir, args.steps, args.batch))
     alone = statistics.median(r["infer_step_ms_p50_alone"] for r in rounds)

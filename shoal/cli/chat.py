@@ -67,7 +67,7 @@ def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = s
         freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
         return converse(Engine(model, model_name(options.model), speculation=speculation), options, stdin, stdout)
     finally:
-        model.blocks.close()
+        model.close()
 
 
 def converse(engine, options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:

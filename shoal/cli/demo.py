@@ -105,5 +105,5 @@ def run_demo(options: DemoOptions) -> int:
                     "raise it with --max-new-tokens N)"
                 )
         finally:
-            model.blocks.close()
+            model.close()
     return 0

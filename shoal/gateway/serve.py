@@ -136,7 +136,7 @@ def serve_gateway(options: GatewayOptions) -> int:
         sock.close()
         if model is not None:
             try:
-                model.blocks.close()
+                model.close()
             except Exception as exc:  # closing at exit: nothing left to do about it
                 print(f"shoal: closing the client failed: {exc}", file=sys.stderr)
     return 0

@@ -187,7 +187,7 @@ class InProcessSwarm:
         clients, self.clients = self.clients, []
         for model in clients:
             try:
-                model.blocks.close()
+                model.close()
             except Exception:  # a client that failed half-way must not keep the servers alive
                 pass
         for local in self.servers:

@@ -47,7 +47,7 @@ def connect_over(swarm: InProcessSwarm, servers: Sequence[LocalServer], **kwargs
     try:
         yield model
     finally:
-        model.blocks.close()
+        model.close()
 
 
 def steer_through(model, chain: Sequence[LocalServer]) -> list[str]:

@@ -367,7 +367,7 @@ def client_main(model_dir: str, ticket: str, new_tokens: int) -> None:
             "seen": sorted([s.peer_id, s.start, s.end] for s in seen),
         }
     finally:
-        model.blocks.close()
+        model.close()
     print("result: " + json.dumps(result), flush=True)
 
 

@@ -274,4 +274,4 @@ def test_client_from_the_head_shard_alone_matches_the_local_model(head_dir, slic
                 rest = client(ids[:1, 4:], cache=cache).logits
         torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=0, atol=ATOL)
     finally:
-        client.blocks.close()
+        client.close()

@@ -208,4 +208,4 @@ def test_client_from_the_head_shard_alone_matches_the_local_model(model, head_di
                 rest = client(ids[:1, 6:], cache=cache).logits
         torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=0, atol=1e-4)
     finally:
-        client.blocks.close()
+        client.close()

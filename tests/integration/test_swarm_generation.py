@@ -361,7 +361,7 @@ def test_greedy_through_shoal_serve_processes(case, hops):
             assert torch.equal(model.generate(case.prompt, max_new_tokens=64, **GREEDY), expected)
             counters = [info.counters for info in model.blocks.server_infos()]
         finally:
-            model.blocks.close()
+            model.close()
     assert [(c.steps, c.pushes_sent, c.pushes_received, c.pushes_failed) for c in counters] == [
         (64, 64, 0, 0),
         (64, 0, 64, 0),

@@ -92,7 +92,7 @@ def test_killing_any_route_server_keeps_the_tokens(local_swarm, reference_and_di
             )
             after = {s.ticket.peer_id: counts(s) for s in local_swarm.servers if s.alive}
         finally:
-            model.blocks.close()
+            model.close()
         where = f"run {run}: {victim.blocks} killed at step {trigger.step}"
         assert torch.equal(out, expected), f"{where}: tokens differ"
         assert streamed == out[0, PROMPT.shape[1] :].tolist(), f"{where}: streamed tokens differ"
@@ -169,7 +169,7 @@ def test_sigkill_of_a_route_server_process_keeps_the_tokens(swarm, reference_and
             new_route = [span.peer_id for span in session.chain]
             after = counters(model, exclude={swarm.peer(victim)})
     finally:
-        model.blocks.close()
+        model.close()
     assert torch.equal(out, expected), f"tokens differ after killing {victim}"
     assert recorder.tokens == out[0, PROMPT.shape[1] :].tolist(), "streamed tokens differ"
     assert [r.failed for r in session.recoveries] == [swarm.peer(victim)]
@@ -201,7 +201,7 @@ def test_sigterm_drain_during_generation_keeps_the_tokens(swarm, reference_and_d
             )
             session = cache.session
     finally:
-        model.blocks.close()
+        model.close()
     assert torch.equal(out, expected)
     assert [r.failed for r in session.recoveries] == [swarm.peer(victim)]
     assert session.recoveries[0].drain, "the client should move on the draining flag, not on a failure"

@@ -55,7 +55,7 @@ def test_a_slow_server_is_routed_around_once_a_faster_replica_exists(setup):
     try:
         assert route_names(names, client) == ["slow", "roomy"]  # the only server for blocks 0:3
     finally:
-        client.blocks.close()
+        client.close()
     with_fast(swarm, names)
     client = swarm.connect(refresh_period=0)
     try:
@@ -67,7 +67,7 @@ def test_a_slow_server_is_routed_around_once_a_faster_replica_exists(setup):
         expected = reference.generate(PROMPT, max_new_tokens=8, do_sample=False)
         assert torch.equal(client.generate(PROMPT, max_new_tokens=8, do_sample=False), expected)
     finally:
-        client.blocks.close()
+        client.close()
 
 
 @pytest.mark.timeout(30)
@@ -81,7 +81,7 @@ def test_a_server_short_of_free_cache_is_avoided(setup):
         info = {by_peer[s.peer_id]: s.info.free_cache_tokens for s in client.blocks.directory.spans}
         assert info["cramped"] == 16 and info["roomy"] > 32
     finally:
-        client.blocks.close()
+        client.close()
 
 
 @pytest.mark.timeout(30)
@@ -100,4 +100,4 @@ def test_concurrent_forward_requests_spread_across_replicas(setup):
         assert served["fast"] + served["slow"] == 16 and served["roomy"] + served["cramped"] == 16, served
         assert min(served.values()) > 0, f"every replica should get some of the load: {served}"
     finally:
-        client.blocks.close()
+        client.close()
