@@ -1,4 +1,5 @@
-"""The value types that travel between shoal's layers: peer and session ids, and block ranges.
+"""The value types that travel between shoal's layers: peer and session ids, block ranges, and the
+cutting of a run of positions into chunks.
 
 A :class:`BlockRange` is half-open, ``[start, end)``, and non-empty. It is the one type for "these
 blocks" everywhere: routing, the server, swarm records, placement and the client. It is a msgspec
@@ -70,3 +71,20 @@ class OnBlocks:
 
 
 __all__ = ["BlockRange", "OnBlocks", "PeerId", "SessionId"]
+
+
+def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:
+    """``[start, end)`` of each chunk of ``n`` positions cut every ``size`` (None or 0: one chunk);
+    the last chunk takes the remainder. The one cutting rule of the client's pipelined prefill and
+    the server's prefill, recompute and training chunks."""
+    if size is not None and size < 0:
+        raise ValueError(f"a chunk size must be None, 0 (off) or positive, not {size}")
+    if not size or n <= size:
+        return [(0, n)]
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def rows_chunk_bounds(rows: int, tokens: int, max_positions: int) -> list[tuple[int, int]]:
+    """``[a, b)`` token ranges of a step of ``rows`` rows, cut so each holds at most ``max_positions``
+    rows x tokens (at least one token each: a step of more rows than that runs a token at a time)."""
+    return chunk_bounds(tokens, max(1, max_positions // max(rows, 1))) if tokens > 0 else []

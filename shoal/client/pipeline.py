@@ -30,21 +30,12 @@ from torch import Tensor
 
 from shoal.client.driver import ChainDriver, HopFailed, PushLost
 from shoal.client.history import step_inputs
+from shoal.ids import chunk_bounds
 from shoal.wire.schema import Receipt
 from shoal.wire.tensors import serial_copy
 
 #: positions per chunk of a pipelined step unless the client says otherwise (``prefill_chunk``)
 DEFAULT_PREFILL_CHUNK = 128
-
-
-def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:
-    """``[start, end)`` of each chunk of a step of ``n`` positions cut every ``size`` (None or 0:
-    one chunk); the last chunk takes the remainder."""
-    if size is not None and size < 0:
-        raise ValueError(f"prefill_chunk must be None, 0 (off) or positive, not {size}")
-    if not size or n <= size:
-        return [(0, n)]
-    return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
 def positions(tensor: Tensor, start: int, end: int) -> Tensor:

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from shoal.errors import BadRequest, Unavailable
+from shoal.ids import rows_chunk_bounds
 from shoal.models import BlockSpan, SpanCache
 from shoal.models.kv import DEFAULT_PAGE_SIZE, CachedStep, PagedCache
 from shoal.server.batching import Batcher
 from shoal.server.scheduler import ComputeScheduler, Priority, SchedulerCounts
-from shoal.server.step_queue import chunk_bounds
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -53,7 +53,7 @@ RECOMPUTE_CHUNK_POSITIONS = 256
 def row_groups(batch: int, tokens: int, budget: int = TRAINING_CHUNK_POSITIONS) -> list[slice]:
     """The batch's rows in groups of at most ``budget`` positions (at least one row each: a row's
     tokens attend to each other, so a row is never split)."""
-    return [slice(a, b) for a, b in chunk_bounds(tokens, batch, budget)]  # the batch's rows, as a step's tokens
+    return [slice(a, b) for a, b in rows_chunk_bounds(tokens, batch, budget)]  # the batch's rows, as a step's tokens
 
 
 def _on(tensor: torch.Tensor | None, device: str) -> torch.Tensor | None:
@@ -266,7 +266,7 @@ class SpanBackend:
         first = start - self.span.start
         blocks = [self.span.sub_span(i, i + 1) for i in range(first, first + end - start)]
         batch, total = hidden.shape[:2]
-        chunks = chunk_bounds(batch, total, RECOMPUTE_CHUNK_POSITIONS)
+        chunks = rows_chunk_bounds(batch, total, RECOMPUTE_CHUNK_POSITIONS)
         device = self.device
 
         def through(block: BlockSpan, held: dict, x: torch.Tensor, a: int, b: int, last: bool) -> torch.Tensor | None:

@@ -73,9 +73,10 @@ from typing import Any
 import torch
 
 from shoal.errors import BadRequest, BusyError, Unavailable
+from shoal.ids import rows_chunk_bounds
 from shoal.models.kv import CachedStep, PagesExhausted
 from shoal.server.pacing import Arrivals, BatchCosts, choose_groups
-from shoal.server.step_queue import PendingStep, StepQueue, chunk_bounds
+from shoal.server.step_queue import PendingStep, StepQueue
 from shoal.wire.tensors import cat_serial
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class Batcher:
         """One session step's output (``hidden``'s dtype, on the CPU), through the batches; a long
         one chunk by chunk (each chunk queued once the one before it is done). ``pushed``: the
         previous server of the session's chain handed it on (this server follows its grouping)."""
-        chunks = chunk_bounds(hidden.shape[0], hidden.shape[1], self.prefill_chunk)
+        chunks = rows_chunk_bounds(hidden.shape[0], hidden.shape[1], self.prefill_chunk)
         outputs = []
         for a, b in chunks:
             pending = PendingStep(

@@ -50,13 +50,6 @@ class PendingStep:
         return self.past_length + self.hidden.shape[1]
 
 
-def chunk_bounds(rows: int, tokens: int, max_positions: int) -> list[tuple[int, int]]:
-    """``[a, b)`` token ranges of a step cut so each holds at most ``max_positions`` rows x tokens
-    (at least one token each: a step of more rows than that runs a token at a time)."""
-    per_chunk = max(1, max_positions // rows)
-    return [(a, min(a + per_chunk, tokens)) for a in range(0, tokens, per_chunk)]
-
-
 class StepQueue:
     """Waiting steps by peer, taken round-robin into batches. Not thread-safe: the batcher's lock guards it."""
 
@@ -181,4 +174,4 @@ class StepQueue:
                 del self._by_peer[peer]
 
 
-__all__ = ["MAX_REMEMBERED_PEERS", "PendingStep", "StepQueue", "chunk_bounds"]
+__all__ = ["MAX_REMEMBERED_PEERS", "PendingStep", "StepQueue"]

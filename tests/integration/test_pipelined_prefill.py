@@ -89,7 +89,7 @@ def test_chunk_bounds():
     assert chunk_bounds(16, 8) == [(0, 8), (8, 16)]
     assert chunk_bounds(8, 8) == [(0, 8)]
     assert chunk_bounds(37, None) == chunk_bounds(37, 0) == [(0, 37)]
-    with pytest.raises(ValueError, match="prefill_chunk"):
+    with pytest.raises(ValueError, match="must be None, 0"):
         chunk_bounds(37, -1)
 
 
