@@ -39,15 +39,16 @@ from shoal.models.kv import CachedStep, PackedSteps, PagedCache, PagePool, priva
 PREFIX = "transformer."
 
 
-def kv_heads(config) -> tuple[int, int]:
-    """(key/value heads a block's cache stores, query heads sharing each of them).
+def kv_heads(config) -> int:
+    """Key/value heads a block's cache stores: one per group in the new decoder architecture, one with
+    multi-query, else one per query head (the config's ``num_key_value_heads`` in newer transformers).
 
-    The new decoder architecture has ``num_kv_heads`` groups, which the layer broadcasts to one key per
-    query head before caching; the cache keeps one per group and expands on read (same values).
-    """
+    In the new architecture transformers 5.17's layer broadcasts each group's key to its query heads
+    before caching, 5.25's hands over one per group and repeats them itself; :class:`~shoal.models.kv.PagedStep`
+    stores one per group either way and hands back as many as it was given."""
     if config.new_decoder_architecture:
-        return config.num_kv_heads, config.num_attention_heads // config.num_kv_heads
-    return (1 if config.multi_query else config.num_attention_heads), 1
+        return config.num_kv_heads
+    return 1 if config.multi_query else config.num_attention_heads
 
 
 class FalconSpan(BlockSpan):
@@ -58,7 +59,6 @@ class FalconSpan(BlockSpan):
         self.config, self.start, self.end = config, start, end
         self.layers, self.rotary_emb, self.geometry = layers, rotary, geometry
         self.dtype = geometry.dtype
-        self.groups = kv_heads(config)[1]
 
     def allocate_pool(self, num_pages: int, page_size: int) -> PagePool:
         return PagePool(len(self.layers), self.geometry, page_size, num_pages, next(self.layers.parameters()).device)
@@ -133,8 +133,7 @@ class FalconSpan(BlockSpan):
         hidden = batch.hidden.to(self.dtype)
         mask, alibi = self._batch_mask_and_alibi(batch, hidden.dtype)
         past = batch.uniform_past if prompts is not None else 0
-        out = self._layers(hidden, batch.position_ids, mask, alibi, batch.cache_step(self.start, self.groups),
-                           prompts, past)  # fmt: skip
+        out = self._layers(hidden, batch.position_ids, mask, alibi, batch.cache_step(self.start), prompts, past)
         return batch.split(out)
 
     def _layers(self, hidden, position_ids, mask, alibi, step, prompts, past_length) -> torch.Tensor:
@@ -173,7 +172,7 @@ class FalconFamily:
         return names
 
     def cache_geometry(self, config, dtype: torch.dtype) -> CacheGeometry:
-        return CacheGeometry(kv_heads(config)[0], config.hidden_size // config.num_attention_heads, dtype)
+        return CacheGeometry(kv_heads(config), config.hidden_size // config.num_attention_heads, dtype)
 
     def build_span(self, config, start, end, state_dict, dtype, device) -> FalconSpan:
         return span_from_blocks(self, config, start, end, state_dict, dtype, device)

@@ -308,8 +308,8 @@ class PackedSteps:
             torch.index_select(pages, 0, self.read_pages, out=out)
         return out.view(self.rows, self.kv_length, *pool_part.shape[1:])
 
-    def cache_step(self, start: int, store_every: int = 1) -> PagedStep:
-        return PagedStep(self, start, store_every)
+    def cache_step(self, start: int) -> PagedStep:
+        return PagedStep(self, start)
 
     def split(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """Each step's output ``[b, n, H]`` from the batch's ``[rows, n_max, H]``; sets each cache's
@@ -326,14 +326,20 @@ class PackedSteps:
 class PagedStep:
     """What the layers see as their cache during one batched forward (transformers' ``Cache.update``).
 
-    ``store_every``: a layer that hands over keys already repeated for its query heads (Falcon's new
-    decoder architecture) stores one head of every ``store_every`` and gets them repeated back."""
+    The pool stores the geometry's kv heads. A layer that hands over keys/values already repeated for
+    its query heads (``g`` times the pool's heads, repeat-interleaved: Falcon's new decoder architecture
+    in transformers 5.17 broadcasts each group's key to its query heads) stores one head of every
+    ``g`` and gets them repeated back; either way ``update`` returns as many heads as it was given."""
 
-    def __init__(self, batch: PackedSteps, start: int, store_every: int = 1):
-        self.batch, self.start, self.store_every = batch, start, store_every
+    def __init__(self, batch: PackedSteps, start: int):
+        self.batch, self.start = batch, start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        batch, i, g = self.batch, layer_idx - self.start, self.store_every
+        batch, i = self.batch, layer_idx - self.start
+        given, stored = key_states.shape[1], batch.pool.keys[i].shape[1]
+        if given % stored:
+            raise ValueError(f"block {layer_idx}: {given} kv heads handed to a cache of {stored} heads a position")
+        g = given // stored
         if g > 1:
             key_states, value_states = key_states[:, ::g], value_states[:, ::g]
         rows, heads, n, dim = key_states.shape

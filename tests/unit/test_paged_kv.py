@@ -11,7 +11,7 @@ import torch
 from shoal.checkpoints import load_config, load_tensors, span_tensor_filter
 from shoal.models import get_family
 from shoal.models.base import CacheGeometry
-from shoal.models.kv import CachedStep, PagedCache, PagePool, PagesExhausted
+from shoal.models.kv import CachedStep, PackedSteps, PagedCache, PagePool, PagesExhausted
 from testkit.tiny import tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,6 +146,31 @@ def test_steps_of_different_pools_or_dtypes_do_not_batch(spans):
                         PagedCache(pool, 1, 8), 0) for dtype in (torch.bfloat16, torch.float32)]  # fmt: skip
     with pytest.raises(ValueError, match="same dtype"):  # one input buffer would round the fp32 step
         span.forward_steps(mixed)
+
+
+def test_a_step_stores_the_pools_heads_and_hands_back_what_it_was_given():
+    """A layer may hand over one key/value per kv head, or each repeated for its query heads (Falcon's
+    new architecture in older transformers): the pool keeps one per kv head either way, and ``update``
+    returns the same heads it was given; a count that is no multiple of the pool's is refused."""
+    pool = PagePool(1, GEOMETRY, page_size=4, num_pages=4, device="cpu")
+    grouped = torch.randn(1, 2, 3, 4)  # [rows, kv heads, new positions, head dim]
+    repeated = grouped.repeat_interleave(3, dim=1)  # 6 query heads, 3 to a group
+    returned = {}
+    for name, keys in (("grouped", grouped), ("repeated", repeated)):
+        cache = PagedCache(pool, 1, 8)
+        step = CachedStep(torch.zeros(1, 3, 8), torch.arange(3)[None], None, cache, 0)
+        out_keys, out_values = PackedSteps([step], "cpu").cache_step(0).update(keys, -keys, 0)
+        assert out_keys.shape[1] == keys.shape[1] and torch.equal(out_keys[:, :, :3], keys)
+        assert torch.equal(out_values[:, :, :3], -keys)
+        slots = [cache.tables[0][0] * 4 + i for i in range(3)]
+        assert torch.equal(pool.keys[0][slots], grouped[0].transpose(0, 1))  # one per kv head stored
+        returned[name] = out_keys
+        cache.close()
+    assert torch.equal(returned["repeated"], returned["grouped"].repeat_interleave(3, dim=1))
+    cache = PagedCache(pool, 1, 8)
+    step = CachedStep(torch.zeros(1, 3, 8), torch.arange(3)[None], None, cache, 0)
+    with pytest.raises(ValueError, match="3 kv heads handed to a cache of 2 heads"):
+        PackedSteps([step], "cpu").cache_step(0).update(torch.randn(1, 3, 3, 4), torch.randn(1, 3, 3, 4), 0)
 
 
 def test_cli_page_size_default_is_the_kv_default():
