@@ -37,7 +37,7 @@ def user_script(body: str, tmp_path: Path, tiny_dir: Path, tickets: list, *args:
     script = tmp_path / "user.py"
     script.write_text(HEADER + textwrap.dedent(body))
     argv = [sys.executable, str(script), str(tiny_dir), ",".join(map(str, tickets)), *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
 HEADER = f"""\
