@@ -4,6 +4,10 @@ value types its flags share. Import-light: neither torch nor the transport."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shoal.transport import TransportConfig
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -60,3 +64,15 @@ def positive_float(text: str) -> float:
 
 
 positive_float.__name__ = "positive number"
+
+
+def transport_config(args: argparse.Namespace, bind_addr: str) -> TransportConfig:
+    """The endpoint settings of every command that joins a swarm (``--network``, the connect and
+    request deadlines), bound to ``bind_addr``. Imports the transport only when called."""
+    from shoal.transport import Deadlines, NetworkProfile, TransportConfig
+
+    return TransportConfig(
+        profile=NetworkProfile(args.network),
+        bind_addr=bind_addr,
+        deadlines=Deadlines(connect=args.connect_timeout, request=args.request_timeout),
+    )

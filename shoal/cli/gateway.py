@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from shoal.cli.args import port_number, positive_float, positive_int
-from shoal.transport import Deadlines, NetworkProfile, Ticket, TransportConfig
+from shoal.cli.args import port_number, positive_float, positive_int, transport_config
+from shoal.transport import NetworkProfile, Ticket
 from shoal.wire import Codec
 
 #: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it).
@@ -77,11 +77,17 @@ def add_verification(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _transport(args: argparse.Namespace) -> TransportConfig:
-    return TransportConfig(
-        profile=NetworkProfile(args.network),
-        bind_addr=args.bind,
-        deadlines=Deadlines(connect=args.connect_timeout, request=args.request_timeout),
+def _client_settings(args: argparse.Namespace) -> dict:
+    """What ``shoal api`` and ``shoal chat`` set alike on the client they run: the connection,
+    threads, codec, speculation and verification, from their shared flags."""
+    return dict(
+        transport=transport_config(args, args.bind),
+        num_threads=args.num_threads,
+        compression=Codec(args.compression),
+        draft=args.draft,
+        prompt_lookup=args.prompt_lookup,
+        verify=args.verify,
+        audit_every=args.audit_every,
     )
 
 
@@ -99,15 +105,9 @@ def cmd_api(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key or os.environ.get("SHOAL_API_KEY") or None,
-        transport=_transport(args),
         max_concurrency=args.max_concurrency,
         default_max_tokens=args.max_tokens,
-        num_threads=args.num_threads,
-        compression=Codec(args.compression),
-        draft=args.draft,
-        prompt_lookup=args.prompt_lookup,
-        verify=args.verify,
-        audit_every=args.audit_every,
+        **_client_settings(args),
     )
     return serve_gateway(options)
 
@@ -115,7 +115,9 @@ def cmd_api(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
-    options = GatewayOptions(join=Ticket.parse(args.join), host=args.host, port=args.port, transport=_transport(args))
+    options = GatewayOptions(
+        join=Ticket.parse(args.join), host=args.host, port=args.port, transport=transport_config(args, args.bind)
+    )
     return serve_gateway(options)
 
 
@@ -125,19 +127,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     options = ChatOptions(
         model=args.model,
         join=(Ticket.parse(args.join),),
-        transport=_transport(args),
         system=args.system,
         max_new_tokens=args.max_new_tokens,
         max_length=args.max_length,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
-        num_threads=args.num_threads,
-        compression=Codec(args.compression),
-        draft=args.draft,
-        prompt_lookup=args.prompt_lookup,
-        verify=args.verify,
-        audit_every=args.audit_every,
+        **_client_settings(args),
     )
     return run_chat(options)
 

@@ -16,12 +16,8 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from shoal.cli.args import ArgumentParser, port_number, positive_float, positive_int
-
-if TYPE_CHECKING:
-    from shoal.transport import TransportConfig
+from shoal.cli.args import ArgumentParser, port_number, positive_float, positive_int, transport_config
 
 # the network profiles' names (shoal.transport.NetworkProfile), spelled here so that building the
 # parser does not import the transport (and with it torch) before main() set the OpenMP defaults
@@ -31,16 +27,6 @@ DESCRIPTION = """\
 Run large language models across machines that belong to different people: servers host spans of a
 model's blocks, clients (the Python API, `shoal api`, `shoal chat`) drive them. Run `shoal COMMAND
 --help` for a command's flags."""
-
-
-def _transport(args: argparse.Namespace) -> TransportConfig:
-    from shoal.transport import Deadlines, NetworkProfile, TransportConfig
-
-    return TransportConfig(
-        profile=NetworkProfile(args.network),
-        bind_addr=f"{args.host}:{args.port}",
-        deadlines=Deadlines(connect=args.connect_timeout, request=args.request_timeout),
-    )
 
 
 def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0: any free one)") -> None:
@@ -91,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         identity_file=Path(args.identity) if args.identity else None,
         ticket_file=Path(args.ticket_file) if args.ticket_file else None,
         num_threads=args.num_threads,
-        transport=_transport(args),
+        transport=transport_config(args, f"{args.host}:{args.port}"),
         new_swarm=args.new_swarm,
         join=join,
         throughput=args.throughput,
@@ -115,7 +101,7 @@ def cmd_swarm_status(args: argparse.Namespace) -> int:
     from shoal.transport.loop import run as run_loop
 
     ticket = Ticket.parse(args.join)
-    status = run_loop(swarm_status(ticket, _transport(args)))
+    status = run_loop(swarm_status(ticket, transport_config(args, f"{args.host}:{args.port}")))
     print(to_json(status) if args.json else render(status))
     return 0
 
