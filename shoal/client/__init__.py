@@ -1,11 +1,13 @@
 """The client: embeddings, final norm and LM head here; blocks on the swarm."""
 
 from shoal.client.auto import AutoDistributedModelForCausalLM
+from shoal.client.config import ClientConfig
 from shoal.client.model import DistributedModelForCausalLM, SessionCache
 from shoal.client.remote import RemoteSequence, RemoteSession
 
 __all__ = [
     "AutoDistributedModelForCausalLM",
+    "ClientConfig",
     "DistributedModelForCausalLM",
     "RemoteSequence",
     "RemoteSession",

@@ -78,7 +78,9 @@ class AutoDistributedModelForCausalLM:
         ``model.verification`` counts what audits did). ``prefill_chunk``: a session step of more
         positions (a long prompt) travels the chain in chunks of this many, pipelined: the second
         server computes chunk 1 while the first computes chunk 2 (same tokens; None or 0: off; see
-        :mod:`shoal.client.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on."""
+        :mod:`shoal.client.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on.
+        Every setting but ``start_node`` lands, checked before anything is loaded, on one frozen
+        :class:`~shoal.client.config.ClientConfig` (``model.blocks.config``) that the client runs from."""
         client_config = ClientConfig(
             dtype=dtype,
             device=device,
