@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from shoal.checkpoints import load_config, load_tensors, model_name, resolve_model
-from shoal.client.audit import verification_for
+from shoal.client.config import ClientConfig
 from shoal.client.model import DistributedModelForCausalLM
 from shoal.client.pipeline import DEFAULT_PREFILL_CHUNK
 from shoal.client.prompts import PromptTuning
@@ -78,38 +78,39 @@ class AutoDistributedModelForCausalLM:
         ``model.verification`` counts what audits did). ``prefill_chunk``: a session step of more
         positions (a long prompt) travels the chain in chunks of this many, pipelined: the second
         server computes chunk 1 while the first computes chunk 2 (same tokens; None or 0: off; see
-        :mod:`shoal.client.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on."""
-        verification = verification_for(verify, audit_every)
-        min_quality = parse_min_quality(min_quality)
-        choice = AdapterChoice.parse(adapter) if adapter is not None else None
-        if tuning_mode is None and pre_seq_len:
-            raise UsageError(f"pre_seq_len={pre_seq_len} needs tuning_mode='ptune' or 'deep_ptune'")
-        codec = _compression(compression)
-        model_dir = resolve_model(model, client=True, revision=revision)
+        :mod:`shoal.client.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on.
+        Every setting but ``start_node`` lands, checked before anything is loaded, on one frozen
+        :class:`~shoal.client.config.ClientConfig` (``model.blocks.config``) that the client runs from."""
+        client_config = ClientConfig(
+            dtype=dtype,
+            device=device,
+            revision=revision,
+            transport=transport if transport is not None else TransportConfig(),
+            compression=_compression(compression),
+            push=push,
+            refresh_period=refresh_period,
+            routing_seed=routing_seed,
+            min_quality=parse_min_quality(min_quality),
+            adapter=AdapterChoice.parse(adapter) if adapter is not None else None,
+            verify=verify,
+            audit_every=audit_every,
+            prefill_chunk=prefill_chunk,
+            tuning_mode=tuning_mode,
+            pre_seq_len=pre_seq_len,
+        )
+        model_dir = resolve_model(model, client=True, revision=client_config.revision)
         config = load_config(model_dir)
         family = get_family(config)
         tensors = load_tensors(model_dir, family.client_tensor_names(config))
-        head = family.build_client_head(config, tensors, dtype, device)
+        head = family.build_client_head(config, tensors, client_config.dtype, client_config.device)
         del tensors
         num_blocks = family.num_blocks(config)
         prompts = None
-        if tuning_mode is not None:
-            prompts = PromptTuning(tuning_mode, pre_seq_len, config.hidden_size, num_blocks).to(device)
+        if client_config.tuning_mode is not None:
+            prompts = PromptTuning(client_config.tuning_mode, client_config.pre_seq_len, config.hidden_size, num_blocks)
+            prompts = prompts.to(client_config.device)
         blocks = RemoteSequence.connect(
-            initial_peers,
-            num_blocks,
-            config.hidden_size,
-            transport,
-            model=model_name(model),
-            push=push,
-            compression=codec,
-            refresh_period=refresh_period,
-            seed=routing_seed,
-            start_node=start_node,
-            min_quality=min_quality,
-            adapter=choice,
-            verification=verification,
-            prefill_chunk=prefill_chunk,
+            initial_peers, num_blocks, config.hidden_size, client_config, model=model_name(model), start_node=start_node
         )
         distributed = DistributedModelForCausalLM(config, head, blocks, prompts=prompts)
         if (Path(model_dir) / "generation_config.json").is_file():

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from shoal.errors import BadRequest, NotFound
 
-__all__ = ["BlockSequence", "BlockSession", "SessionPositions"]
+__all__ = ["AuditedSession", "BlockSequence", "BlockSession", "SessionPositions"]
 
 
 @runtime_checkable
@@ -43,6 +43,21 @@ class BlockSession(Protocol):
 
     def close(self) -> None:
         """Free the servers' caches; idempotent."""
+        ...
+
+
+@runtime_checkable
+class AuditedSession(BlockSession, Protocol):
+    """A session whose hops other servers check (audit mode, :mod:`shoal.client.audit`): what
+    ``generate``'s repair loop (:mod:`shoal.client.repair`) needs besides a plain session's."""
+
+    @property
+    def audited_position(self) -> int:
+        """Positions ``[0, result)`` whose outputs every checked hop's auditor confirmed."""
+        ...
+
+    def audit(self) -> None:
+        """Audit every position not audited yet; raises :class:`~shoal.client.audit.LieDetected`."""
         ...
 
 

@@ -17,10 +17,11 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import replace
 
+from shoal.client.config import ClientConfig
 from shoal.errors import ShoalError
 from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
-from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
+from shoal.quantization import Quantization
 from shoal.routing import (
     AdapterChoice,
     BanList,
@@ -149,8 +150,9 @@ def replicas(spans: Sequence[ServerSpan], like: ServerSpan) -> list[ServerSpan]:
 class ServerDirectory:
     """Known servers, their measured latencies and bans; answers "which route now?" and takes the
     sessions' reports (a :class:`~shoal.client.feedback.RoutePlanner` and
-    :class:`~shoal.client.feedback.RouteFeedback`). With ``adapter``, every route goes only over
-    servers that serve that LoRA adapter; ``needs`` on a route asks for capabilities besides."""
+    :class:`~shoal.client.feedback.RouteFeedback`). Routes by the client's ``config``: its seed, its
+    ``min_quality`` and, with an ``adapter``, only over servers that serve that LoRA adapter;
+    ``needs`` on a route asks for capabilities besides."""
 
     def __init__(
         self,
@@ -159,27 +161,30 @@ class ServerDirectory:
         model: str | None,
         num_blocks: int,
         hidden_size: int,
-        timeout: float,
-        refresh_period: float = 30.0,
-        seed: int | None = None,
-        min_quality: Quantization = DEFAULT_MIN_QUALITY,
-        adapter: AdapterChoice | None = None,
+        config: ClientConfig,
     ):
         self.node = node
-        self.min_quality = min_quality  # servers with weights below it are never routed over
-        self.adapter = adapter  # servers without it are never routed over
+        self.config = config  # its routing settings: refresh_period, routing_seed, min_quality, adapter
         self.tickets = list(tickets)
         self.model = model
         self.num_blocks = num_blocks
         self.hidden_size = hidden_size
-        self.timeout = timeout
-        self.refresh_period = refresh_period
         self.latency = LatencyModel()
         self.bans = BanList()
-        self.rng = random.Random(seed)
+        self.rng = random.Random(config.routing_seed)
         self.spans: list[ServerSpan] = []
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
         self._task: asyncio.Task | None = None
+
+    @property
+    def min_quality(self) -> Quantization:
+        """Servers with weights below it are never routed over."""
+        return self.config.min_quality
+
+    @property
+    def adapter(self) -> AdapterChoice | None:
+        """Servers without it are never routed over."""
+        return self.config.adapter
 
     @property
     def swarm(self) -> bool:
@@ -188,9 +193,9 @@ class ServerDirectory:
     async def refresh(self) -> None:
         """Pull the server list again (table or infos), then measure round trips to each server."""
         if self.swarm:
-            spans = await swarm_spans(self.node, self.tickets, self.model, self.timeout)
+            spans = await swarm_spans(self.node, self.tickets, self.model, self.config.request_timeout)
         else:
-            spans = await fetch_infos(self.node, self.tickets, self.timeout)
+            spans = await fetch_infos(self.node, self.tickets, self.config.request_timeout)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
 
@@ -220,12 +225,12 @@ class ServerDirectory:
         return list(await asyncio.gather(*(one(s) for s in spans)))
 
     def start(self) -> None:
-        if self._task is None and self.refresh_period > 0:
+        if self._task is None and self.config.refresh_period > 0:
             self._task = asyncio.get_running_loop().create_task(self._keep_fresh())
 
     async def _keep_fresh(self) -> None:
         while True:
-            await asyncio.sleep(self.refresh_period * self.rng.uniform(0.8, 1.2))
+            await asyncio.sleep(self.config.refresh_period * self.rng.uniform(0.8, 1.2))
             try:
                 await self.refresh()
             except Exception as exc:  # keep refreshing: the next round may work

@@ -39,7 +39,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from shoal.client.audit import Verification
 from shoal.client.blocks import BlockSequence, BlockSession
 from shoal.client.prompts import PromptTuning
-from shoal.client.repair import generate_repaired
+from shoal.client.repair import GenerationContext, GenerationSlot, generate_repaired
 from shoal.client.speculation import PlannedDrafts, SpeculationStats, WindowPlanner, max_window, windowed
 from shoal.errors import ShoalError
 from shoal.models.base import ClientHead
@@ -182,6 +182,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.wire_dtype = wire_dtype
         self.ptune = prompts
         self._per_thread = threading.local()  # the active session and generate's own: one set per thread
+        self._generation = GenerationSlot()  # each thread's generate attempt under way, for repairs
         self.post_init()
 
     def _init_weights(self, module: torch.nn.Module) -> None:
@@ -362,7 +363,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         ``hold_back=True`` holds a streamer's tokens until audited (:mod:`shoal.client.repair`)."""
         outer, self._opened = self._opened, []
         try:
-            return generate_repaired(self, super().generate, args, kwargs)
+            return generate_repaired(self, self._generation, super().generate, args, kwargs)
         finally:
             opened, self._opened = self._opened, outer
             for cache in opened:
@@ -389,7 +390,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if max_cache_length > (room := cache.get_max_cache_shape()):
             raise ValueError(f"generate needs {max_cache_length} positions, the session has {room}")
         model_kwargs[CACHE_KEY] = cache
-        self._per_thread.generation = (cache, generation_config, model_kwargs.get("attention_mask"))  # for repairs
+        self._generation.hand_over(GenerationContext(cache, generation_config, model_kwargs.get("attention_mask")))
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):  # fmt: skip

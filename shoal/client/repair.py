@@ -19,25 +19,65 @@ Without ``hold_back``, ``s`` gets tokens as they are generated: after a repair i
 from the first wrong position to where the lie was caught (up to ``audit_every`` of them), then gets
 the regenerated tokens from that position on, after them (a streamer cannot take tokens back). It is
 told ``end()`` once. With ``return_dict_in_generate``, scores and logits cover the last attempt only.
+
+The model hands each attempt's :class:`GenerationContext` (its session's cache, generation config and
+prompt mask) to this loop through its :class:`GenerationSlot`, one per model and thread, filled when
+transformers prepares the cache; the session answers audits as an
+:class:`~shoal.client.blocks.AuditedSession`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from transformers import GenerationConfig
 
 from shoal.client.audit import LieDetected
+from shoal.client.blocks import AuditedSession
 from shoal.errors import ShoalError, UsageError
+
+if TYPE_CHECKING:
+    from shoal.client.model import DistributedModelForCausalLM, SessionCache
 
 log = logging.getLogger(__name__)
 
 MAX_REPAIRS = 8
 
-__all__ = ["MAX_REPAIRS", "HeldStreamer", "generate_repaired", "resume_length"]
+__all__ = ["MAX_REPAIRS", "GenerationContext", "GenerationSlot", "HeldStreamer", "generate_repaired", "resume_length"]
+
+
+@dataclass(frozen=True)
+class GenerationContext:
+    """One ``generate`` attempt as the model prepared it, what a repair resumes from: the session's
+    ``cache``, the ``generation_config`` transformers resolved (its lengths) and the
+    ``attention_mask`` it made of the prompt (None where it made none)."""
+
+    cache: SessionCache
+    generation_config: GenerationConfig
+    attention_mask: Tensor | None
+
+
+class GenerationSlot:
+    """Where a model hands :func:`generate_repaired` the :class:`GenerationContext` of its attempt
+    under way: one context per thread, since threads sharing a model (a gateway's) each generate in
+    their own session. Emptied before each attempt, filled when transformers prepares the cache."""
+
+    def __init__(self) -> None:
+        self._per_thread = threading.local()
+
+    @property
+    def context(self) -> GenerationContext | None:
+        """This thread's attempt under way (None before the model prepared its cache)."""
+        return getattr(self._per_thread, "context", None)
+
+    def hand_over(self, context: GenerationContext | None) -> None:
+        self._per_thread.context = context
 
 
 def resume_length(lie_position: int, prefix: int, prompt_length: int) -> int:
@@ -96,9 +136,11 @@ class HeldStreamer:
         self.inner.end()
 
 
-def generate_repaired(model, generate: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def generate_repaired(
+    model: DistributedModelForCausalLM, slot: GenerationSlot, generate: Callable[..., Any], args: tuple, kwargs: dict
+) -> Any:
     """``generate(*args, **kwargs)``, then the final audit; on :class:`LieDetected`, again from the
-    honest prefix (see the module docstring). ``model``: the :class:`DistributedModelForCausalLM`."""
+    honest prefix (see the module docstring). ``slot``: where ``model`` hands over each attempt's context."""
     hold_back = bool(kwargs.pop("hold_back", False))
     if not model.verification.auditing:
         if hold_back:
@@ -111,24 +153,24 @@ def generate_repaired(model, generate: Callable[..., Any], args: tuple, kwargs: 
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     streamer, prompt_mask = None, kwargs.get("attention_mask")
     if kwargs.get("streamer") is not None:
-        streamer = kwargs["streamer"] = HeldStreamer(kwargs["streamer"], hold_back, lambda: _frontier(model))
+        streamer = kwargs["streamer"] = HeldStreamer(kwargs["streamer"], hold_back, lambda: _frontier(slot))
     for repairs in range(MAX_REPAIRS + 1):
-        model._per_thread.generation = None
+        slot.hand_over(None)
         try:
             out = generate(*args, **kwargs)
-            generation = model._per_thread.generation
-            audit = getattr(generation[0].session, "audit", None) if generation is not None else None
-            if audit is not None:
-                audit()  # what the last audit round did not cover: may raise LieDetected
+            context = slot.context
+            session = context.cache.session if context is not None else None
+            if isinstance(session, AuditedSession):
+                session.audit()  # what the last audit round did not cover: may raise LieDetected
         except LieDetected as lie:
-            generation = model._per_thread.generation
-            if generation is None or not isinstance(prompt, Tensor) or repairs == MAX_REPAIRS:
+            context = slot.context
+            if context is None or not isinstance(prompt, Tensor) or repairs == MAX_REPAIRS:
                 raise ShoalError(f"cannot repair generate after {repairs} repairs: {lie}") from lie
             log.warning("%s; regenerating from there", lie)
             if repairs == 0 and prompt_mask is None:  # the mask generate made of the prompt (pad tokens masked)
-                inferred = generation[2]
+                inferred = context.attention_mask
                 prompt_mask = torch.ones_like(prompt, dtype=torch.long) if inferred is None else inferred
-            args, kwargs = _resumed(prompt, prompt_mask, lie, generation[0], generation[1], args, kwargs)
+            args, kwargs = _resumed(prompt, prompt_mask, lie, context, args, kwargs)
             if streamer is not None:
                 streamer.restart(_ids_of(args, kwargs).shape[1])
             continue
@@ -138,13 +180,15 @@ def generate_repaired(model, generate: Callable[..., Any], args: tuple, kwargs: 
     raise AssertionError("unreachable")
 
 
-def _frontier(model) -> int | None:
+def _frontier(slot: GenerationSlot) -> int | None:
     """Tokens ``[0, result)`` every audited hop of this thread's generation is checked for."""
-    generation = model._per_thread.generation
-    if generation is None:
+    context = slot.context
+    if context is None:
         return None
-    cache = generation[0]
-    return getattr(cache.session, "audited_position", cache.session.position) - cache.prefix
+    cache = context.cache
+    session = cache.session
+    audited = session.audited_position if isinstance(session, AuditedSession) else session.position
+    return audited - cache.prefix
 
 
 def _ids_of(args: list, kwargs: dict) -> Tensor:
@@ -152,13 +196,14 @@ def _ids_of(args: list, kwargs: dict) -> Tensor:
 
 
 def _resumed(
-    prompt: Tensor, prompt_mask: Tensor, lie: LieDetected, cache, config, args: list, kwargs: dict
+    prompt: Tensor, prompt_mask: Tensor, lie: LieDetected, context: GenerationContext, args: list, kwargs: dict
 ) -> tuple[list, dict]:
     """The arguments of the attempt after ``lie``: the honest ids, their mask (the prompt's, then
     ones: a generated token that happens to be the pad id is no padding), the original total
     length, the same session."""
     from shoal.client.model import CACHE_KEY
 
+    cache, config = context.cache, context.generation_config
     length = resume_length(lie.position, cache.prefix, prompt.shape[1])
     if lie.position < cache.prefix:
         cache.rollback(0)  # the trained prompts themselves were answered wrongly: send them again

@@ -20,11 +20,11 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 from torch import Tensor
 
-from shoal.client.audit import Verification
+from shoal.client.audit import verification_for
+from shoal.client.config import ClientConfig
 from shoal.client.directory import ServerDirectory
 from shoal.client.driver import announced_adapter, codec_for
 from shoal.client.history import step_inputs
-from shoal.client.pipeline import DEFAULT_PREFILL_CHUNK, chunk_bounds
 from shoal.client.recovery import MAX_RECOVERIES, gave_up
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.client.session import RemoteSession
@@ -32,12 +32,11 @@ from shoal.client.training import Traced, differentiable_forward
 from shoal.client.witness import Witness
 from shoal.errors import BadRequest, ShoalError
 from shoal.protocols import BLOCKS
-from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
-from shoal.routing import AdapterChoice, ServerSpan
-from shoal.transport import BaseNode, Node, StartNode, Ticket, TransportConfig
+from shoal.routing import ServerSpan
+from shoal.transport import BaseNode, Node, StartNode, Ticket
 from shoal.verify.receipts import LIAR_BAN_SECONDS, ReceiptError, expected_receipt, verify_receipt
 from shoal.verify.state import EMPTY_STATE
-from shoal.wire import Codec, Message
+from shoal.wire import Message
 from shoal.wire.codecs import carried
 from shoal.wire.schema import RECEIPTS, TRAIN, ForwardReply, ForwardRequest, InfoReply, Receipt
 from shoal.wire.tensors import roundtrip
@@ -46,35 +45,26 @@ log = logging.getLogger(__name__)
 
 
 class RemoteSequence:
-    """Blocks ``[0, num_blocks)`` served by the servers a :class:`ServerDirectory` knows.
-    ``push``: sessions let servers hand a step's output straight to the next (where both can).
-    ``compression``: the codec of the hidden states sent to every server that announced it.
-    ``prefill_chunk``: a session step of more positions travels the chain in chunks of this many,
-    pipelined (:mod:`shoal.client.pipeline`; None or 0: off); read at every step of every session.
-    Forwards, backwards and sessions run with the directory's adapter, if it has one."""
+    """Blocks ``[0, num_blocks)`` served by the servers a :class:`ServerDirectory` knows, run by the
+    client's ``config`` (the directory's too): ``config.push``: sessions let servers hand a step's
+    output straight to the next (where both can); ``config.compression``: the codec of the hidden
+    states sent to every server that announced it; ``config.verify``: audit mode (``verification``
+    counts what audits did). ``prefill_chunk`` (``config.prefill_chunk`` at first): a session step of
+    more positions travels the chain in chunks of this many, pipelined (:mod:`shoal.client.pipeline`;
+    None or 0: off); read at every step of every session, so setting it takes effect at the next.
+    Forwards, backwards and sessions run with the config's adapter, if it has one."""
 
     def __init__(
-        self,
-        node: BaseNode,
-        runtime: LoopThread,
-        directory: ServerDirectory,
-        num_blocks: int,
-        *,
-        push: bool = True,
-        compression: Codec = Codec.RAW,
-        verification: Verification | None = None,
-        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+        self, node: BaseNode, runtime: LoopThread, directory: ServerDirectory, num_blocks: int, config: ClientConfig
     ):
-        chunk_bounds(0, prefill_chunk)  # raises on a negative size
         self.node = node
-        self.verification = verification if verification is not None else Verification()  # audit mode: the counters
+        self.config = config
+        self.verification = verification_for(config.verify, config.audit_every)  # audit mode: the counters
         self.runtime = runtime
         self.directory = directory
         self.num_blocks = num_blocks
-        self.push = push
-        self.compression = compression
-        self.prefill_chunk = prefill_chunk
-        self._route = directory.route_inference(0, cache_tokens=0, push=push)  # until a session opens
+        self.prefill_chunk = config.prefill_chunk
+        self._route = directory.route_inference(0, cache_tokens=0, push=config.push)  # until a session opens
         self._session: RemoteSession | None = None  # the latest one opened
         self.witness = Witness(node, directory, self.verification)  # testifies for every session (audit mode)
         # closed by close(), when garbage-collected, or at the latest at interpreter exit (runtime.shutdown)
@@ -87,46 +77,30 @@ class RemoteSequence:
         initial_peers: Sequence[str | Ticket],
         num_blocks: int,
         hidden_size: int,
-        transport: TransportConfig | None = None,
-        runtime: LoopThread | None = None,
-        model: str | None = None,
+        config: ClientConfig | None = None,
         *,
-        push: bool = True,
-        compression: Codec = Codec.RAW,
-        refresh_period: float = 30.0,
-        seed: int | None = None,
+        model: str | None = None,
+        runtime: LoopThread | None = None,
         start_node: StartNode = Node.start,
-        min_quality: Quantization = DEFAULT_MIN_QUALITY,
-        adapter: AdapterChoice | None = None,
-        verification: Verification | None = None,
-        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> RemoteSequence:
         """Tickets with a swarm id: join the swarm through any of them and route over its table
         (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets:
-        ask each peer what it hosts. ``refresh_period``: seconds between background refreshes of
-        the server list and latencies (0: never). ``start_node``: how the client's node starts
-        (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside this process).
-        ``min_quality``: route only over servers whose weights are at least this good.
-        ``adapter``: route only over servers serving this LoRA adapter, and run with it.
-        ``verification``: audit mode and its counters (:mod:`shoal.client.audit`; default: off).
-        ``prefill_chunk``: positions per chunk of a pipelined session step (None or 0: off)."""
+        ask each peer what it hosts. ``config``: the client's settings (default: all defaults),
+        shared with the directory. ``start_node``: how the client's node starts with
+        ``config.transport`` (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside
+        this process)."""
+        config = config if config is not None else ClientConfig()
         runtime = runtime or shared_loop()
         tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
         if not tickets:
             raise ValueError("initial_peers is empty: give at least one server ticket")
-        transport = transport or TransportConfig()
-        timeout = transport.deadlines.connect + transport.deadlines.request
 
         async def setup() -> RemoteSequence:
-            node = await start_node(transport)
+            node = await start_node(config.transport)
             try:
-                directory = ServerDirectory(
-                    node, tickets, model, num_blocks, hidden_size, timeout, refresh_period=refresh_period, seed=seed,
-                    min_quality=min_quality, adapter=adapter,
-                )  # fmt: skip
+                directory = ServerDirectory(node, tickets, model, num_blocks, hidden_size, config)
                 await directory.refresh()
-                sequence = cls(node, runtime, directory, num_blocks, push=push, compression=compression,
-                               verification=verification, prefill_chunk=prefill_chunk)  # fmt: skip
+                sequence = cls(node, runtime, directory, num_blocks, config)
                 directory.start()
                 return sequence
             except BaseException:
@@ -155,7 +129,7 @@ class RemoteSequence:
     @property
     def adapter(self) -> str | None:
         """The LoRA adapter every request runs with (None: the base weights)."""
-        return self.directory.adapter.name if self.directory.adapter is not None else None
+        return self.config.adapter.name if self.config.adapter is not None else None
 
     def forward(
         self, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None, prompts: Tensor | None = None
@@ -164,9 +138,9 @@ class RemoteSequence:
         autograd on and ``hidden`` or ``prompts`` requiring grad, the result is differentiable."""
         if torch.is_grad_enabled() and (hidden.requires_grad or (prompts is not None and prompts.requires_grad)):
             return differentiable_forward(self, hidden, position_ids, attention_mask, prompts)
-        return self.runtime.run(self._forward(hidden, position_ids, attention_mask, prompts))
+        return self.runtime.run(self.run_forward(hidden, position_ids, attention_mask, prompts))
 
-    async def _forward(
+    async def run_forward(
         self,
         hidden: Tensor,
         position_ids: Tensor,
@@ -178,7 +152,8 @@ class RemoteSequence:
         trace: list[Traced] | None = None,
         failed: set[str] | None = None,
     ) -> Tensor:
-        """Stateless pass over blocks ``[start, end)``; each call draws its own route
+        """The stateless pass as a coroutine (:meth:`forward` runs it; :mod:`shoal.client.training` too,
+        tracing it), over blocks ``[start, end)``; each call draws its own route
         (capacity-weighted). A failing server is banned, added to ``failed`` and the rest of the
         pass re-routed from the block it should have started at. ``trace`` gets each span's server
         and input (a backward goes to the same servers), and then only servers announcing
@@ -221,7 +196,7 @@ class RemoteSequence:
     ) -> tuple[Tensor, Tensor]:
         """(the input sent, ``span``'s output). ``exact``: the input sent is what the server
         decodes (the codec's round trip of ``hidden``), for a backward to recompute on."""
-        codec = carried(codec_for(span, self.compression), hidden.dtype)
+        codec = carried(codec_for(span, self.config.compression), hidden.dtype)
         asks = span.supports(RECEIPTS)
         sent = roundtrip(hidden, codec) if exact or asks else hidden  # a receipt digests what the server decodes
         tensors = step_inputs(sent, position_ids, mask)

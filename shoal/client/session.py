@@ -60,29 +60,29 @@ class RemoteSession(SessionPositions):
         self.runtime = sequence.runtime
         self.num_blocks = sequence.num_blocks
         directory = sequence.directory
-        adapter = directory.adapter.name if directory.adapter is not None else None
+        adapter = sequence.adapter
+        config = sequence.config
+        request_deadline = config.transport.deadlines.request
         self._driver = ChainDriver(
-            directory, sequence.node.config.deadlines.request, push=sequence.push, compression=sequence.compression,
-            adapter=adapter, prompts=prompts is not None,
+            directory, request_deadline, push=config.push, compression=config.compression, adapter=adapter,
+            prompts=prompts is not None,
         )  # fmt: skip
         request = OpenRequest(
             max_length=max_length, batch_size=batch_size, prompts=prompts is not None, adapter=adapter, share=share
         )
-        self._recovery = ChainRecovery(
-            sequence.node, directory, directory, request, push=sequence.push, prompts=prompts
-        )
+        self._recovery = ChainRecovery(sequence.node, directory, directory, request, push=config.push, prompts=prompts)
         self._history = SpanHistory(batch_size)
         self._chain: list[ServerSpan] = []  # the last chain installed (still readable once closed)
         self._closed = False
         self.recoveries: list[RecoveryRecord] = []  # what happened, in order
         self.verification: Verification = sequence.verification
-        self._push = sequence.push
+        self._push = config.push
         self._sequence = sequence  # its prefill_chunk, read at every step (a model reuses its session)
         self._audits: Audits | None = None
         if self.verification.auditing:
             self._audits = Audits(
                 sequence.node, directory, directory, self._recovery, self._driver.replay, self.verification,
-                compression=sequence.compression, request_deadline=sequence.node.config.deadlines.request,
+                compression=config.compression, request_deadline=request_deadline,
                 adapter=adapter, witness=sequence.witness,  # the client's: testimony outlives the session
             )  # fmt: skip
 

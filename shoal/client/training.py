@@ -1,7 +1,7 @@
 """Autograd through remote blocks: the stateless pass as a :class:`torch.autograd.Function`.
 
-The forward runs the ordinary stateless pass (:meth:`RemoteSequence._forward
-<shoal.client.sequence.RemoteSequence._forward>`) and remembers, per span, which server computed it
+The forward runs the ordinary stateless pass (:meth:`RemoteSequence.run_forward
+<shoal.client.sequence.RemoteSequence.run_forward>`) and remembers, per span, which server computed it
 and the hidden states it computed on (as that server decoded them). The backward walks those spans
 in reverse: each server gets a ``backward`` request (:class:`~shoal.wire.schema.BackwardRequest`,
 tensors ``[hidden_in, position_ids, attention_mask?, prompts?, grad_output]``, raw) and recomputes
@@ -69,7 +69,7 @@ class _ThroughServers(torch.autograd.Function):
     def forward(ctx, sequence, hidden, prompts, position_ids, mask):
         trace: list[Traced] = []
         prompts = None if prompts is None else prompts.detach()
-        out = sequence.runtime.run(sequence._forward(hidden.detach(), position_ids, mask, prompts, trace=trace))
+        out = sequence.runtime.run(sequence.run_forward(hidden.detach(), position_ids, mask, prompts, trace=trace))
         ctx.sequence, ctx.trace, ctx.inputs = sequence, trace, (position_ids, mask, prompts)
         return out
 
@@ -135,7 +135,7 @@ async def _recompute(state: _Backward, traced: Traced, grad: Tensor, cause: Shoa
     log.warning("backward on %s failed (%s); recomputing blocks %d-%d elsewhere", span.peer_id[:10], cause,
                 span.start, span.end - 1)  # fmt: skip
     sub: list[Traced] = []
-    await state.sequence._forward(
+    await state.sequence.run_forward(
         traced.hidden, state.position_ids, state.mask, state.prompts,
         start=span.start, end=span.end, trace=sub, failed=state.failed,
     )  # fmt: skip

@@ -57,7 +57,7 @@ def steer_through(model, chain: Sequence[LocalServer]) -> list[str]:
     wanted = {peer_of(s) for s in chain}
     for span in directory.spans:
         directory.latency.observed_ms[span.peer_id] = 0.0 if span.peer_id in wanted else AVOIDED_STEP_MS
-    return [s.peer_id for s in directory.route_inference(0, cache_tokens=0, push=model.blocks.push)]
+    return [s.peer_id for s in directory.route_inference(0, cache_tokens=0, push=model.blocks.config.push)]
 
 
 def would_route_over(model, server: LocalServer) -> bool:
@@ -67,7 +67,7 @@ def would_route_over(model, server: LocalServer) -> bool:
     peer = peer_of(server)
     for span in directory.spans:
         directory.latency.observed_ms[span.peer_id] = 0.0 if span.peer_id == peer else AVOIDED_STEP_MS
-    route = directory.route_inference(0, cache_tokens=0, push=model.blocks.push)
+    route = directory.route_inference(0, cache_tokens=0, push=model.blocks.config.push)
     return peer in {s.peer_id for s in route}
 
 

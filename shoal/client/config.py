@@ -1,0 +1,65 @@
+"""Client settings: the one frozen object ``from_pretrained`` makes of its keywords.
+
+``AutoDistributedModelForCausalLM.from_pretrained`` (:mod:`shoal.client.auto`) parses what users
+write (``min_quality="nf4"``, ``adapter="NAME@DIGEST"``, ``compression="q8"``) and builds one
+:class:`ClientConfig`; ``RemoteSequence.connect`` (:mod:`shoal.client.sequence`) and
+:class:`~shoal.client.directory.ServerDirectory` get it whole, so a setting is named and checked
+once, here, instead of being relayed keyword by keyword.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.client.audit import check_verify
+from shoal.client.pipeline import DEFAULT_PREFILL_CHUNK
+from shoal.errors import UsageError
+from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
+from shoal.routing import AdapterChoice
+from shoal.transport import TransportConfig
+from shoal.wire import Codec
+
+__all__ = ["ClientConfig"]
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How one client loads its part of the model, routes, verifies and runs sessions. Checked when
+    made (:class:`UsageError`, or ``ValueError`` for a negative ``prefill_chunk``)."""
+
+    # the client's own tensors (embeddings, final norm, LM head)
+    dtype: torch.dtype = torch.float32  # of the client's tensors (hidden states travel as float32)
+    device: str = "cpu"  # where the client's tensors live and run
+    revision: str | None = None  # Hub revision of the checkpoint (None: the default branch)
+    # transport
+    transport: TransportConfig = field(default_factory=TransportConfig)  # deadlines, bind address, network profile
+    compression: Codec = Codec.RAW  # hidden states to and from the servers that announced it (others: raw float32)
+    # routing
+    push: bool = True  # a session's servers hand a step's output straight to the next (else the client drives hops)
+    refresh_period: float = 30.0  # seconds between background refreshes of the server list and latencies (0: never)
+    routing_seed: int | None = None  # seeds the random choices of routes (None: unseeded)
+    min_quality: Quantization = DEFAULT_MIN_QUALITY  # the lowest weight format of a server routed over
+    adapter: AdapterChoice | None = None  # LoRA adapter every block runs with; only its servers are routed over
+    # verification (shoal.client.audit)
+    verify: str = "off"  # "off", "audit" (a second server checks every hop) or "redundant" (every step, twice)
+    audit_every: int | None = None  # positions between audits of a hop (None: the mode's default; redundant: 1)
+    # sessions
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK  # a longer step is pipelined in chunks of this (None, 0: off)
+    # prompt tuning (shoal.client.prompts)
+    tuning_mode: str | None = None  # None, "ptune" or "deep_ptune"
+    pre_seq_len: int = 0  # trainable prompt positions before every sequence (with a tuning_mode)
+
+    def __post_init__(self) -> None:
+        check_verify(self.verify, self.audit_every)
+        if self.prefill_chunk is not None and self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be None, 0 (off) or positive, not {self.prefill_chunk}")
+        if self.tuning_mode is None and self.pre_seq_len:
+            raise UsageError(f"pre_seq_len={self.pre_seq_len} needs tuning_mode='ptune' or 'deep_ptune'")
+
+    @property
+    def request_timeout(self) -> float:
+        """How long a request to a server may take from the dial to the reply (listing servers)."""
+        deadlines = self.transport.deadlines
+        return deadlines.connect + deadlines.request
