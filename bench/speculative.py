@@ -21,14 +21,18 @@ window planner choosing every round's window), side by side in the same swarm. P
   seeded noise of a scale bisected until the draft's per-token agreement with the target's greedy
   choices (teacher-forced on the benchmark's prompts: the acceptance of a window of 1) is 0.8 or 0.5.
 
-Prints one JSON object: ``pairs[pair][rtt]`` with ``plain_tokens_per_s``, ``speculative_tokens_per_s``
-(medians over prompts of generated tokens / wall time), ``speedup``, ``acceptance_rate`` (accepted /
-drafted draft tokens), ``mean_window`` (drafted tokens / rounds), ``windows`` (how often shoal chose
-each window) and ``tokens_equal`` (speculative == plain greedy, every prompt); ``controlled`` (the
-pair's construction, calibration and per-token costs), and the headline keys
-``speedup_rtt50_lookup``, ``speedup_rtt50_controlled08``, ``speedup_rtt0_controlled08``,
-``speedup_rtt50_real`` and ``targets_met`` (lookup and controlled08 >= 2 at 50 ms; controlled08 at
-0 ms and the real pair at every RTT >= 0.95).
+Each row is written as it finishes (a ``#`` line on stderr, and a JSON line appended to ``--rows``
+if given); a pair that raises gets ``{"error": ...}`` as its entry (with the rows it finished under
+``rows``) and the run goes on with the next pair. Prints one JSON object: ``pairs[pair][rtt]`` with
+``plain_tokens_per_s``, ``speculative_tokens_per_s`` (medians over prompts of generated tokens /
+wall time), ``speedup``, ``acceptance_rate`` (accepted / drafted draft tokens), ``mean_window``
+(drafted tokens / rounds), ``windows`` (how often shoal chose each window) and ``tokens_equal``
+(speculative == plain greedy, every prompt); ``controlled`` (the pair's construction, calibration
+and per-token costs), and the headline keys ``speedup_rtt50_lookup``,
+``speedup_rtt50_controlled08``, ``speedup_rtt0_controlled08``, ``speedup_rtt50_real`` and
+``targets_met`` (lookup and controlled08 >= 2 at 50 ms; controlled08 at 0 ms and the real pair at
+every RTT >= 0.95; false when a pair failed), ``failed_pairs`` and ``draft_failures`` (rounds whose
+drafter raised and decoded plainly, per pair; 0 expected).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -208,7 +213,7 @@ def run_pair(model_dir: Path, prompts: dict[str, torch.Tensor], rtt: float, new_
     """Plain and speculative greedy generation of every prompt through 2 servers, every link ``rtt``."""
     plain_rates, spec_rates, equal = [], [], True
     windows: Counter[int] = Counter()
-    drafted = accepted = rounds = 0
+    drafted = accepted = rounds = failures = 0
     with WanSwarm(model_dir, spans_of(model_dir), default=LinkConditions(rtt_ms=float(rtt))) as swarm:
         model = swarm.connect()
         warm = next(iter(prompts.values()))
@@ -221,6 +226,7 @@ def run_pair(model_dir: Path, prompts: dict[str, torch.Tensor], rtt: float, new_
             equal &= plain_tokens == spec_tokens
             windows.update(r.window for r in stats.rounds)
             drafted, accepted, rounds = drafted + stats.drafted, accepted + stats.accepted, rounds + len(stats.rounds)
+            failures += stats.failures
     plain, spec = statistics.median(plain_rates), statistics.median(spec_rates)
     return {
         "plain_tokens_per_s": round(plain, 2),
@@ -230,7 +236,32 @@ def run_pair(model_dir: Path, prompts: dict[str, torch.Tensor], rtt: float, new_
         "mean_window": round(drafted / rounds, 2) if rounds else 0.0,
         "windows": dict(sorted(windows.items())),
         "tokens_equal": equal,
+        "draft_failures": failures,
     }
+
+
+def run_rows(name: str, path: Path, prompts: dict, rtts: list[int], new_tokens: int, speculation: dict, out) -> dict:
+    """One pair at every RTT; each row is reported as it finishes. A pair that raises gets its error
+    (and the rows it finished) as its entry: one pair must not cost the others."""
+    rows: dict = {}
+    try:
+        for rtt in rtts:
+            rows[str(rtt)] = run_pair(path, prompts, rtt, new_tokens, speculation)
+            report(out, {"pair": name, "rtt_ms": rtt, **rows[str(rtt)]})
+    except Exception as error:
+        traceback.print_exc(file=sys.stderr)
+        failed = {"error": f"{type(error).__name__}: {error}", "rows": rows}
+        report(out, {"pair": name, "rtt_ms": rtt, "error": failed["error"]})
+        return failed
+    return rows
+
+
+def report(out, row: dict) -> None:
+    """A finished row: on stderr, and as a JSON line on ``out`` (if any), flushed at once."""
+    print(f"# {row}", file=sys.stderr, flush=True)
+    if out is not None:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
 
 
 def main() -> None:
@@ -238,6 +269,7 @@ def main() -> None:
     parser.add_argument("--rtts", default=",".join(map(str, RTTS)), help="per-link round trips, ms")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--pairs", default="lookup,controlled08,controlled05,real")
+    parser.add_argument("--rows", type=Path, help="append each finished row to this file as a JSON line")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rtts = [int(r) for r in args.rtts.split(",")]
@@ -267,14 +299,18 @@ def main() -> None:
         prompts = {name: chat_ids(target_tokenizer, text) for name, text in REAL_PROMPTS.items()}
         speculation = {"assistant_model": draft, "tokenizer": target_tokenizer, "assistant_tokenizer": draft_tokenizer}
         setups["real"] = (target_path, prompts, speculation)
-    for name, (path, prompts, speculation) in setups.items():
-        rows = result["pairs"].setdefault(name, {})
-        for rtt in rtts:
-            rows[str(rtt)] = run_pair(path, prompts, rtt, args.new_tokens, speculation)
-            print(f"# {name} rtt {rtt} ms: {rows[str(rtt)]}", file=sys.stderr, flush=True)
+    out = args.rows.open("a") if args.rows else None
+    try:
+        for name, (path, prompts, speculation) in setups.items():
+            result["pairs"][name] = run_rows(name, path, prompts, rtts, args.new_tokens, speculation, out)
+    finally:
+        if out is not None:
+            out.close()
+    failed = sorted(name for name, rows in result["pairs"].items() if "error" in rows)
+    complete = {name: rows for name, rows in result["pairs"].items() if name not in failed}
 
     def speedup(pair: str, rtt: int) -> float | None:
-        row = result["pairs"].get(pair, {}).get(str(rtt))
+        row = complete.get(pair, {}).get(str(rtt))
         return row["speedup"] if row else None
 
     result["speedup_rtt50_lookup"] = speedup("lookup", 50)
@@ -285,10 +321,14 @@ def main() -> None:
         (result["speedup_rtt50_lookup"], 2.0),
         (result["speedup_rtt50_controlled08"], 2.0),
         (result["speedup_rtt0_controlled08"], 0.95),
-        *((row["speedup"], 0.95) for row in result["pairs"].get("real", {}).values()),
+        *((row["speedup"], 0.95) for row in complete.get("real", {}).values()),
     ]
-    result["targets_met"] = all(value is not None and value >= bar for value, bar in checks)
-    result["tokens_equal"] = all(row["tokens_equal"] for rows in result["pairs"].values() for row in rows.values())
+    result["failed_pairs"] = failed
+    result["targets_met"] = not failed and all(value is not None and value >= bar for value, bar in checks)
+    result["tokens_equal"] = all(row["tokens_equal"] for rows in complete.values() for row in rows.values())
+    result["draft_failures"] = {
+        name: sum(row["draft_failures"] for row in rows.values()) for name, rows in complete.items()
+    }
     print(json.dumps(result, indent=1))
 
 

@@ -306,12 +306,36 @@ def char_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="!")
 
 
+#: Byte pairs :func:`byte_tokenizer` merges: the lead bytes of :func:`char_tokenizer`'s ideographs, and "th".
+BYTE_MERGES = ((0xE4, 0xB8), (0xE4, 0xB9), (0xE4, 0xBA), (ord("t"), ord("h")))
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Another tokenizer for the texts of :func:`char_tokenizer`, for a draft model of another
+    tokenizer: UTF-8 bytes (GPT-2's byte-level alphabet, ids 0-255) and :data:`BYTE_MERGES` (ids
+    256-259), so a character is 1 to 3 tokens: the two tokenizations of a text differ in length."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # GPT-2's bytes_to_unicode
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    vocab = {char[b]: b for b in range(256)}
+    merges = [(char[a], char[b]) for a, b in BYTE_MERGES]
+    vocab |= {a + b: 256 + i for i, (a, b) in enumerate(merges)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
 __all__ = [
     "FAMILIES",
     "GENERIC_FAMILIES",
     "LARGE_INIT",
     "SLIDING_WINDOW",
     "TINY_SHAPE",
+    "byte_tokenizer",
     "char_tokenizer",
     "save_checkpoint",
     "tiny_checkpoint",

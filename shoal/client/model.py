@@ -143,7 +143,8 @@ class SessionCache(Cache):
     def batch_size(self) -> int:
         return self.session.batch_size
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def crop(self, tokens_to_remove: int | Tensor) -> None:
+        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a 0-d tensor
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
         self.rollback(self.position + tokens_to_remove)

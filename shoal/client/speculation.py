@@ -21,12 +21,19 @@ noticed. Everything is measured on the running generation (wall clock around tra
 so the window follows the network the chain is on: long round trips make verifying many positions
 at once worth a lot.
 
+Any window may follow any other, 0 included: before a round, :mod:`shoal.client.drafters` lines the
+drafter up with the sequence (transformers assumes it ran in the previous round). A drafter that
+fails in a round costs that round its drafts, never the generation: the round decodes plainly (the
+tokens are plain decoding's), the first failure of a call is logged, and after
+:data:`MAX_DRAFT_FAILURES` the call's remaining rounds draft nothing.
+
 Pure apart from the clock: :class:`WindowPlanner` and :class:`LinearCost` do no I/O, and
 :class:`PlannedDrafts` only wraps one of transformers' candidate generators.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -39,10 +46,16 @@ from transformers.generation.candidate_generator import (
     PromptLookupCandidateGenerator,
 )
 
+from shoal.client.drafters import view_of
+
+logger = logging.getLogger(__name__)
+
 #: The largest share of plain decoding's time that probing a draft that does not pay may cost.
 PROBE_BUDGET = 0.03
 #: Below this weighted variance, the step sizes observed count as one size (no slope to fit).
 MIN_SIZE_VARIANCE = 0.1
+#: Failed rounds after which a ``generate`` call stops asking its drafter (each may cost a draft prefill).
+MAX_DRAFT_FAILURES = 3
 
 __all__ = [
     "LinearCost",
@@ -68,9 +81,11 @@ class RoundRecord:
 @dataclass
 class SpeculationStats:
     """What speculation did in one ``generate`` call. Acceptance = accepted / drafted draft tokens;
-    window = drafted tokens / rounds (the prefill round included)."""
+    window = drafted tokens / rounds (the prefill round included). ``failures``: rounds whose drafter
+    raised (they decoded plainly)."""
 
     rounds: list[RoundRecord] = field(default_factory=list)
+    failures: int = 0
 
     @property
     def drafted(self) -> int:
@@ -316,6 +331,7 @@ class PlannedDrafts(CandidateGenerator):
         self.stats = stats
         self.cached = cached
         self.clock = clock
+        self.view = view_of(inner)  # lines the drafter up with the sequence before each round
         # window, drafted, draft s, positions, t0, and whether it is the call's first round (its prefill)
         self._round: tuple[int, int, float, int, float, bool] | None = None
         self._outcome: tuple[int, int, float, int, float, bool] | None = None  # the last round, until the next
@@ -339,20 +355,39 @@ class PlannedDrafts(CandidateGenerator):
         started = self.clock()
         self._observe_previous(started)
         window = self.planner.choose()
-        first = not self.stats.rounds
-        if first and isinstance(self.inner, AssistedCandidateGenerator):
-            window = max(window, 1)  # a draft model's first round is its prefill: it cannot be skipped
+        first = not self.stats.rounds  # its step sends the prompt: not a round's cost
         if isinstance(self.inner, PromptLookupCandidateGenerator):  # it does not stop at max_length itself
             window = max(0, min(window, self.inner.max_length - 1 - input_ids.shape[1]))
-        if window == 0:
-            candidates, logits = input_ids, None
-        else:
-            set_window(self.inner, window)
-            candidates, logits = self.inner.get_candidates(input_ids, **kwargs)
+        if self.stats.failures >= MAX_DRAFT_FAILURES:
+            window = 0
+        candidates, logits, prefill = self._draft(input_ids, window, kwargs)
         drafted = candidates.shape[1] - input_ids.shape[1]
         now = self.clock()
-        self._round = (window, drafted, now - started, candidates.shape[1] - self.cached(), now, first)
+        self._round = (window, drafted, now - started, candidates.shape[1] - self.cached(), now, first or prefill)
         return candidates, logits
+
+    def _draft(
+        self, input_ids: torch.LongTensor, window: int, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """(candidates, their logits, whether the draft model started from nothing: its prefill) for a
+        round of ``window``; the input alone (a plain round) for window 0 or a drafter that raised."""
+        if window == 0:
+            return input_ids, None, False
+        try:
+            prefill = self.view.before(input_ids)
+            set_window(self.inner, window)
+            candidates, logits = self.inner.get_candidates(input_ids, **kwargs)
+            self.view.after(input_ids, candidates)
+        except Exception as error:  # speculation must not fail the generation: this round decodes plainly
+            self.stats.failures += 1
+            if self.stats.failures == 1:
+                logger.warning(
+                    "speculation: the drafter (%s) failed: %r; its rounds decode plainly",
+                    type(self.inner).__name__, error, exc_info=True,
+                )  # fmt: skip
+            self.view.reset()  # its cache may be half written: start over
+            return input_ids, None, False
+        return candidates, logits, prefill
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         if self._round is not None:

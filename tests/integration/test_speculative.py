@@ -387,13 +387,17 @@ def scripted_windows(monkeypatch, windows: list[int]) -> None:
 
 def test_a_planner_that_skips_the_first_round_of_a_draft_model(served, monkeypatch):
     """A planner that asks for no drafts in a call's first round (it carries over from an earlier
-    call and found drafting too dear), then for 2: the tokens still equal local greedy. (Were the
-    first round skipped, the draft would first run with position ids of the prompt's length.)"""
+    call and found drafting too dear), then for 2: the round drafts nothing, and the draft model's
+    first run (its prefill, a round later, with mask and positions sized by generate afresh) gives
+    the tokens of local greedy."""
     case = served["llama"]
     expected, _ = case.expected(0)
     scripted_windows(monkeypatch, [0, 2])
-    got = case.client(2).generate(case.prompts[0], max_new_tokens=16, do_sample=False, assistant_model=case.draft)
+    model = case.client(2)
+    got = model.generate(case.prompts[0], max_new_tokens=16, do_sample=False, assistant_model=case.draft)
     assert torch.equal(got, expected[:, : got.shape[1]])
+    stats = model.last_speculation
+    assert stats.rounds[0].drafted == 0 and stats.rounds[1].drafted == 2 and stats.failures == 0
 
 
 def test_assisted_decoding_twice_in_one_inference_session(served):
