@@ -376,10 +376,9 @@ def test_stateless_forward_reroutes_around_dead_servers(swarms, reference):
     model = swarm.connect(refresh_period=0, routing_seed=5, transport=TransportConfig(deadlines=Deadlines(connect=0.2)))
     dead = [swarm.kill(swarm.servers[0]), swarm.kill(swarm.servers[3])]
     x = hidden(6)
-    started = time.perf_counter()
     for _ in range(4):
         assert_close(model.blocks.forward(x, torch.arange(6).view(1, -1), None), blocks_output(reference, x))
-    assert time.perf_counter() - started < 0.2 * len(dead) + 0.5
     bans = model.blocks.directory.bans
     assert any(bans.banned(s.node.id) for s in dead)
+    assert all(bans.failures(s.node.id) <= 1 for s in dead)  # each dead server cost a connect deadline once at most
     assert not any(bans.failures(s.node.id) for s in swarm.servers if s.alive)
