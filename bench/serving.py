@@ -39,7 +39,7 @@ Measured (prints ONE JSON object):
   (fp32 servers).
 * ``ttft_ms_1024_{pipelined,unpipelined}``: ``generate`` of a 1,024-token prompt to its first
   token (session open + prefill + LM head), with the client's pipelined prefill
-  (``model.blocks.prefill_chunk``, :mod:`shoal.client.pipeline`) and without (0);
+  (``model.blocks.prefill_chunk``, :mod:`shoal.client.remote.pipeline`) and without (0);
   ``ttft_ratio_pipelined_1024`` = unpipelined / pipelined (after one untimed run of each: the
   servers' first long prefills).
 

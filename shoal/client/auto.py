@@ -14,9 +14,9 @@ from transformers import AutoTokenizer, GenerationConfig
 from shoal.checkpoints import load_config, load_tensors, model_name, resolve_model
 from shoal.client.config import ClientConfig
 from shoal.client.model import DistributedModelForCausalLM
-from shoal.client.pipeline import DEFAULT_PREFILL_CHUNK
-from shoal.client.prompts import PromptTuning
 from shoal.client.remote import RemoteSequence
+from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
+from shoal.client.training.prompts import PromptTuning
 from shoal.errors import UsageError
 from shoal.models import get_family
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization, parse_min_quality
@@ -66,7 +66,7 @@ class AutoDistributedModelForCausalLM:
         of a server to route over: ``"int8"`` (the default: full precision and int8), ``"nf4"``
         (anything), or ``"fp32"`` (``"bf16"``, ``"fp16"``: full precision only).
         ``tuning_mode``: None, ``"ptune"`` or ``"deep_ptune"``, with ``pre_seq_len`` trainable prompt
-        positions (see :mod:`shoal.client.prompts`; ``model.save_prompts`` / ``load_prompts``).
+        positions (see :mod:`shoal.client.training.prompts`; ``model.save_prompts`` / ``load_prompts``).
         ``adapter``: ``"NAME"`` or ``"NAME@DIGEST"`` (sha256 of the adapter's tensors): route only
         over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"off"``;
         ``"audit"``: every hop of a session is checked by a second server every ``audit_every``
@@ -74,11 +74,11 @@ class AutoDistributedModelForCausalLM:
         runs on a second chain with no server of the main one, hop by hop on the same inputs, so a
         lie is caught at the step that told it (``audit_every`` is then 1: leave it unset; any
         other value raises :class:`UsageError`). Either way a disagreement is settled by a third
-        replica, the liar banned and the answer repaired (:mod:`shoal.client.audit`;
+        replica, the liar banned and the answer repaired (:mod:`shoal.client.verification.audit`;
         ``model.verification`` counts what audits did). ``prefill_chunk``: a session step of more
         positions (a long prompt) travels the chain in chunks of this many, pipelined: the second
         server computes chunk 1 while the first computes chunk 2 (same tokens; None or 0: off; see
-        :mod:`shoal.client.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on.
+        :mod:`shoal.client.remote.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on.
         Every setting but ``start_node`` lands, checked before anything is loaded, on one frozen
         :class:`~shoal.client.config.ClientConfig` (``model.blocks.config``) that the client runs from."""
         client_config = ClientConfig(

@@ -48,8 +48,8 @@ class BlockSession(Protocol):
 
 @runtime_checkable
 class AuditedSession(BlockSession, Protocol):
-    """A session whose hops other servers check (audit mode, :mod:`shoal.client.audit`): what
-    ``generate``'s repair loop (:mod:`shoal.client.repair`) needs besides a plain session's."""
+    """A session whose hops other servers check (audit mode, :mod:`shoal.client.verification.audit`): what
+    ``generate``'s repair loop (:mod:`shoal.client.verification.repair`) needs besides a plain session's."""
 
     @property
     def audited_position(self) -> int:
@@ -57,7 +57,7 @@ class AuditedSession(BlockSession, Protocol):
         ...
 
     def audit(self) -> None:
-        """Audit every position not audited yet; raises :class:`~shoal.client.audit.LieDetected`."""
+        """Audit every position not audited yet; raises :class:`~shoal.client.verification.audit.LieDetected`."""
         ...
 
 

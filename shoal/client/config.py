@@ -2,8 +2,8 @@
 
 ``AutoDistributedModelForCausalLM.from_pretrained`` (:mod:`shoal.client.auto`) parses what users
 write (``min_quality="nf4"``, ``adapter="NAME@DIGEST"``, ``compression="q8"``) and builds one
-:class:`ClientConfig`; ``RemoteSequence.connect`` (:mod:`shoal.client.sequence`) and
-:class:`~shoal.client.directory.ServerDirectory` get it whole, so a setting is named and checked
+:class:`ClientConfig`; ``RemoteSequence.connect`` (:mod:`shoal.client.remote.sequence`) and
+:class:`~shoal.client.remote.directory.ServerDirectory` get it whole, so a setting is named and checked
 once, here, instead of being relayed keyword by keyword.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.client.audit import check_verify
-from shoal.client.pipeline import DEFAULT_PREFILL_CHUNK
+from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
+from shoal.client.verification.audit import check_verify
 from shoal.errors import UsageError
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import AdapterChoice
@@ -42,12 +42,12 @@ class ClientConfig:
     routing_seed: int | None = None  # seeds the random choices of routes (None: unseeded)
     min_quality: Quantization = DEFAULT_MIN_QUALITY  # the lowest weight format of a server routed over
     adapter: AdapterChoice | None = None  # LoRA adapter every block runs with; only its servers are routed over
-    # verification (shoal.client.audit)
+    # verification (shoal.client.verification.audit)
     verify: str = "off"  # "off", "audit" (a second server checks every hop) or "redundant" (every step, twice)
     audit_every: int | None = None  # positions between audits of a hop (None: the mode's default; redundant: 1)
     # sessions
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK  # a longer step is pipelined in chunks of this (None, 0: off)
-    # prompt tuning (shoal.client.prompts)
+    # prompt tuning (shoal.client.training.prompts)
     tuning_mode: str | None = None  # None, "ptune" or "deep_ptune"
     pre_seq_len: int = 0  # trainable prompt positions before every sequence (with a tuning_mode)
 

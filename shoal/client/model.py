@@ -13,12 +13,12 @@ transformers' own loop. Two hooks connect it to remote sessions:
   caches are written by position). Assisted decoding does the same before its first round.
 * ``_get_candidate_generator`` (speculative decoding: ``assistant_model=`` or
   ``prompt_lookup_num_tokens=``) wraps transformers' drafter so that shoal's
-  :class:`~shoal.client.speculation.WindowPlanner` picks each round's window;
+  :class:`~shoal.client.generation.speculation.WindowPlanner` picks each round's window;
   :attr:`DistributedModelForCausalLM.last_speculation` says what the last such call did.
 
 Training: a stateless pass whose input embeddings or prompts require grad is differentiable through
-the servers (:mod:`shoal.client.training`); ``labels=`` gives transformers' causal LM ``loss``. With
-prompt tuning (:mod:`shoal.client.prompts`) the prompts take a session's first ``N`` positions: the
+the servers (:mod:`shoal.client.training.backward`); ``labels=`` gives transformers' causal LM ``loss``. With
+prompt tuning (:mod:`shoal.client.training.prompts`) the prompts take a session's first ``N`` positions: the
 session holds them from its first step on (and is opened with the deep prompts), while everything
 transformers sees (``get_seq_length``, ``max_length``, logits) counts tokens only.
 """
@@ -36,123 +36,15 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from shoal.client.audit import Verification
-from shoal.client.blocks import BlockSequence, BlockSession
-from shoal.client.prompts import PromptTuning
-from shoal.client.repair import GenerationContext, GenerationSlot, generate_repaired
-from shoal.client.speculation import PlannedDrafts, SpeculationStats, WindowPlanner, max_window, windowed
-from shoal.errors import ShoalError
+from shoal.client.blocks import BlockSequence
+from shoal.client.generation.cache import CACHE_KEY, SessionCache
+from shoal.client.generation.speculation import PlannedDrafts, SpeculationStats, WindowPlanner, max_window, windowed
+from shoal.client.training.prompts import PromptTuning
+from shoal.client.verification.audit import Verification
+from shoal.client.verification.repair import GenerationContext, GenerationSlot, generate_repaired
 from shoal.models.base import ClientHead
 
-__all__ = ["DistributedModelForCausalLM", "SessionCache"]
-
-# The name transformers gives the cache in model outputs and in generate's model_kwargs:
-# ``past_key_values`` until 5.23, ``cache`` from 5.24 on.
-CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-class SessionCache(Cache):
-    """Stands in for the KV cache in transformers' generation loop; the keys/values live in a
-    :class:`BlockSession` on the servers. Keeps the token ids the session consumed ([B, position],
-    ``-1`` where only embeddings were sent) so later calls can reuse or roll back the prefix.
-    ``prefix``: session positions before the tokens (trained prompts), held from the first step on;
-    ``position`` and everything transformers reads count tokens only."""
-
-    def __init__(self, session: BlockSession, prefix: int = 0):
-        super().__init__(layers=[])
-        self.session = session
-        self.prefix = prefix
-        self._ids = torch.empty(session.batch_size, 0, dtype=torch.long)
-        self.closed = False
-
-    @property
-    def position(self) -> int:
-        return max(self.session.position - self.prefix, 0)
-
-    @property
-    def holds_prefix(self) -> bool:
-        """Whether the session holds the prompts already (else the next step must send them)."""
-        return self.session.position >= self.prefix
-
-    @property
-    def token_ids(self) -> Tensor:
-        """Ids at positions ``[0, position)`` (the session may have been rolled back directly)."""
-        return self._ids[:, : self.position]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.position
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.session.max_length - self.prefix
-
-    def rollback(self, position: int) -> None:
-        """Keep tokens ``[0, position)`` (and the prompts before them)."""
-        self.session.position = position + self.prefix if self.holds_prefix else 0
-        self._ids = self._ids[:, :position]
-
-    def sync(self, input_ids: Tensor) -> int:
-        """Roll back to the longest common prefix of ``input_ids`` (the whole sequence so far) and
-        the consumed ids, keeping at least one token to send; return the new position."""
-        held = self.token_ids.to(input_ids.device)
-        n = min(held.shape[1], input_ids.shape[1] - 1)
-        same = (held[:, :n] == input_ids[:, :n]).all(dim=0)
-        common = n if bool(same.all()) else int(same.long().argmin())
-        if common < self.position:
-            self.rollback(common)
-        return common
-
-    def record(self, input_ids: Tensor | None, n: int) -> None:
-        """Note ``n`` tokens the session consumes (``input_ids`` None: embeddings only); before the
-        step, so that ids past the position stay readable when it raises :class:`LieDetected`."""
-        new = input_ids.to("cpu", torch.long) if input_ids is not None else torch.full((self._ids.shape[0], n), -1)
-        self._ids = torch.cat([self.token_ids, new], dim=1)
-
-    def consumed_ids(self, length: int) -> Tensor:
-        """The ids of the first ``length`` tokens sent, even past a rollback (a repair resumes from them)."""
-        if length > self._ids.shape[1] or bool((self._ids[:, :length] < 0).any()):
-            raise ShoalError(f"no token ids to resume from at {length} (sent as embeddings?)")
-        return self._ids[:, :length]
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.session.close()
-
-    # Cache interface used by generate: one non-linear, non-compilable "layer" that crops by position.
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False]
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False]
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    @property
-    def batch_size(self) -> int:
-        return self.session.batch_size
-
-    def crop(self, tokens_to_remove: int | Tensor) -> None:
-        tokens_to_remove = int(tokens_to_remove)  # transformers 5.17's assisted decoding passes a 0-d tensor
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove")
-        self.rollback(self.position + tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        raise NotImplementedError("remote sessions cannot reorder their caches (no beam search)")
-
-    batch_select_indices = batch_repeat_interleave = reorder_cache
+__all__ = ["DistributedModelForCausalLM"]
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -161,7 +53,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     ``model(...)`` without ``cache`` is a stateless pass; with ``cache=`` (the object yielded by
     :meth:`inference_session`) it appends the given tokens to that session. Hidden states travel as
     ``wire_dtype`` and are cast back to the head's dtype. ``prompts``: trainable prompts
-    (:class:`~shoal.client.prompts.PromptTuning`), the model's only trainable parameters as loaded.
+    (:class:`~shoal.client.training.prompts.PromptTuning`), the model's only trainable parameters as loaded.
     """
 
     base_model_prefix = "shoal"
@@ -238,7 +130,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return self.head.lm_head
 
     def save_prompts(self, path) -> None:
-        """Write the trained prompts to the safetensors file ``path`` (see :mod:`shoal.client.prompts`)."""
+        """Write the trained prompts to the safetensors file ``path`` (see :mod:`shoal.client.training.prompts`)."""
         self._prompts("save").save(path)
 
     def load_prompts(self, path) -> None:
@@ -355,13 +247,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     @property
     def verification(self) -> Verification:
-        """What audits did (``from_pretrained(verify="audit" or "redundant")``; see :mod:`shoal.client.audit`)."""
+        """What audits did (``from_pretrained(verify="audit" or "redundant")``; see
+        :mod:`shoal.client.verification.audit`)."""
         return getattr(self.blocks, "verification", None) or Verification()
 
     def generate(self, *args: Any, **kwargs: Any):
         """transformers' ``generate``; without an active session, one is opened for this call and
         closed afterwards (also when generation raises). In audit mode a lie found is repaired, and
-        ``hold_back=True`` holds a streamer's tokens until audited (:mod:`shoal.client.repair`)."""
+        ``hold_back=True`` holds a streamer's tokens until audited (:mod:`shoal.client.verification.repair`)."""
         outer, self._opened = self._opened, []
         try:
             return generate_repaired(self, self._generation, super().generate, args, kwargs)

@@ -103,7 +103,7 @@ def _usage(done: Completion) -> dict:
     return usage
 
 
-#: The client's verification counters (:class:`~shoal.client.audit.Verification`) exported as
+#: The client's verification counters (:class:`~shoal.client.verification.audit.Verification`) exported as
 #: ``shoal_verify_<name>_total``, with their help text.
 VERIFY_METRICS = (
     ("audits", "Auditor steps: a second server recomputing a hop's new positions"),

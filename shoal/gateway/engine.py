@@ -12,7 +12,7 @@ servers they run on (:meth:`Engine.routes`), and running totals of what it gener
 speculative decoding did (:class:`Totals`, the gateway's ``/metrics``).
 
 With verification on (a model loaded with ``verify="audit"`` or ``"redundant"``), a lie an audit
-finds rolls the session back and the answer is regenerated from there (:mod:`shoal.client.repair`).
+finds rolls the session back and the answer is regenerated from there (:mod:`shoal.client.verification.repair`).
 Text is then released only for tokens every hop is audited past (``generate(..., hold_back=True)``),
 so no delta ever holds a token the answer later replaces. That lag is up to ``audit_every``
 positions (plus a step's window with speculation; one step in redundant mode) while generating, and
@@ -23,7 +23,7 @@ the repair generates on. Each answer's :class:`Completion` says what verificatio
 
 Speculative decoding (:class:`Speculation`: ``--draft MODEL`` or ``--prompt-lookup N``) is
 transformers' assisted decoding over the distributed model, with shoal choosing each round's window
-(:mod:`shoal.client.speculation`). Greedy answers are the same tokens as without it; sampled ones
+(:mod:`shoal.client.generation.speculation`). Greedy answers are the same tokens as without it; sampled ones
 keep their distribution (the target's sampled tokens are compared with the drafts).
 """
 
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from shoal.client.model import SessionCache
-from shoal.client.sampling import PositionSeededSampler
-from shoal.client.session import RemoteSession
+from shoal.client.generation.cache import SessionCache
+from shoal.client.generation.sampling import PositionSeededSampler
+from shoal.client.remote.session import RemoteSession
 from shoal.errors import ShoalError, UsageError
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_TOKENS = 512  # when a request names no max_tokens (and the context leaves room)
-#: The client's verification counters (:class:`~shoal.client.audit.Verification`) an answer reports.
+#: The client's verification counters (:class:`~shoal.client.verification.audit.Verification`) an answer reports.
 VERIFY_COUNTERS = ("audits", "audited_positions", "disagreements", "settled", "unsettled", "bans", "rollbacks")
 
 

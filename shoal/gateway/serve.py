@@ -96,7 +96,7 @@ def serve_gateway(options: GatewayOptions) -> int:
     if options.draft is not None:
         check_draft(options.draft)
     if options.model is not None:
-        from shoal.client.audit import check_verify
+        from shoal.client.verification.audit import check_verify
 
         check_verify(options.verify, options.audit_every)  # a mode this client cannot run: before the port
     sock = _bind(options.host, options.port)

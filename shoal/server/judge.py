@@ -1,6 +1,6 @@
 """A server judging evidence that another server of its blocks lied (the ``evidence`` kind).
 
-A client whose audits convicted a server (:mod:`shoal.client.audit`) sends the evidence
+A client whose audits convicted a server (:mod:`shoal.client.verification.audit`) sends the evidence
 (:mod:`shoal.verify.evidence`: the liar's signed receipts of one session and the tensors they name)
 to the other servers of those blocks. The :class:`Judge` of each checks it
 (:func:`~shoal.verify.evidence.check_evidence`: malformed, not judged here, forged), refuses a

@@ -28,7 +28,7 @@ of M other than P whose span OVERLAPS ``[a, b)``. Why each part:
 The price is liveness, never safety: a swarm where fewer than two other servers cover a span never
 convicts that span's server swarm-wide, nor one whose blocks are mostly served in pieces (the
 judges cannot outnumber the abstaining partial servers); the clients that caught it still ban it
-locally (:mod:`shoal.client.audit`) and its judges stop accepting its pushes.
+locally (:mod:`shoal.client.verification.audit`) and its judges stop accepting its pushes.
 
 :func:`tally` and :func:`convicted` are pure (a table in, facts out): clients drop convicted peers
 from routes, servers from their next hops, ``shoal swarm status`` shows the tallies.

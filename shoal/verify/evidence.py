@@ -1,7 +1,7 @@
 """Evidence of a settled lie: what a client sends the other servers of the liar's blocks, and what they check.
 
-After a majority of replicas convicted a server of wrong outputs (:mod:`shoal.client.audit`), the
-client testifies (:mod:`shoal.client.witness`) with what anyone serving those blocks can recompute
+After a majority of replicas convicted a server of wrong outputs (:mod:`shoal.client.verification.audit`), the
+client testifies (:mod:`shoal.client.verification.witness`) with what anyone serving those blocks can recompute
 without trusting the client: the liar's own signed receipts of one session, from cache position 0
 up to the end ``P`` of the step that holds the first wrong position (the *disputed* step, the last
 receipt), the inputs of its first block at ``[0, P)`` (hidden states, position ids and mask, as the
@@ -88,7 +88,7 @@ class NoEvidence(ShoalError):
 
 
 class History(Protocol):
-    """What evidence is built from: a session's history (:class:`shoal.client.history.SpanHistory`)."""
+    """What evidence is built from: a session's history (:class:`shoal.client.remote.history.SpanHistory`)."""
 
     def receipts(self, block: int) -> list[Receipt]: ...
 

@@ -17,7 +17,7 @@ ones when no mask came). A server keeps ``c_0 .. c_length`` per session (16 byte
 on rollback, extended by every step); a judge recomputes the chain from the evidence's tensors, so a
 receipt whose ``state`` differs from the chain at its position was signed over another cache than the
 evidence shows. A stateless forward's state is ``c_0``. The client keeps the same chain per hop, of what
-it sent that hop's session (:mod:`shoal.client.driver`), and refuses a receipt whose ``state`` is not
+it sent that hop's session (:mod:`shoal.client.remote.driver`), and refuses a receipt whose ``state`` is not
 it: a liar signing any other state would make every piece of evidence against it look forged to judges.
 Only a server with a key (one that signs receipts) keeps a chain.
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shoal.client.recovery import ChainRecovery
+from shoal.client.remote.recovery import ChainRecovery
 from shoal.errors import BusyError, ShoalError
 from shoal.routing import NoRouteError
 from shoal.transport import Node

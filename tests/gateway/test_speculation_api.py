@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from shoal.client.speculation import WindowPlanner
+from shoal.client.generation.speculation import WindowPlanner
 from shoal.gateway.app import build_app
 from shoal.gateway.engine import Engine, Sampling, Speculation, load_draft
 from shoal.gateway.swarm import Watchers

@@ -1,5 +1,5 @@
 """The local reference for training through shoal: a plain ``transformers`` causal LM with the same
-prompts placed as :mod:`shoal.client.prompts` places them (ptune: before the input embeddings, the
+prompts placed as :mod:`shoal.client.training.prompts` places them (ptune: before the input embeddings, the
 mask extended with ones; deep_ptune: each decoder layer's input gets its block's prompt added at
 sequence positions ``[0, N)``, through forward pre-hooks), and the gradient tolerance of issue 20."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from shoal.client.prompts import PromptTuning
+from shoal.client.training.prompts import PromptTuning
 from shoal.models.base import add_deep_prompt
 
 

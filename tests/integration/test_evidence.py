@@ -5,7 +5,7 @@ and ``[2:4]`` x2 honest, plus a liar on ``[2:4]`` adding noise 1e-1 from positio
 ``verify="audit"`` (K = 8) over all four, its chain steered through the liar, generates 24 greedy
 tokens: the same as the local reference, the liar convicted by a third replica, and the evidence
 sent to the two honest servers of ``[2:4]`` (the only other servers of those blocks), who both
-confirm it: the client's :class:`~shoal.client.audit.Verification` and their own counters say so.
+confirm it: the client's :class:`~shoal.client.verification.audit.Verification` and their own counters say so.
 In a swarm (``InProcessSwarm(swarm=...)``) their signed verdicts spread: every server's table, the
 ``[0:2]`` server's too, convicts the liar (:func:`shoal.swarm.verdicts.convicted`), and nobody else.
 """

@@ -1,4 +1,4 @@
-"""Pipelined prefill (:mod:`shoal.client.pipeline`): a step longer than ``prefill_chunk`` travels the
+"""Pipelined prefill (:mod:`shoal.client.remote.pipeline`): a step longer than ``prefill_chunk`` travels the
 chain in chunks, sent on without waiting for the previous chunk's replies.
 
 One in-process swarm of a tiny random llama (4 blocks): ``[0:2] [2:4] [0:1] [1:2]``; a client over
@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from shoal.client.pipeline import chunk_bounds
+from shoal.client.remote.pipeline import chunk_bounds
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer

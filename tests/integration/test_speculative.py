@@ -31,8 +31,8 @@ import transformers.generation.utils as generation_utils
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from shoal.client import speculation
-from shoal.client.speculation import PlannedDrafts, SpeculationStats
+from shoal.client.generation import speculation
+from shoal.client.generation.speculation import PlannedDrafts, SpeculationStats
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from testkit.faulty import perturbed_copy

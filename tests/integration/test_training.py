@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from shoal.client import AutoDistributedModelForCausalLM
-from shoal.client.prompts import PromptTuning
+from shoal.client.training.prompts import PromptTuning
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LOOPBACK

@@ -12,7 +12,7 @@ equality is a fair test.
 
 For every fault kind alone: 64 greedy tokens equal the honest ones, the liar is banned (and no
 honest server; both honest replicas of its span confirm the evidence sent to them), and a
-position-seeded sampled run (:class:`~shoal.client.sampling.PositionSeededSampler`) equals the
+position-seeded sampled run (:class:`~shoal.client.generation.sampling.PositionSeededSampler`) equals the
 honest seeded run. The detection lag is read from the liar's own record, not from the client under
 test: the positions it still computed after the step of its first lie are fewer than K (every step
 from the first lie on is recorded, so the last one recorded is the last it served before the ban; a
@@ -32,7 +32,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-from shoal.client.sampling import PositionSeededSampler
+from shoal.client.generation.sampling import PositionSeededSampler
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer

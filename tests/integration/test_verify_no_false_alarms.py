@@ -49,8 +49,8 @@ import torch
 from torch import Tensor
 
 from shoal.checkpoints import load_span
-from shoal.client import auditors
-from shoal.client.auditors import Audits
+from shoal.client.verification import auditors
+from shoal.client.verification.auditors import Audits
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer

@@ -32,8 +32,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from shoal.client.audit import Caught
-from shoal.client.auditors import Audits
+from shoal.client.verification.audit import Caught
+from shoal.client.verification.auditors import Audits
 from shoal.ids import BlockRange
 from shoal.launch.inprocess import LocalServer
 from testkit.faults import Alteration, Noise, When

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from shoal.checkpoints import load_span
-from shoal.client.history import SpanHistory
+from shoal.client.remote.history import SpanHistory
 from shoal.ids import BlockRange, PeerId
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from shoal.client.driver import ChainDriver
-from shoal.client.hops import Hop
+from shoal.client.remote.driver import ChainDriver
+from shoal.client.remote.hops import Hop
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer, Prepare
@@ -208,7 +208,7 @@ def test_a_forward_asks_for_a_receipt_and_an_old_client_gets_empty_metadata(swar
     swarm = swarms([(A, None), (B, None)])
     model = swarm.connect(refresh_period=0)
     checked: list[Receipt] = []
-    import shoal.client.sequence as sequence_module
+    import shoal.client.remote.sequence as sequence_module
 
     check = sequence_module.check_forward_receipt
 

@@ -1,10 +1,10 @@
-"""Audit mode's decisions and its rounds (shoal.client.audit, shoal.client.auditors, shoal.client.repair).
+"""Audit mode's decisions and its rounds (shoal.client.verification: audit, auditors, repair).
 
 The pure parts alone: when an audit is due, the majority rule, the tolerance a comparison gets, what a
 new hop's track inherits, where a repaired generation resumes, what a streamer holding tokens back
-lets through. Then :class:`~shoal.client.auditors.Audits` over stand-in servers (a position-wise
+lets through. Then :class:`~shoal.client.verification.auditors.Audits` over stand-in servers (a position-wise
 function of the inputs, one of them adding noise from some position on) and a real
-:class:`~shoal.client.history.SpanHistory`: exactly which positions each round sends the auditor,
+:class:`~shoal.client.remote.history.SpanHistory`: exactly which positions each round sends the auditor,
 who is convicted, where the lie starts, a lying auditor replaced, no third replica -> unsettled.
 Last, a real swarm in this process (tiny llama, 3 replicas of the liar's span): 32 greedy tokens equal
 local transformers, the liar is banned and never routed over again, and a streamer holding tokens
@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from shoal.client import AutoDistributedModelForCausalLM
-from shoal.client.audit import (
+from shoal.client.remote.history import SpanHistory
+from shoal.client.verification.audit import (
     Caught,
     Track,
     Verdict,
@@ -34,9 +35,8 @@ from shoal.client.audit import (
     tolerance_of,
     verification_for,
 )
-from shoal.client.auditors import Audits
-from shoal.client.history import SpanHistory
-from shoal.client.repair import HeldStreamer, _as_one_run, resume_length
+from shoal.client.verification.auditors import Audits
+from shoal.client.verification.repair import HeldStreamer, _as_one_run, resume_length
 from shoal.errors import UsageError
 from shoal.ids import BlockRange, PeerId
 from shoal.routing import RouteInfo, ServerSpan

@@ -1,6 +1,6 @@
 """The client asks a server to push only when it and the next server announced ``push``.
 
-The decision itself (:func:`shoal.client.driver.push_reach`), and what a session actually sends
+The decision itself (:func:`shoal.client.remote.driver.push_reach`), and what a session actually sends
 through real servers in this process (:class:`shoal.launch.InProcessSwarm`), some of which announce
 capabilities without ``push`` (their ``info`` says so; nothing else about them changes). Each
 server records what reaches it: which steps came from the client (with which push route) and
@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from shoal.client.driver import push_reach
+from shoal.client.remote.driver import push_reach
 from shoal.ids import BlockRange, PeerId
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer

@@ -12,7 +12,7 @@ import torch
 
 from shoal.client import AutoDistributedModelForCausalLM
 from shoal.client.config import ClientConfig
-from shoal.client.pipeline import DEFAULT_PREFILL_CHUNK
+from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm

@@ -1,4 +1,4 @@
-"""A session's replay history (shoal.client.history): joined without torch.cat (the client's event
+"""A session's replay history (shoal.client.remote.history): joined without torch.cat (the client's event
 loop thread must not open OpenMP regions, see cat_serial), equal to torch.cat for every wire dtype,
 contiguous or not; and what it holds after steps, chain changes, replays and rollbacks."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.client.history import SpanHistory, cat_serial
+from shoal.client.remote.history import SpanHistory, cat_serial
 from shoal.errors import ShoalError
 from shoal.wire.tensors import DTYPES
 

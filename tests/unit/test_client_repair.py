@@ -1,4 +1,4 @@
-"""How ``generate`` and audit-mode repair talk (:mod:`shoal.client.repair`): the model hands each
+"""How ``generate`` and audit-mode repair talk (:mod:`shoal.client.verification.repair`): the model hands each
 attempt's :class:`GenerationContext` over through its per-thread :class:`GenerationSlot`, and the
 repair loop drives the session as an :class:`AuditedSession`. In-process blocks whose sessions
 "audit" by script stand in for a swarm: a lie rolls the session back, and generation resumes from
@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from shoal.client.audit import LieDetected, Verification
 from shoal.client.blocks import AuditedSession
 from shoal.client.local import LocalBlockSequence, LocalBlockSession
 from shoal.client.model import DistributedModelForCausalLM
-from shoal.client.repair import GenerationContext, GenerationSlot
+from shoal.client.verification.audit import LieDetected, Verification
+from shoal.client.verification.repair import GenerationContext, GenerationSlot
 from shoal.ids import BlockRange, PeerId
 from shoal.models import get_family
 from testkit.tiny import tiny_model

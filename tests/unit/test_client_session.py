@@ -2,7 +2,7 @@
 over the in-memory transport): a killed, silent or reply-dropping server is replaced and the
 replacement replayed, a draining one is moved after its reply, outputs equal plain ``transformers``
 throughout (within 1e-4; generated tokens exactly), and routing hears about it all through
-:class:`~shoal.client.feedback.RouteFeedback`. SIGKILLed server processes: tests/routing/test_failover.py.
+:class:`~shoal.client.remote.feedback.RouteFeedback`. SIGKILLed server processes: tests/routing/test_failover.py.
 
 Four servers of a tiny random llama (4 blocks): two replicas of blocks 0:2 (``A``) and two of 2:4
 (``B``). Which replica a fresh session runs on depends on measured round trips, so tests ask the
@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 from transformers import LogitsProcessorList
 
-import shoal.client.directory as directory_module
-from shoal.client.recovery import RecoveryRecord
+import shoal.client.remote.directory as directory_module
+from shoal.client.remote.recovery import RecoveryRecord
 from shoal.errors import BadRequest
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm

@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from shoal.client.generation.cache import SessionCache
 from shoal.client.local import LocalBlockSequence
-from shoal.client.model import DistributedModelForCausalLM, SessionCache
-from shoal.client.prompts import PromptTuning
+from shoal.client.model import DistributedModelForCausalLM
+from shoal.client.training.prompts import PromptTuning
 from shoal.errors import UsageError
 from shoal.ids import BlockRange, PeerId
 from shoal.models import get_family

@@ -30,11 +30,11 @@ import torch
 from torch import Tensor
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from shoal.client import speculation
-from shoal.client.drafters import DraftModelView, OtherTokenizerView, UniversalView
+from shoal.client.generation import speculation
+from shoal.client.generation.drafters import DraftModelView, OtherTokenizerView, UniversalView
+from shoal.client.generation.speculation import MAX_DRAFT_FAILURES, PlannedDrafts
 from shoal.client.local import LocalBlockSequence
 from shoal.client.model import DistributedModelForCausalLM
-from shoal.client.speculation import MAX_DRAFT_FAILURES, PlannedDrafts
 from shoal.models import get_family
 from testkit.faulty import perturbed_copy
 from testkit.tiny import byte_tokenizer, char_tokenizer, tiny_model
@@ -214,14 +214,14 @@ def test_a_failing_round_decodes_plainly_and_logs_once(model, reference, prompt,
     scripted(monkeypatch, [3])
     calls = failing_from(monkeypatch, {1, 3})
     kwargs, _ = drafting("same-tokenizer", reference)
-    with caplog.at_level(logging.WARNING, logger="shoal.client.speculation"):
+    with caplog.at_level(logging.WARNING, logger="shoal.client.generation.speculation"):
         got = model.generate(prompt, max_new_tokens=NEW_TOKENS, **kwargs)
     stats = model.last_speculation
     assert torch.equal(got, expected)
     assert stats.failures == 2
     assert [r.drafted for r in stats.rounds[:5]] == [3, 0, 3, 0, 3]
     assert len(calls) == len(stats.rounds)
-    warnings = [r for r in caplog.records if r.name == "shoal.client.speculation"]
+    warnings = [r for r in caplog.records if r.name == "shoal.client.generation.speculation"]
     assert len(warnings) == 1 and "a drafter that fails" in warnings[0].getMessage()
 
 
@@ -231,12 +231,12 @@ def test_a_drafter_that_keeps_failing_is_dropped_for_the_call(model, reference, 
     scripted(monkeypatch, [2])
     calls = failing_from(monkeypatch, set(range(1000)))
     kwargs, _ = drafting("same-tokenizer", reference)
-    with caplog.at_level(logging.WARNING, logger="shoal.client.speculation"):
+    with caplog.at_level(logging.WARNING, logger="shoal.client.generation.speculation"):
         got = model.generate(prompt, max_new_tokens=NEW_TOKENS, **kwargs)
     stats = model.last_speculation
     assert torch.equal(got, expected)
     assert stats.failures == len(calls) == MAX_DRAFT_FAILURES
     assert stats.drafted == 0 and len(stats.rounds) == NEW_TOKENS
-    assert len([r for r in caplog.records if r.name == "shoal.client.speculation"]) == 1
+    assert len([r for r in caplog.records if r.name == "shoal.client.generation.speculation"]) == 1
     model.generate(prompt, max_new_tokens=4, **kwargs)
     assert model.last_speculation.failures > 0

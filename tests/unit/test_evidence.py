@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from shoal.client.history import SpanHistory
+from shoal.client.remote.history import SpanHistory
 from shoal.ids import BlockRange
 from shoal.verify import evidence as ev
 from shoal.verify.compare import tolerance_for, tolerance_of

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from shoal.checkpoints import load_config, load_tensors, span_tensor_filter
-from shoal.client.model import CACHE_KEY
+from shoal.client.generation.cache import CACHE_KEY
 from shoal.models import get_family
 from testkit.tiny import tiny_checkpoint
 

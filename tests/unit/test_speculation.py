@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator, PromptLookupCandidateGenerator
 
-from shoal.client.speculation import (
+from shoal.client.generation.speculation import (
     PROBE_BUDGET,
     LinearCost,
     PlannedDrafts,

@@ -1,4 +1,4 @@
-"""Testimony (:mod:`shoal.client.witness`) without servers: a fake node plays the judges.
+"""Testimony (:mod:`shoal.client.verification.witness`) without servers: a fake node plays the judges.
 
 The witness copies what the evidence needs while the session waits (cheap), and builds the evidence
 (signature checks, digests) in a worker thread: generation is not stalled by a long history. The
@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shoal.client import history as history_module
-from shoal.client import witness as witness_module
-from shoal.client.audit import Verification
-from shoal.client.history import cat_serial
-from shoal.client.witness import Snapshot, Witness
+from shoal.client.remote import history as history_module
+from shoal.client.remote.history import cat_serial
+from shoal.client.verification import witness as witness_module
+from shoal.client.verification.audit import Verification
+from shoal.client.verification.witness import Snapshot, Witness
 from shoal.routing import RouteInfo, ServerSpan
 from shoal.verify.evidence import NoEvidence, build_evidence, check_evidence
 from shoal.wire import Message

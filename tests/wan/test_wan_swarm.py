@@ -17,7 +17,7 @@ import torch
 from transformers import LogitsProcessor
 
 from shoal.checkpoints import save_sharded
-from shoal.client.driver import MIN_DEADLINE
+from shoal.client.remote.driver import MIN_DEADLINE
 from shoal.ids import BlockRange
 from shoal.routing import NoRouteError
 from testkit.tiny import tiny_model

@@ -1,11 +1,12 @@
 """The I/O of audit mode: a session's auditors, their audit rounds, and the third replica that settles a dispute.
 
 What is decided (who lied, when an audit is due, what a new hop's track inherits) is in
-:mod:`shoal.client.audit`, with the design; this module opens the sessions, sends the steps and
+:mod:`shoal.client.verification.audit`, with the design; this module opens the sessions, sends the steps and
 forwards, and compares the answers. In redundant mode (``verification.redundant``) the auditors
 are the second chain: no server of the session's chain is ever taken as an auditor, and one that
-joins the chain (a repair put it there) is replaced. Everything runs on the client's event loop, called by the
-session (:mod:`shoal.client.session`), which does the repair a :class:`~shoal.client.audit.Conviction` asks for.
+joins the chain (a repair put it there) is replaced. Everything runs on the client's event loop, called
+by the session (:mod:`shoal.client.remote.session`), which does the repair a
+:class:`~shoal.client.verification.audit.Conviction` asks for.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from shoal.client.audit import (
+from shoal.client.remote.feedback import RouteFeedback, RoutePlanner
+from shoal.client.remote.history import SpanHistory
+from shoal.client.remote.hops import Hop, close_all
+from shoal.client.remote.recovery import RECOVERY_TIMEOUT, ChainRecovery, Replay
+from shoal.client.verification.audit import (
     Conviction,
     Track,
     Verdict,
@@ -28,11 +33,7 @@ from shoal.client.audit import (
     take_spare,
     tolerance_of,
 )
-from shoal.client.feedback import RouteFeedback, RoutePlanner
-from shoal.client.history import SpanHistory
-from shoal.client.hops import Hop, close_all
-from shoal.client.recovery import RECOVERY_TIMEOUT, ChainRecovery, Replay
-from shoal.client.witness import Witness
+from shoal.client.verification.witness import Witness
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS

@@ -1,7 +1,7 @@
 """Autograd through remote blocks: the stateless pass as a :class:`torch.autograd.Function`.
 
 The forward runs the ordinary stateless pass (:meth:`RemoteSequence.run_forward
-<shoal.client.sequence.RemoteSequence.run_forward>`) and remembers, per span, which server computed it
+<shoal.client.remote.sequence.RemoteSequence.run_forward>`) and remembers, per span, which server computed it
 and the hidden states it computed on (as that server decoded them). The backward walks those spans
 in reverse: each server gets a ``backward`` request (:class:`~shoal.wire.schema.BackwardRequest`,
 tensors ``[hidden_in, position_ids, attention_mask?, prompts?, grad_output]``, raw) and recomputes
@@ -13,7 +13,7 @@ A server that fails before its backward (it died, or left) is banned, and that s
 ``[s, e)`` are routed again over other servers, maybe cut differently: the forward is recomputed
 from the recorded input at ``s`` through the new route, then the backward runs through it in
 reverse (recursively, if one of those fails too), up to
-:data:`~shoal.client.recovery.MAX_RECOVERIES` times per backward.
+:data:`~shoal.client.remote.recovery.MAX_RECOVERIES` times per backward.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from shoal.client.history import step_inputs
-from shoal.client.recovery import MAX_RECOVERIES, gave_up
+from shoal.client.remote.history import step_inputs
+from shoal.client.remote.recovery import MAX_RECOVERIES, gave_up
 from shoal.errors import BadRequest, ShoalError, WireError
 from shoal.protocols import BLOCKS
 from shoal.routing import ServerSpan
@@ -35,7 +35,7 @@ from shoal.wire import Message
 from shoal.wire.schema import TRAIN, BackwardRequest
 
 if TYPE_CHECKING:
-    from shoal.client.sequence import RemoteSequence
+    from shoal.client.remote.sequence import RemoteSequence
 
 log = logging.getLogger(__name__)
 

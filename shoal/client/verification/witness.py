@@ -1,6 +1,6 @@
 """Testifying: after a majority convicted a server, send the evidence to the servers that serve its blocks.
 
-:meth:`Witness.report` is called by the audits (:mod:`shoal.client.auditors`) right after a
+:meth:`Witness.report` is called by the audits (:mod:`shoal.client.verification.auditors`) right after a
 conviction, before the session rolls its history back. It only copies, there and then, the part of
 the history the evidence can need (:class:`Snapshot`: sized from the shapes first, nothing copied
 when too large; one serial numpy copy each; no signature or digest work on the event loop, which
@@ -12,9 +12,9 @@ timeout, to at most :data:`MAX_JUDGES` other servers whose span covers the liar'
 announce :data:`~shoal.wire.schema.EVIDENCE` (one piece at a time to each: a judge refuses a
 sender's second piece while the first is judged). Their judges (:mod:`shoal.server.judge`) recompute
 and answer; the client counts ``evidence_sent``, ``evidence_confirmed`` and ``evidence_rejected``
-in its :class:`~shoal.client.audit.Verification`.
+in its :class:`~shoal.client.verification.audit.Verification`.
 
-One witness serves a whole client (:class:`~shoal.client.sequence.RemoteSequence`), not a session:
+One witness serves a whole client (:class:`~shoal.client.remote.sequence.RemoteSequence`), not a session:
 testimony outlives the session that caught the lie (a lie found at generate()'s final audit is
 still testified to and counted), and closing the client waits for it, at most
 :data:`CLOSE_TIMEOUT`. Testimony is a service to the swarm, never a condition of generation:
@@ -32,8 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from torch import Tensor
 
-from shoal.client.audit import Verification
-from shoal.client.history import SpanHistory
+from shoal.client.remote.history import SpanHistory
+from shoal.client.verification.audit import Verification
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS

@@ -2,22 +2,22 @@
 
 For each hop ``[a, b)`` of a session's chain the client keeps an *auditor*: an ordinary inference
 session on another server whose span is exactly ``[a, b)`` and which computes what the hop's server
-does (same weight format and adapters, :func:`shoal.client.directory.replicas`). Every ``K`` new
+does (same weight format and adapters, :func:`shoal.client.remote.directory.replicas`). Every ``K`` new
 positions (``audit_every``), and once more before ``generate`` returns, each auditor gets ONE step
 with the positions it has not seen, ``[audited, position)``: the audited hop's recorded inputs there
 (the session's history at block ``a``). Its outputs are compared with what the audited server
 returned for the same positions (the history at block ``b``) within the calibrated tolerance
 (:mod:`shoal.verify.compare`). The audited server cannot tell an audit from other traffic: it is a
 session elsewhere. The cost is one step per ``K`` positions per hop, on other servers. This module
-holds the decisions; :mod:`shoal.client.auditors` the sessions, steps and forwards.
+holds the decisions; :mod:`shoal.client.verification.auditors` the sessions, steps and forwards.
 
 A disagreement at position ``p`` is settled by a third replica: a stateless ``forward`` of positions
 ``[0, end)`` of the recorded inputs (no cache needed), compared at ``[p, end)`` with both. The two
 that agree are the majority; the third is the liar, banned for good
-(:meth:`~shoal.client.feedback.RouteFeedback.convicted`). A lying auditor is replaced (nothing was
+(:meth:`~shoal.client.remote.feedback.RouteFeedback.convicted`). A lying auditor is replaced (nothing was
 computed from its outputs). A lying hop is repaired by the session: it rolls back to the first wrong
 position, replaces the hop and raises :class:`LieDetected` for ``generate`` to regenerate from there
-(:mod:`shoal.client.repair`). Without a third replica the dispute is *unsettled*: nobody is banned,
+(:mod:`shoal.client.verification.repair`). Without a third replica the dispute is *unsettled*: nobody is banned,
 and the span is reported unverified from then on (its auditor closed), as is a span for which no
 second replica exists at all. Generation never waits for a replica to appear.
 
@@ -31,8 +31,8 @@ the next token is chosen from it. A ``hold_back`` streamer lags by one step at m
 
 Limits: stateless forwards (``use_cache=False``, training) are not audited; a span's auditor is an
 exact replica (same span, announced compute dtype, quantisation and adapter:
-:func:`shoal.client.directory.replicas`), so a span nobody else serves alike goes unaudited; the
-receipts of a pushed hop (:mod:`shoal.client.driver`) are what makes its recorded inputs the ones
+:func:`shoal.client.remote.directory.replicas`), so a span nobody else serves alike goes unaudited; the
+receipts of a pushed hop (:mod:`shoal.client.remote.driver`) are what makes its recorded inputs the ones
 it computed on, so without them the session does not push (:meth:`RemoteSession._install`).
 """
 
@@ -42,7 +42,7 @@ import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from shoal.client.hops import Hop
+from shoal.client.remote.hops import Hop
 from shoal.errors import ShoalError, UsageError
 from shoal.ids import BlockRange, PeerId
 from shoal.verify.compare import tolerance_of
@@ -96,7 +96,7 @@ class Verification:
     outputs differed beyond tolerance), ``settled`` / ``unsettled`` (disputes a third replica decided,
     or could not), ``bans`` (servers convicted: ``banned`` names them), ``rollbacks`` (repairs of a
     session). ``unverified_blocks``: how many blocks of the latest session's chain nothing checks
-    (``unverified`` lists them). Evidence of a conviction (:mod:`shoal.client.witness`): pieces
+    (``unverified`` lists them). Evidence of a conviction (:mod:`shoal.client.verification.witness`): pieces
     ``evidence_sent`` to judges, and the judges' findings, ``evidence_confirmed`` / ``evidence_rejected``.
     ``caught``: each conviction, with the blocks and the first position its comparison (or its
     receipt) proved wrong."""

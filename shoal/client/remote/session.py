@@ -1,22 +1,22 @@
 """An inference session over a chain of remote servers that survives server failures.
 
 The session puts three parts together, none of which changes another's state: the
-:class:`~shoal.client.driver.ChainDriver` owns the chain and runs steps through it, the
-:class:`~shoal.client.history.SpanHistory` keeps the inputs at the chain's boundaries, and the
-:class:`~shoal.client.recovery.ChainRecovery` policy returns a rebuilt chain that the session
+:class:`~shoal.client.remote.driver.ChainDriver` owns the chain and runs steps through it, the
+:class:`~shoal.client.remote.history.SpanHistory` keeps the inputs at the chain's boundaries, and the
+:class:`~shoal.client.remote.recovery.ChainRecovery` policy returns a rebuilt chain that the session
 installs in the driver (and whose replay outputs it adds to the history). Routing hears about
-servers only through :class:`~shoal.client.feedback.RouteFeedback`.
+servers only through :class:`~shoal.client.remote.feedback.RouteFeedback`.
 
 * a hop that fails mid-step is aborted and rebuilt; the step goes on from the first hop replaced;
-* a step longer than ``prefill_chunk`` positions is pipelined (:mod:`shoal.client.pipeline`): its
+* a step longer than ``prefill_chunk`` positions is pipelined (:mod:`shoal.client.remote.pipeline`): its
   chunks are steps of their own in the history; after a failure the hop is rebuilt as above and the
   step finishes sequentially from the chunks every hop answered;
 * a reply flagged ``draining`` (the server is leaving) moves that span the same way, before the
   next step; while nobody can take over, the leaving server keeps serving;
-* in audit mode (:mod:`shoal.client.audit`), every hop has an auditor that gets the hop's recorded
+* in audit mode (:mod:`shoal.client.verification.audit`), every hop has an auditor that gets the hop's recorded
   inputs every ``audit_every`` positions (and when :meth:`RemoteSession.audit` is called); a liar
   found by a majority is banned, the session rolled back to its first wrong output and the liar's
-  hop replaced, and the step (or ``audit``) raises :class:`~shoal.client.audit.LieDetected`;
+  hop replaced, and the step (or ``audit``) raises :class:`~shoal.client.verification.audit.LieDetected`;
 * in redundant mode the same, with the audits after every step on auditors that are none of the
   chain's servers (a second chain).
 """
@@ -28,21 +28,21 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from shoal.client.audit import Conviction, LieDetected, Verification
-from shoal.client.auditors import Audits
 from shoal.client.blocks import SessionPositions
-from shoal.client.driver import ChainDriver, HopFailed
-from shoal.client.history import SpanHistory, cat_serial
-from shoal.client.hops import Hop, close_all
-from shoal.client.pipeline import Chunk, chunk_bounds, positions, run_pipelined
-from shoal.client.recovery import MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
+from shoal.client.remote.driver import ChainDriver, HopFailed
+from shoal.client.remote.history import SpanHistory, cat_serial
+from shoal.client.remote.hops import Hop, close_all
+from shoal.client.remote.pipeline import Chunk, chunk_bounds, positions, run_pipelined
+from shoal.client.remote.recovery import MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
+from shoal.client.verification.audit import Conviction, LieDetected, Verification
+from shoal.client.verification.auditors import Audits
 from shoal.errors import BadRequest, ShoalError
 from shoal.routing import ServerSpan
 from shoal.verify.receipts import ReceiptError
 from shoal.wire.schema import RECEIPTS, OpenRequest, Receipt
 
 if TYPE_CHECKING:
-    from shoal.client.sequence import RemoteSequence
+    from shoal.client.remote.sequence import RemoteSequence
 
 
 class RemoteSession(SessionPositions):
@@ -227,7 +227,7 @@ class RemoteSession(SessionPositions):
         outputs: list[Tensor],
         failed: frozenset[str],
     ) -> tuple[int, frozenset[str]]:
-        """The step in chunks ``bounds`` through the chain at once (:mod:`shoal.client.pipeline`); each
+        """The step in chunks ``bounds`` through the chain at once (:mod:`shoal.client.remote.pipeline`); each
         chunk every hop answered is recorded as a step of its own, its output appended to ``outputs``.
         After a failure, the failed hop is recovered. Returns the positions done, the servers failing."""
         chunks = [Chunk.cut(hidden, position_ids, mask, self._position, a, b) for a, b in bounds]

@@ -3,7 +3,7 @@
 A server that takes over blocks ``[a, b)`` mid-session has no cache: it gets one step over every
 position so far, with the hidden states that entered block ``a`` (and the positions and mask),
 which is exactly what this history holds for every block where a server of the chain begins.
-An audited session (:mod:`shoal.client.audit`) also records the chain's last output (block
+An audited session (:mod:`shoal.client.verification.audit`) also records the chain's last output (block
 ``num_blocks``): then every hop's outputs are in the history (the next boundary's inputs), and an
 auditor's answer for a window of positions is compared with them.
 """

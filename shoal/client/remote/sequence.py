@@ -1,10 +1,10 @@
 """The block stack as a chain of remote servers: a :class:`~shoal.client.blocks.BlockSequence`
 over the ``shoal/blocks/2`` protocol, routed over the servers a
-:class:`~shoal.client.directory.ServerDirectory` knows.
+:class:`~shoal.client.remote.directory.ServerDirectory` knows.
 
-Stateless forwards draw a route each; sessions (:class:`~shoal.client.session.RemoteSession`) keep
+Stateless forwards draw a route each; sessions (:class:`~shoal.client.remote.session.RemoteSession`) keep
 one and survive server failures. A forward whose input (or deep prompts) requires grad is
-differentiable: :mod:`shoal.client.training` sends its backward to the servers that computed it.
+differentiable: :mod:`shoal.client.training.backward` sends its backward to the servers that computed it.
 The synchronous methods (called from transformers' generate) hand coroutines to the process's
 client event loop (:mod:`shoal.client.runtime`). A forward to a server that announced
 :data:`~shoal.wire.schema.RECEIPTS` asks for a signed receipt and checks it (:mod:`shoal.verify.receipts`):
@@ -20,16 +20,16 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 from torch import Tensor
 
-from shoal.client.audit import verification_for
 from shoal.client.config import ClientConfig
-from shoal.client.directory import ServerDirectory
-from shoal.client.driver import announced_adapter, codec_for
-from shoal.client.history import step_inputs
-from shoal.client.recovery import MAX_RECOVERIES, gave_up
+from shoal.client.remote.directory import ServerDirectory
+from shoal.client.remote.driver import announced_adapter, codec_for
+from shoal.client.remote.history import step_inputs
+from shoal.client.remote.recovery import MAX_RECOVERIES, gave_up
+from shoal.client.remote.session import RemoteSession
 from shoal.client.runtime import LoopThread, shared_loop
-from shoal.client.session import RemoteSession
-from shoal.client.training import Traced, differentiable_forward
-from shoal.client.witness import Witness
+from shoal.client.training.backward import Traced, differentiable_forward
+from shoal.client.verification.audit import verification_for
+from shoal.client.verification.witness import Witness
 from shoal.errors import BadRequest, ShoalError
 from shoal.protocols import BLOCKS
 from shoal.routing import ServerSpan
@@ -50,7 +50,7 @@ class RemoteSequence:
     output straight to the next (where both can); ``config.compression``: the codec of the hidden
     states sent to every server that announced it; ``config.verify``: audit mode (``verification``
     counts what audits did). ``prefill_chunk`` (``config.prefill_chunk`` at first): a session step of
-    more positions travels the chain in chunks of this many, pipelined (:mod:`shoal.client.pipeline`;
+    more positions travels the chain in chunks of this many, pipelined (:mod:`shoal.client.remote.pipeline`;
     None or 0: off); read at every step of every session, so setting it takes effect at the next.
     Forwards, backwards and sessions run with the config's adapter, if it has one."""
 
@@ -152,7 +152,7 @@ class RemoteSequence:
         trace: list[Traced] | None = None,
         failed: set[str] | None = None,
     ) -> Tensor:
-        """The stateless pass as a coroutine (:meth:`forward` runs it; :mod:`shoal.client.training` too,
+        """The stateless pass as a coroutine (:meth:`forward` runs it; :mod:`shoal.client.training.backward` too,
         tracing it), over blocks ``[start, end)``; each call draws its own route
         (capacity-weighted). A failing server is banned, added to ``failed`` and the rest of the
         pass re-routed from the block it should have started at. ``trace`` gets each span's server

@@ -1,4 +1,4 @@
-"""``generate`` that survives a lie: when an audit (:mod:`shoal.client.audit`) proves a server wrong, the
+"""``generate`` that survives a lie: when an audit (:mod:`shoal.client.verification.audit`) proves a server wrong, the
 session has been rolled back to the first wrong position ``p`` and the liar replaced; generation goes
 on from there, as if the lie had never been told.
 
@@ -8,7 +8,7 @@ transformers' ``generate`` is called again from them, with the same generation c
 session (it holds ``[0, p)`` and takes only what follows) and the remaining budget: lengths count
 from the ORIGINAL prompt. Repeated until an attempt ends with every position audited (at most
 :data:`MAX_REPAIRS` repairs). Greedy answers then equal an honest run; sampled ones do when the
-sampler seeds each draw by position (:class:`~shoal.client.sampling.PositionSeededSampler`), since
+sampler seeds each draw by position (:class:`~shoal.client.generation.sampling.PositionSeededSampler`), since
 transformers' own sampling draws from the global generator.
 
 Streaming: ``generate(..., streamer=s, hold_back=True)`` gives ``s`` each token only once every hop
@@ -38,12 +38,13 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig
 
-from shoal.client.audit import LieDetected
 from shoal.client.blocks import AuditedSession
+from shoal.client.verification.audit import LieDetected
 from shoal.errors import ShoalError, UsageError
 
 if TYPE_CHECKING:
-    from shoal.client.model import DistributedModelForCausalLM, SessionCache
+    from shoal.client.generation.cache import SessionCache
+    from shoal.client.model import DistributedModelForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def _resumed(
     """The arguments of the attempt after ``lie``: the honest ids, their mask (the prompt's, then
     ones: a generated token that happens to be the pad id is no padding), the original total
     length, the same session."""
-    from shoal.client.model import CACHE_KEY
+    from shoal.client.generation.cache import CACHE_KEY
 
     cache, config = context.cache, context.generation_config
     length = resume_length(lie.position, cache.prefix, prompt.shape[1])

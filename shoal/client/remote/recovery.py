@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from shoal.client.feedback import RouteFeedback, RoutePlanner
-from shoal.client.history import SpanHistory
-from shoal.client.hops import Hop, close_all
+from shoal.client.remote.feedback import RouteFeedback, RoutePlanner
+from shoal.client.remote.history import SpanHistory
+from shoal.client.remote.hops import Hop, close_all
 from shoal.errors import BadRequest, BusyError, ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.routing import NoRouteError, ServerSpan, format_blocks

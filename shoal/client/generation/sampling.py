@@ -2,7 +2,7 @@
 run's seed and the token's position.
 
 transformers' own sampling draws from torch's global generator, so a generation that rolls back and
-regenerates its tail (an audit found a lie, :mod:`shoal.client.audit`) draws other tokens than an
+regenerates its tail (an audit found a lie, :mod:`shoal.client.verification.audit`) draws other tokens than an
 uninterrupted run would. :class:`PositionSeededSampler` makes the draw at a position depend only on
 the seed, the position and the logits there: a repaired seeded run equals the honest seeded run,
 whatever else runs concurrently and whatever speculation did.

@@ -5,7 +5,7 @@ tells routing what it saw of a server (a step's latency, a success, a failure, a
 should expect of one (a step's duration, whether it still answers). Sessions never touch the
 latency model or the ban list themselves, so routing can change how it learns without the
 session code changing, and tests can stand a plain object in for the directory.
-:class:`~shoal.client.directory.ServerDirectory` implements both.
+:class:`~shoal.client.remote.directory.ServerDirectory` implements both.
 """
 
 from __future__ import annotations

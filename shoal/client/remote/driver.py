@@ -32,7 +32,7 @@ over 1 MiB (a prefill) is hashed on a worker thread.
 A late reply (an adaptive deadline from the latencies seen so far) makes the client ping the
 server: a live one gets more time, up to the request deadline; a dead one fails the hop
 (:class:`HopFailed`). Every decoded token comes through here: the push routes are computed once
-per chain, not per step. A long step may instead travel in chunks (:mod:`shoal.client.pipeline`),
+per chain, not per step. A long step may instead travel in chunks (:mod:`shoal.client.remote.pipeline`),
 which sends and checks each chunk with the same :meth:`ChainDriver.send_step` and
 :meth:`ChainDriver.accept` as :meth:`ChainDriver.run`.
 """
@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from shoal.client.feedback import RouteFeedback
-from shoal.client.history import step_inputs
-from shoal.client.hops import Hop
+from shoal.client.remote.feedback import RouteFeedback
+from shoal.client.remote.history import step_inputs
+from shoal.client.remote.hops import Hop
 from shoal.errors import ClosedError, ShoalError, remote_error
 from shoal.routing import ServerSpan
 from shoal.verify.receipts import LIAR_BAN_SECONDS, ReceiptError, adapter_tag, expected_receipt, verify_receipt
@@ -280,7 +280,7 @@ class ChainDriver:
     async def replay(self, hop: Hop, tensors: list[Tensor], n: int, position: int = 0) -> Tensor:
         """One step over positions ``[position, position + n)`` on ``hop`` (not pushed on): its
         output. Raw, so the new server computes on exactly the history (whatever codecs it was made
-        with). A replay starts at 0; an audit (:mod:`shoal.client.audit`) where its auditor stopped."""
+        with). A replay starts at 0; an audit (:mod:`shoal.client.verification.audit`) where its auditor stopped."""
         step_id = self.next_id()
         asks = self._asks(hop)
         request = StepRequest(session=hop.session, position=position, receipt=asks)

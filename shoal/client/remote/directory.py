@@ -149,8 +149,8 @@ def replicas(spans: Sequence[ServerSpan], like: ServerSpan) -> list[ServerSpan]:
 
 class ServerDirectory:
     """Known servers, their measured latencies and bans; answers "which route now?" and takes the
-    sessions' reports (a :class:`~shoal.client.feedback.RoutePlanner` and
-    :class:`~shoal.client.feedback.RouteFeedback`). Routes by the client's ``config``: its seed, its
+    sessions' reports (a :class:`~shoal.client.remote.feedback.RoutePlanner` and
+    :class:`~shoal.client.remote.feedback.RouteFeedback`). Routes by the client's ``config``: its seed, its
     ``min_quality`` and, with an ``adapter``, only over servers that serve that LoRA adapter;
     ``needs`` on a route asks for capabilities besides."""
 
@@ -306,7 +306,7 @@ class ServerDirectory:
         live = [s for s in offered if s.peer_id not in exclude and s.peer_id not in self.banned]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
 
-    # ---- RouteFeedback (shoal.client.feedback): what sessions report and expect ----------------
+    # ---- RouteFeedback (shoal.client.remote.feedback): what sessions report and expect ----------------
 
     def expected_step_ms(self, span: ServerSpan) -> float:
         return self.latency.step_estimate_ms(span)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from shoal.client.driver import ChainDriver, HopFailed, PushLost
-from shoal.client.history import step_inputs
+from shoal.client.remote.driver import ChainDriver, HopFailed, PushLost
+from shoal.client.remote.history import step_inputs
 from shoal.ids import chunk_bounds
 from shoal.wire.schema import Receipt
 from shoal.wire.tensors import serial_copy

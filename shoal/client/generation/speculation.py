@@ -21,7 +21,7 @@ noticed. Everything is measured on the running generation (wall clock around tra
 so the window follows the network the chain is on: long round trips make verifying many positions
 at once worth a lot.
 
-Any window may follow any other, 0 included: before a round, :mod:`shoal.client.drafters` lines the
+Any window may follow any other, 0 included: before a round, :mod:`shoal.client.generation.drafters` lines the
 drafter up with the sequence (transformers assumes it ran in the previous round). A drafter that
 fails in a round costs that round its drafts, never the generation: the round decodes plainly (the
 tokens are plain decoding's), the first failure of a call is logged, and after
@@ -46,7 +46,7 @@ from transformers.generation.candidate_generator import (
     PromptLookupCandidateGenerator,
 )
 
-from shoal.client.drafters import view_of
+from shoal.client.generation.drafters import view_of
 
 logger = logging.getLogger(__name__)
 
