@@ -1,5 +1,10 @@
 """The ``shoal`` command's argument parsing: a parser whose mistakes are one-line errors, and the
-value types its flags share. Import-light: neither torch nor the transport."""
+value types and choices its flags share.
+
+Import-light: building the parser imports neither torch nor the transport (``shoal --help`` and a
+usage mistake answer at once, and :func:`shoal.cli.main.main` sets the OpenMP defaults before torch
+loads). Choices that live in those layers are spelled here; ``tests/cli/test_commands.py`` checks them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shoal.transport import TransportConfig
+
+#: shoal.transport.NetworkProfile's values
+NETWORK_PROFILES = ("local", "internet")
+#: shoal.wire.Codec's values, the first the default (raw float32)
+CODECS = ("raw", "bf16", "fp16", "q8")
+#: shoal.models.kv.DEFAULT_PAGE_SIZE
+DEFAULT_PAGE_SIZE = 16
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shoal.cli.args import port_number, positive_float, positive_int, transport_config
-from shoal.transport import NetworkProfile, Ticket
-from shoal.wire import Codec
+from shoal.cli.args import CODECS, NETWORK_PROFILES, port_number, positive_float, positive_int, transport_config
 
 #: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it).
 VERIFY_CHOICES = ("off", "audit", "redundant")
@@ -21,7 +19,7 @@ def _client_network(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--join", required=True, metavar="TICKET", help="ticket of any member of the swarm")
     group.add_argument(
         "--network",
-        choices=[p.value for p in NetworkProfile],
+        choices=NETWORK_PROFILES,
         default="local",
         help="local: direct addresses only (LAN, loopback); internet: iroh relays and address lookup",
     )
@@ -33,8 +31,8 @@ def _client_network(parser: argparse.ArgumentParser) -> None:
 def _compression(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compression",
-        choices=[codec.value for codec in Codec],
-        default=Codec.RAW.value,
+        choices=CODECS,
+        default=CODECS[0],
         help="how hidden states travel to and from each server that supports it: raw float32 (exact), bf16 or "
         "fp16 (half the bytes), q8 (8-bit blocks of 64 values: about a quarter)",
     )
@@ -77,13 +75,25 @@ def add_verification(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _ticket(text: str):
+    from shoal.transport import Ticket
+
+    return Ticket.parse(text)
+
+
+def _codec(name: str):
+    from shoal.wire import Codec
+
+    return Codec(name)
+
+
 def _client_settings(args: argparse.Namespace) -> dict:
     """What ``shoal api`` and ``shoal chat`` set alike on the client they run: the connection,
     threads, codec, speculation and verification, from their shared flags."""
     return dict(
         transport=transport_config(args, args.bind),
         num_threads=args.num_threads,
-        compression=Codec(args.compression),
+        compression=_codec(args.compression),
         draft=args.draft,
         prompt_lookup=args.prompt_lookup,
         verify=args.verify,
@@ -100,7 +110,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
     options = GatewayOptions(
-        join=Ticket.parse(args.join),
+        join=_ticket(args.join),
         model=args.model,
         host=args.host,
         port=args.port,
@@ -116,7 +126,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
     options = GatewayOptions(
-        join=Ticket.parse(args.join), host=args.host, port=args.port, transport=transport_config(args, args.bind)
+        join=_ticket(args.join), host=args.host, port=args.port, transport=transport_config(args, args.bind)
     )
     return serve_gateway(options)
 
@@ -126,7 +136,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     options = ChatOptions(
         model=args.model,
-        join=(Ticket.parse(args.join),),
+        join=(_ticket(args.join),),
         system=args.system,
         max_new_tokens=args.max_new_tokens,
         max_length=args.max_length,

@@ -17,12 +17,16 @@ import os
 import sys
 from pathlib import Path
 
-from shoal.cli.args import ArgumentParser, port_number, positive_float, positive_int, transport_config
+from shoal.cli.args import (
+    DEFAULT_PAGE_SIZE,
+    NETWORK_PROFILES,
+    ArgumentParser,
+    port_number,
+    positive_float,
+    positive_int,
+    transport_config,
+)
 
-# the network profiles' names (shoal.transport.NetworkProfile), spelled here so that building the
-# parser does not import the transport (and with it torch) before main() set the OpenMP defaults
-NETWORK_PROFILES = ("local", "internet")
-DEFAULT_PAGE_SIZE = 16  # shoal.models.kv.DEFAULT_PAGE_SIZE, spelled here for the same reason (a test checks)
 DESCRIPTION = """\
 Run large language models across machines that belong to different people: servers host spans of a
 model's blocks, clients (the Python API, `shoal api`, `shoal chat`) drive them. Run `shoal COMMAND

@@ -90,3 +90,25 @@ def test_models_list(smollm2_dir):
     assert str(smollm2_dir) in smollm2  # fetched: where it is
     for family in supported_model_types():
         assert family in table.stdout
+
+
+def test_the_choices_the_parser_spells_are_the_real_ones():
+    """cli/args.py spells choices of lower layers so that building the parser stays import-light."""
+    from shoal.cli.args import CODECS, NETWORK_PROFILES
+    from shoal.transport import NetworkProfile
+    from shoal.wire import Codec
+
+    assert tuple(p.value for p in NetworkProfile) == NETWORK_PROFILES
+    assert tuple(c.value for c in Codec) == CODECS and CODECS[0] == Codec.RAW.value
+
+
+def test_building_the_parser_imports_neither_torch_nor_the_transport():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from shoal.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'shoal.transport', 'iroh') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "[]"), done.stderr

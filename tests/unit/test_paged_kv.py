@@ -174,7 +174,7 @@ def test_a_step_stores_the_pools_heads_and_hands_back_what_it_was_given():
 
 
 def test_cli_page_size_default_is_the_kv_default():
-    from shoal.cli.main import DEFAULT_PAGE_SIZE as CLI_DEFAULT
+    from shoal.cli.args import DEFAULT_PAGE_SIZE as CLI_DEFAULT
     from shoal.models.kv import DEFAULT_PAGE_SIZE
 
     assert CLI_DEFAULT == DEFAULT_PAGE_SIZE
