@@ -309,8 +309,9 @@ def test_speculative_sampling_keeps_the_target_distribution(sampling, parity_fin
     assert abs(accepted / drafted - rate) < 5 * sigma, line
 
 
-def accept_every_draft(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs):
-    """A wrong rule: keep every draft, then sample the target's next token after them."""
+def accept_every_draft(candidate_input_ids, candidate_logits, candidate_length, new_logits, *args, **kwargs):
+    """A wrong rule: keep every draft, then sample the target's next token after them (transformers
+    5.17 passes one more argument, ``is_done_candidate``, by position)."""
     drafts = candidate_input_ids[:, -candidate_length:]
     bonus = torch.multinomial(new_logits[:, candidate_length].softmax(dim=-1), num_samples=1)
     return torch.cat([drafts, bonus], dim=1), torch.tensor(candidate_length)
