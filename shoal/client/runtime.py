@@ -38,11 +38,16 @@ class LoopThread:
         self._open: dict[int, Close] = {}  # resources not closed yet, by token
         self._next = 0
         self._lock = threading.Lock()
+        self.stopped = False  # by shutdown(): nothing runs here any more
 
     def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for it from this (non-loop) thread."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("LoopThread.run called from its own loop")
+        if self.stopped:
+            if asyncio.iscoroutine(coro):
+                coro.close()  # never to run: no "never awaited" warning
+            raise RuntimeError("the client's event loop has stopped (the interpreter is exiting)")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
@@ -66,7 +71,7 @@ class LoopThread:
         """Close a tracked resource without waiting (from a finaliser, on any thread)."""
         with self._lock:
             close = self._open.pop(token, None)
-        if close is None or not self.loop.is_running() or self.loop.is_closed():
+        if close is None or self.stopped or self.loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile: shutdown closes it
             asyncio.run_coroutine_threadsafe(_quietly(close), self.loop)
@@ -75,10 +80,11 @@ class LoopThread:
         """Close every tracked resource, end every task on the loop, then stop it (idempotent)."""
         with self._lock:
             closes, self._open = list(self._open.values()), {}
-        if not self.loop.is_running() or threading.current_thread() is self._thread:
+        if self.stopped or not self.loop.is_running() or threading.current_thread() is self._thread:
             return
         with contextlib.suppress(Exception):
             self.run(self._drain(closes, timeout), timeout=2 * timeout + 5)
+        self.stopped = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
 

@@ -238,7 +238,8 @@ class RemoteSequence:
         if self._finalizer.detach() is None:
             return
         self.runtime.untrack(self._token)
-        self.runtime.run(_closer(self.node, self.directory, self.witness)())
+        if not self.runtime.stopped:  # else the client loop's shutdown at exit closed it already
+            self.runtime.run(_closer(self.node, self.directory, self.witness)())
 
 
 def _closer(node: BaseNode, directory: ServerDirectory, witness: Witness) -> Callable[[], Awaitable[None]]:
