@@ -87,6 +87,15 @@ def _codec(name: str):
     return Codec(name)
 
 
+def _client_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the client ``shoal api`` and ``shoal chat`` run, read by :func:`_client_settings`."""
+    parser.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
+    _compression(parser)
+    add_speculation(parser)
+    add_verification(parser)
+    _client_network(parser)
+
+
 def _client_settings(args: argparse.Namespace) -> dict:
     """What ``shoal api`` and ``shoal chat`` set alike on the client they run: the connection,
     threads, codec, speculation and verification, from their shared flags."""
@@ -157,11 +166,7 @@ def add_commands(sub) -> None:
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $SHOAL_API_KEY; none)")
     api.add_argument("--max-concurrency", type=positive_int, default=16, help="generations running at once")
     api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
-    api.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
-    _compression(api)
-    add_speculation(api)
-    add_verification(api)
-    _client_network(api)
+    _client_flags(api)
     api.set_defaults(func=cmd_api)
 
     dashboard = sub.add_parser("dashboard", help="live web page of a swarm: models, block coverage, servers")
@@ -183,9 +188,5 @@ def add_commands(sub) -> None:
         "--top-p", type=float, default=1.0, help="sample from the smallest set of tokens holding this probability"
     )
     chat.add_argument("--seed", type=int, help="seed of the sampling (default: random)")
-    chat.add_argument("--num-threads", type=positive_int, help="torch threads (embeddings, LM head)")
-    _compression(chat)
-    add_speculation(chat)
-    add_verification(chat)
-    _client_network(chat)
+    _client_flags(chat)
     chat.set_defaults(func=cmd_chat)
