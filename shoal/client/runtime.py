@@ -88,8 +88,6 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
 
-    stop = shutdown
-
     async def _drain(self, closes: list[Close], timeout: float) -> None:
         if closes:
             await asyncio.wait([asyncio.ensure_future(_quietly(close)) for close in closes], timeout=timeout)
