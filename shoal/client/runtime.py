@@ -63,9 +63,10 @@ class LoopThread:
             self._open[self._next] = close
             return self._next
 
-    def untrack(self, token: int) -> None:
+    def untrack(self, token: int) -> Close | None:
+        """Forget a resource (its owner closes it now); its ``close``, None if it was closed already."""
         with self._lock:
-            self._open.pop(token, None)
+            return self._open.pop(token, None)
 
     def close_soon(self, token: int) -> None:
         """Close a tracked resource without waiting (from a finaliser, on any thread)."""

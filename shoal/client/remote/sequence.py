@@ -237,9 +237,9 @@ class RemoteSequence:
         """Stop the background refresh and the witness, and close the node (idempotent)."""
         if self._finalizer.detach() is None:
             return
-        self.runtime.untrack(self._token)
-        if not self.runtime.stopped:  # else the client loop's shutdown at exit closed it already
-            self.runtime.run(_closer(self.node, self.directory, self.witness)())
+        close = self.runtime.untrack(self._token)
+        if close is not None and not self.runtime.stopped:  # else the loop's shutdown at exit closed it
+            self.runtime.run(close())
 
 
 def _closer(node: BaseNode, directory: ServerDirectory, witness: Witness) -> Callable[[], Awaitable[None]]:
