@@ -12,7 +12,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shoal.transport import TransportConfig
+    from shoal.transport import Ticket, TransportConfig
 
 #: shoal.transport.NetworkProfile's values
 NETWORK_PROFILES = ("local", "internet")
@@ -88,3 +88,11 @@ def transport_config(args: argparse.Namespace, bind_addr: str) -> TransportConfi
         bind_addr=bind_addr,
         deadlines=Deadlines(connect=args.connect_timeout, request=args.request_timeout),
     )
+
+
+def join_ticket(text: str) -> Ticket:
+    """A ``--join`` value, parsed (a damaged one raises :class:`~shoal.transport.ticket.TicketError`,
+    reported as one line). Imports the transport only when called."""
+    from shoal.transport import Ticket
+
+    return Ticket.parse(text)

@@ -8,7 +8,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from shoal.cli.args import CODECS, NETWORK_PROFILES, port_number, positive_float, positive_int, transport_config
+from shoal.cli.args import (
+    CODECS,
+    NETWORK_PROFILES,
+    join_ticket,
+    port_number,
+    positive_float,
+    positive_int,
+    transport_config,
+)
 
 #: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it).
 VERIFY_CHOICES = ("off", "audit", "redundant")
@@ -75,12 +83,6 @@ def add_verification(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _ticket(text: str):
-    from shoal.transport import Ticket
-
-    return Ticket.parse(text)
-
-
 def _codec(name: str):
     from shoal.wire import Codec
 
@@ -119,7 +121,7 @@ def cmd_api(args: argparse.Namespace) -> int:
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
     options = GatewayOptions(
-        join=_ticket(args.join),
+        join=join_ticket(args.join),
         model=args.model,
         host=args.host,
         port=args.port,
@@ -135,7 +137,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
     options = GatewayOptions(
-        join=_ticket(args.join), host=args.host, port=args.port, transport=transport_config(args, args.bind)
+        join=join_ticket(args.join), host=args.host, port=args.port, transport=transport_config(args, args.bind)
     )
     return serve_gateway(options)
 
@@ -145,7 +147,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     options = ChatOptions(
         model=args.model,
-        join=(_ticket(args.join),),
+        join=(join_ticket(args.join),),
         system=args.system,
         max_new_tokens=args.max_new_tokens,
         max_length=args.max_length,

@@ -21,6 +21,7 @@ from shoal.cli.args import (
     DEFAULT_PAGE_SIZE,
     NETWORK_PROFILES,
     ArgumentParser,
+    join_ticket,
     port_number,
     positive_float,
     positive_int,
@@ -54,11 +55,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.server.config import ServerConfig, parse_adapter, parse_blocks, parse_dtype
     from shoal.server.preflight import check_blocks, check_model, check_quantization
     from shoal.swarm.gossip import GossipConfig
-    from shoal.transport import Ticket
     from shoal.transport.loop import run as run_loop
 
     blocks = parse_blocks(args.blocks) if args.blocks else None
-    join = tuple(Ticket.parse(t) for t in args.join)
+    join = tuple(join_ticket(t) for t in args.join)
     model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
     check_blocks(blocks, model)
     quant = check_quantization(parse_quantization(args.quant), model)  # e.g. a missing library, before anything starts
@@ -101,11 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_swarm_status(args: argparse.Namespace) -> int:
     from shoal.swarm.status import render, swarm_status, to_json
-    from shoal.transport import Ticket
     from shoal.transport.loop import run as run_loop
 
-    ticket = Ticket.parse(args.join)
-    status = run_loop(swarm_status(ticket, transport_config(args, f"{args.host}:{args.port}")))
+    status = run_loop(swarm_status(join_ticket(args.join), transport_config(args, f"{args.host}:{args.port}")))
     print(to_json(status) if args.json else render(status))
     return 0
 
