@@ -23,6 +23,7 @@ def test_the_default_limit_fits_a_short_answer():
     assert DemoOptions(prompt="hi").max_new_tokens >= 128
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_demo_answers_and_says_nothing_was_cut(smollm2_dir):
     outcome = shoal("demo", "--servers", "2", timeout=200)
@@ -32,6 +33,7 @@ def test_demo_answers_and_says_nothing_was_cut(smollm2_dir):
     assert "cut" not in outcome.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_demo_says_when_the_answer_was_cut(smollm2_dir):
     outcome = shoal("demo", "--servers", "2", "--max-new-tokens", "3", timeout=200)

@@ -117,10 +117,12 @@ def busy_port() -> Iterator[int]:
 # --- shoal serve -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_blocks_outside_the_model(smollm2_dir):
     assert_one_line_error(shoal("serve", "smollm2", "--blocks", "40:50"), USAGE, "--blocks 40:50", "30 blocks")
 
 
+@pytest.mark.slow
 def test_blocks_outside_the_model_are_refused_before_any_weight_is_read(unreadable_weights: Path):
     outcome = shoal("serve", str(unreadable_weights), "--blocks", "2:9")
     assert_one_line_error(outcome, USAGE, "--blocks 2:9 is outside the model's 4 blocks")
@@ -148,36 +150,38 @@ def test_blocks_required_outside_a_swarm(tiny_dir: Path):
     assert_one_line_error(shoal("serve", str(tiny_dir)), USAGE, "--blocks START:END is required outside a swarm")
 
 
+# the cases that get past argument parsing import torch (seconds each): in the slow step
 @pytest.mark.parametrize(
     ("flags", "fragment"),
     [
-        (["--port", "abc"], "argument --port: invalid port"),
-        (["--port", "70000"], "argument --port: invalid port"),
-        (["--cache-tokens", "0"], "argument --cache-tokens: invalid positive integer value: '0'"),
-        (["--dtype", "int3"], "unknown dtype 'int3'"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
-        (["--adapter", "tuned"], "--adapter takes NAME=PATH, got 'tuned'"),
-        (["--adapter", "my/lora=."], "--adapter my/lora=.: NAME must be 1-64 letters, digits"),
-        (["--adapter", "tuned=/no/such/adapter"], "no adapter at /no/such/adapter"),
-        (["--adapter", "tuned=.", "--quant", "int8"], "LoRA adapters on quantised servers are not supported"),
-        (["--packed-weights", "--quant", "int8"], "--packed-weights is for fp32 weights on the CPU"),
-        (["--merge-wait", "9"], "--merge-wait must be in [0, 4], got 9"),
-    ],
-    ids=[
-        "port-text",
-        "port-range",
-        "cache-tokens",
-        "dtype",
-        "unknown-flag",
-        *(f"adapter-{c}" for c in "abcd"),
-        "packed-quantised",
-        "merge-wait",
+        pytest.param(["--port", "abc"], "argument --port: invalid port", id="port-text"),
+        pytest.param(["--port", "70000"], "argument --port: invalid port", id="port-range"),
+        pytest.param(
+            ["--cache-tokens", "0"], "argument --cache-tokens: invalid positive integer value: '0'", id="cache-tokens"
+        ),
+        pytest.param(["--bogus"], "unrecognized arguments: --bogus", id="unknown-flag"),
+        *(
+            pytest.param(*case, id=name, marks=pytest.mark.slow)
+            for name, case in [
+                ("dtype", (["--dtype", "int3"], "unknown dtype 'int3'")),
+                ("adapter-a", (["--adapter", "tuned"], "--adapter takes NAME=PATH, got 'tuned'")),
+                ("adapter-b", (["--adapter", "my/lora=."], "--adapter my/lora=.: NAME must be 1-64 letters, digits")),
+                ("adapter-c", (["--adapter", "tuned=/no/such/adapter"], "no adapter at /no/such/adapter")),
+                (
+                    "adapter-d",
+                    (["--adapter", "tuned=.", "--quant", "int8"], "LoRA adapters on quantised servers"),
+                ),
+                ("packed-quantised", (["--packed-weights", "--quant", "int8"], "--packed-weights is for fp32 weights")),
+                ("merge-wait", (["--merge-wait", "9"], "--merge-wait must be in [0, 4], got 9")),
+            ]
+        ),
     ],
 )
 def test_bad_flag_values(tiny_dir: Path, flags: list[str], fragment: str):
     assert_one_line_error(shoal("serve", str(tiny_dir), "--blocks", "0:2", *flags), USAGE, fragment)
 
 
+@pytest.mark.slow
 def test_udp_port_in_use(tiny_dir: Path, busy_port: int):
     outcome = shoal("serve", str(tiny_dir), "--blocks", "0:2", "--host", "127.0.0.1", "--port", str(busy_port))
     assert_one_line_error(outcome, RUNTIME, f"cannot listen on 127.0.0.1:{busy_port}", "--port")
@@ -198,19 +202,23 @@ def test_swarm_status_malformed_ticket():
     assert_one_line_error(shoal("swarm", "status", "--join", "garbage"), USAGE, "malformed ticket")
 
 
+@pytest.mark.slow
 def test_api_unknown_model(dead_ticket: str):
     assert_one_line_error(shoal("api", "llama", "--join", dead_ticket), USAGE, "unknown model 'llama'")
 
 
+@pytest.mark.slow
 def test_chat_unknown_model(dead_ticket: str):
     assert_one_line_error(shoal("chat", "llama", "--join", dead_ticket), USAGE, "unknown model 'llama'")
 
 
+@pytest.mark.slow
 def test_api_port_in_use(tiny_dir: Path, dead_ticket: str, busy_port: int):
     outcome = shoal("api", str(tiny_dir), "--join", dead_ticket, "--port", str(busy_port))
     assert_one_line_error(outcome, RUNTIME, f"cannot listen on 127.0.0.1:{busy_port}", "--port")
 
 
+@pytest.mark.slow
 def test_swarm_status_of_a_peer_that_is_gone(dead_ticket: str):
     outcome = shoal("swarm", "status", "--join", dead_ticket, "--connect-timeout", "1", "--request-timeout", "2")
     assert_one_line_error(outcome, RUNTIME, "cannot reach the peer")
@@ -224,6 +232,7 @@ def test_missing_subcommand():
     assert_one_line_error(shoal("models"), USAGE, "shoal models")
 
 
+@pytest.mark.slow
 def test_no_route(tiny_dir: Path):
     """A swarm that holds only blocks 0:2 of 4 cannot serve the model: the client says which blocks."""
     with LocalSwarm(tiny_dir, [(0, 2)], ["--num-threads", "1"], swarm=True) as swarm:
@@ -241,16 +250,19 @@ def test_verbose_adds_the_traceback():
 # --- speculative decoding: --draft, --prompt-lookup ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_api_unknown_draft_model(smollm2_dir, dead_ticket: str):
     outcome = shoal("api", "smollm2", "--draft", "nonexistent-model", "--join", dead_ticket)
     assert_one_line_error(outcome, USAGE, "--draft: unknown model 'nonexistent-model'", "shoal models list")
 
 
+@pytest.mark.slow
 def test_chat_unknown_draft_model(tiny_dir: Path, dead_ticket: str):
     outcome = shoal("chat", str(tiny_dir), "--draft", "nonexistent-model", "--join", dead_ticket)
     assert_one_line_error(outcome, USAGE, "--draft: unknown model 'nonexistent-model'")
 
 
+@pytest.mark.slow
 def test_demo_unknown_draft_model():
     assert_one_line_error(shoal("demo", "--draft", "nonexistent-model"), USAGE, "--draft: unknown model")
 

@@ -78,6 +78,7 @@ def test_close_and_the_context_manager_end_the_model(swarm: LocalSwarm, tiny_dir
     assert (done.returncode, done.stderr, done.stdout.strip()) == (0, "", "ok")
 
 
+@pytest.mark.slow
 def test_two_models_one_after_the_other_exit_cleanly(swarm: LocalSwarm, tiny_dir: Path, tmp_path: Path):
     """The first model, dropped without close, stops its background refresh once collected."""
     done = user_script(
@@ -103,6 +104,7 @@ def test_two_models_one_after_the_other_exit_cleanly(swarm: LocalSwarm, tiny_dir
     assert (done.returncode, done.stderr, done.stdout.strip()) == (0, "", "ok")
 
 
+@pytest.mark.slow
 def test_a_script_whose_servers_are_gone_exits_cleanly(tiny_dir: Path, tmp_path: Path):
     """Servers up, generate, servers SIGKILLed, generate again: the script catches the error and
     exits 0 with nothing on stderr. A script that does not catch it ends with its traceback and

@@ -11,7 +11,7 @@ import pytest
 from testkit.tiny import tiny_checkpoint
 from tests.cli.test_errors import USAGE, assert_one_line_error, shoal
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

@@ -427,6 +427,7 @@ def test_an_in_process_crash_closes_the_node(model_dir):
     assert [(e.fault, e.step, e.session, e.positions) for e in record] == [("crash", 1, 0, (3, 4))]
 
 
+@pytest.mark.slow
 def test_a_server_process_crashes_at_step_n(model_dir, tmp_path):
     record_path = tmp_path / "record.jsonl"
     flags = fault_flags(Crash(step=2), record=record_path)

@@ -73,6 +73,7 @@ def assert_error(payload, code: str | None = None, param: str | None = None, kin
     assert error["param"] == param, error
 
 
+@pytest.mark.slow
 def test_models(client, api):
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
     assert client.models.retrieve(MODEL_ID).owned_by == "shoal"

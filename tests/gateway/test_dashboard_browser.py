@@ -22,7 +22,7 @@ import pytest
 from tests.gateway.conftest import MODEL_ID
 from tests.gateway.support import SPANS, MetricsSwarm, gateway
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 REFRESH = ("--refresh-period", "60", "--expiry", "180")  # the defaults: records re-signed once a minute
 RTT_WITHIN = 10.0  # seconds after a server joins, its RTT column is filled

@@ -42,6 +42,7 @@ def split_swarm(chat_model):
         swarm.close()
 
 
+@pytest.mark.slow
 def test_ready_until_a_span_loses_its_last_server(chat_model, split_swarm):
     first, last = split_swarm.servers
     metrics = {s.peer: f"http://127.0.0.1:{s.metrics_port}" for s in split_swarm.servers}

@@ -164,6 +164,7 @@ def load_swarm(chat_model):
         swarm.stop()
 
 
+@pytest.mark.slow
 def test_64_streams_at_a_budget_of_52(chat_model, load_swarm):
     model_dir, reference, tokenizer = chat_model
     conversations = chats(REQUESTS)

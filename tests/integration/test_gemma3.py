@@ -48,7 +48,7 @@ from tests.helpers.servers import (
     stop_servers,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NUM_BLOCKS = 18
 SPANS = (BlockRange(0, 9), BlockRange(9, 18))

@@ -88,6 +88,7 @@ def test_min_quality_full_precision_finds_no_route_and_says_why(swarm):
     assert accepting.blocks.directory.min_quality is NF4
 
 
+@pytest.mark.slow
 def test_shoal_serve_quant_int8_serves_an_int8_span(tmp_path):
     """The flag through the CLI: a ``shoal serve --quant int8`` process says int8 in its ``info``, and
     its forward is what the int8 span computes here."""
@@ -159,6 +160,7 @@ PEAK_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", [INT8, NF4])
 def test_loading_never_holds_the_span_in_full_precision(llama_8_blocks, quantization):
     """In a fresh process: the resident set's peak while loading the fp32 8-block span (128 MB of

@@ -160,6 +160,7 @@ def test_a_peer_that_stops_answering_does_not_hold_back_news():
     print(f"news reached B after (s): {run(scenario(), 30.0)}")
 
 
+@pytest.mark.slow
 def test_new_server_record_reaches_every_peer(swarm):
     assert len(swarm.servers) == 5, "this test adds the 6th server"
     swarm.check_alive()
@@ -181,6 +182,7 @@ def test_new_server_record_reaches_every_peer(swarm):
     assert max(first.values()) - ready <= SPREAD_BOUND + POLL_SLACK
 
 
+@pytest.mark.slow
 def test_clients_and_status_see_the_whole_table_through_one_ticket(swarm, model_dir):
     servers = six(swarm)
     spans = sorted([s.peer, *s.span] for s in servers)
@@ -350,6 +352,7 @@ def test_clean_shutdown_shows_offline_in_every_table_at_once(swarm):
     assert "Traceback" not in target.output(), target.output()[-3000:]
 
 
+@pytest.mark.slow
 def test_killed_server_disappears_from_every_table_within_its_expiry(swarm):
     servers = six(swarm)
     target = servers[3]  # the one the 6th server joined through: it stays among that one's bootstrap peers

@@ -38,7 +38,7 @@ from tests.helpers.servers import (
     stop_servers,
 )
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_BLOCKS = 8
 HIDDEN = 512

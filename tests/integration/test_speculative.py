@@ -283,6 +283,7 @@ def draw(case: Sampling, n: int, seed: int) -> tuple[Tensor, int, int]:
     return counts, drafted, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_speculative_sampling_keeps_the_target_distribution(sampling, parity_findings):
     """4000 draws of (t1, t2) with a draft model through 2 servers: chi-square against the target's
@@ -317,6 +318,7 @@ def accept_every_draft(candidate_input_ids, candidate_logits, candidate_length, 
     return torch.cat([drafts, bonus], dim=1), torch.tensor(candidate_length)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_wrong_acceptance_rule_fails_the_same_test(sampling, monkeypatch):
     """Accepting every draft samples t1 from the draft: the same chi-square test rejects it (p < 1e-6)."""

@@ -290,6 +290,7 @@ def test_left_padded_batch(case, model):
     assert mismatch.numel() == 0, f"first mismatch at (row, col) {mismatch[0].tolist()}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", SAMPLING)
 @pytest.mark.parametrize(("name", "hops"), FEATURE_CASES)
 def test_seeded_sampling(case, model, kwargs):
@@ -310,6 +311,7 @@ def test_seeded_sampling(case, model, kwargs):
     assert torch.equal(got, expected), f"first mismatch at (row, col) {(got != expected).nonzero()[0].tolist()}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "hops"), FEATURE_CASES)
 def test_two_generates_in_one_session(case, model, hops):
     """32 + 32 tokens in one ``inference_session`` equal 64 at once; each server on the route opened
@@ -345,6 +347,7 @@ def test_two_generates_in_one_session(case, model, hops):
         }, f"server {new.span.blocks} counter deltas {delta}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "hops"), [pytest.param("llama", 2, id="llama-2hops")])
 def test_greedy_through_shoal_serve_processes(case, hops):
     """The same 64 greedy tokens through 2 ``shoal serve`` processes over iroh on loopback: the CLI
@@ -373,6 +376,7 @@ def test_greedy_through_shoal_serve_processes(case, hops):
 SMOLLM2 = [pytest.param("smollm2", 3, id="smollm2-3hops")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "hops"), SMOLLM2)
 def test_smollm2_eos(case, model):
     """The model's own eos (<|im_end|>) ends a short answer where local transformers does; and with
@@ -392,6 +396,7 @@ def test_smollm2_eos(case, model):
     assert torch.equal(forced, greedy64[:, : p + first + 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "hops"), SMOLLM2)
 def test_smollm2_stop_strings(case, model):
     """``stop_strings`` (matched on the SmolLM2 tokenizer's text) stop where they stop locally."""
@@ -405,6 +410,7 @@ def test_smollm2_stop_strings(case, model):
     assert torch.equal(model.generate(case.prompt, **args), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "hops"), SMOLLM2)
 def test_smollm2_repetition_penalty(case, model):
     args = {"max_new_tokens": 24, "repetition_penalty": 1.3, **GREEDY}
@@ -414,6 +420,7 @@ def test_smollm2_repetition_penalty(case, model):
     assert torch.equal(model.generate(case.prompt, **args), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "hops"), SMOLLM2)
 def test_smollm2_text_streamer(case, model, capsys):
     """A ``TextStreamer`` prints the same text through the swarm as locally."""

@@ -216,6 +216,7 @@ def test_greedy_equals_honest_and_liar_is_banned(world, fault_case):
         assert verification.evidence_rejected == 0, verification
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault_case", list(CASES))
 def test_seeded_sampling_equals_honest_seeded_run(world, fault_case):
     case = CASES[fault_case]
@@ -264,6 +265,7 @@ def lie_run(world: World, prompt_seed: int, lie_from: int, noise_seed: int) -> t
         world.swarm.kill(liar)
 
 
+@pytest.mark.slow
 def test_first_lie_caught_within_k_positions_in_20_seeded_runs(world):
     """Noise 1e-1 from a position chosen per run (spread over every decode position of a 24-token
     run), a prompt per run: each run's first lie is caught within K positions, the answer is the

@@ -59,7 +59,7 @@ from shoal.wire import Codec
 from testkit.tiny import char_tokenizer, tiny_checkpoint, tiny_model
 from tests.helpers.byzantine import connect_over, peer_of, steer_through
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 #: Big enough for the matmul and attention kernels to split work as on a real model (hidden >= 256).
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,

@@ -142,6 +142,7 @@ def run_case(world: World, liar: LocalServer, case: Case, expected: Tensor, sigh
     sightings.check_disjoint()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault_case", list(CASES))
 def test_redundant_answer_equals_honest_and_every_corrupted_step_is_caught(world, sightings, fault_case):
     case = CASES[fault_case]
@@ -243,6 +244,7 @@ def test_audit_in_bfloat16(world, bf16, bf16_honest_answer, fault_case):
         world.swarm.kill(liar)
 
 
+@pytest.mark.slow
 def test_at_least_99_percent_of_corrupted_steps_are_caught_over_seeded_runs(world, sightings):
     """16 liars, each adding noise 1e-1 from its own position on (spread over a 16-token run's
     decode positions) on a prompt of its own: over all runs, >= 99% of the corrupted steps are

@@ -36,7 +36,7 @@ from testkit.tiny import tiny_model
 from tests.helpers.aio import run
 from tests.helpers.registry import ENV, LOOPBACK, ONE_THREAD, SWARM_FLAGS, View, fetch_view, poll_views
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 NUM_BLOCKS = 12
 N = 4

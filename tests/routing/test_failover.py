@@ -147,6 +147,7 @@ def swarm(reference_and_dir):
         swarm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigkill_of_a_route_server_process_keeps_the_tokens(swarm, reference_and_dir):
     """The route's second server is SIGKILLed mid-generation: the first one's push to it and the

@@ -73,6 +73,7 @@ def without(record: ServerRecord | ModelRecord, fields: set[str]) -> dict:
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.name not in fields}
 
 
+@pytest.mark.slow
 def test_in_process_and_process_servers_announce_the_same_records(model_dir):
     harness = InProcessSwarm(model_dir, [], start_node=Node.start, transport=LOOPBACK, swarm="in-process", **SETTINGS)
     with LocalSwarm(model_dir, extra_args=FLAGS, swarm=True, env=ENV, ready_timeout=120) as processes, harness:

@@ -150,6 +150,7 @@ async def send_bad(node: Node, ticket, data: bytes, expected: str | None) -> str
     return outcome
 
 
+@pytest.mark.slow
 def test_fuzz_ten_thousand_frames_against_a_live_server():
     peer = ServerProcess(["-m", "tests.helpers.peer", "--max-message", str(64 << 20)], env=ONE_THREAD)
     server = psutil.Process(peer.pid)
