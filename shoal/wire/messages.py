@@ -202,13 +202,16 @@ def parse_prefix(prefix: bytes, limits: Limits) -> tuple[int, int]:
 
 
 class Assembler:
-    """Turns a sequence of frames back into messages, validating everything on the way."""
+    """Turns a sequence of frames back into messages, validating everything on the way.
+
+    A message's buffer grows with the data that arrived, never sized from its header: a header
+    declaring a large message (up to ``max_message_bytes``) and no data holds no memory. Growing
+    costs no more than filling a buffer reserved up front (a reservation is zero-filled first)."""
 
     def __init__(self, limits: Limits = Limits()):
         self.limits = limits
         self._pending: _Header | None = None
         self._body = bytearray()
-        self._filled = 0
 
     @property
     def mid_message(self) -> bool:
@@ -222,16 +225,16 @@ class Assembler:
             header = self._parse_header(payload)
             if header.n == 0:
                 return self._finish(header, bytearray())
-            self._pending, self._body, self._filled = header, bytearray(header.n), 0
+            self._pending, self._body = header, bytearray()
             return None
         if self._pending is None:
             raise WireError("unexpected_frame", "DATA frame without a HEAD")
-        end = self._filled + len(payload)
-        if end > len(self._body):
-            raise WireError("size_mismatch", f"{end - len(self._body)} data bytes more than the header declared")
-        self._body[self._filled : end] = payload
-        self._filled = end
-        if end < len(self._body):
+        declared = self._pending.n
+        end = len(self._body) + len(payload)
+        if end > declared:
+            raise WireError("size_mismatch", f"{end - declared} data bytes more than the header declared")
+        self._body += payload
+        if end < declared:
             return None
         header, body = self._pending, self._body
         self._pending, self._body = None, bytearray()

@@ -5,6 +5,7 @@ memory, no I/O."""
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import msgpack
 import msgspec
@@ -390,6 +391,30 @@ def test_oversized_message_refused_before_its_bytes_arrive():
     limits = Limits(max_message_bytes=1000)
     with pytest.raises(MessageTooLarge):
         roundtrip(Message("forward", 0, Empty(), [torch.zeros(1000)]), limits)
+
+
+def test_a_header_holds_no_memory_until_its_data_arrives():
+    """64 assemblers each take a header declaring 64 MiB (and no data): they hold almost nothing
+    (a reservation up front held 4 GiB); the data, in uneven frames, still makes the message."""
+    declared = 64 << 20
+    header = head_frame(good_header(t=[["f32", [declared // 4], "raw"]], n=declared))
+    tracemalloc.start()
+    try:
+        assemblers = [Assembler() for _ in range(64)]
+        for assembler in assemblers:
+            assert assembler.feed(header[4], header[5:]) is None and assembler.mid_message
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20, f"64 headers hold {held} bytes"
+    values = torch.arange(6.0)
+    frames = encode(Message("ping", 3, Ping(), [values]))
+    data = frames[1][5:]
+    assembler = Assembler()
+    assert assembler.feed(frames[0][4], frames[0][5:]) is None
+    assert assembler.feed(FRAME_DATA, data[:5]) is None and assembler.mid_message
+    out = assembler.feed(FRAME_DATA, data[5:])
+    assert out is not None and torch.equal(out.tensors[0], values) and not assembler.mid_message
 
 
 def test_sender_refuses_unknown_kind_dtype_and_oversized_header():
