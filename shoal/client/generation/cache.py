@@ -11,11 +11,19 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from shoal.client.blocks import BlockSession
 from shoal.errors import ShoalError
 
-__all__ = ["CACHE_KEY", "SessionCache"]
+__all__ = ["CACHE_KEY", "SessionCache", "common_prefix"]
 
 # The name transformers gives the cache in model outputs and in generate's model_kwargs:
 # ``past_key_values`` until 5.23, ``cache`` from 5.24 on.
 CACHE_KEY = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def common_prefix(a: Tensor, b: Tensor) -> int:
+    """The length of the longest common prefix of two ``[batch, n]`` id tensors (every row alike):
+    what a session's cache, or a draft model's, can keep of what it consumed."""
+    n = min(a.shape[1], b.shape[1])
+    differ = (a[:, :n] != b[:, :n].to(a.device)).any(dim=0).nonzero()
+    return int(differ[0, 0]) if differ.numel() else n
 
 
 class SessionCache(Cache):
@@ -60,10 +68,7 @@ class SessionCache(Cache):
     def sync(self, input_ids: Tensor) -> int:
         """Roll back to the longest common prefix of ``input_ids`` (the whole sequence so far) and
         the consumed ids, keeping at least one token to send; return the new position."""
-        held = self.token_ids.to(input_ids.device)
-        n = min(held.shape[1], input_ids.shape[1] - 1)
-        same = (held[:, :n] == input_ids[:, :n]).all(dim=0)
-        common = n if bool(same.all()) else int(same.long().argmin())
+        common = min(common_prefix(input_ids, self.token_ids), input_ids.shape[1] - 1)
         if common < self.position:
             self.rollback(common)
         return common

@@ -31,19 +31,14 @@ from transformers.generation.candidate_generator import (
     UniversalSpeculativeDecodingGenerator,
 )
 
-__all__ = ["DraftModelView", "DraftView", "OtherTokenizerView", "UniversalView", "common_prefix", "view_of"]
+from shoal.client.generation.cache import common_prefix
+
+__all__ = ["DraftModelView", "DraftView", "OtherTokenizerView", "UniversalView", "view_of"]
 
 #: The names transformers gives the draft's cache in ``assistant_kwargs`` (``cache`` from 5.24 on).
 CACHE_KEYS = ("cache", "past_key_values")
 #: Inputs sized to the sequence at the draft's last run: ``generate`` makes them afresh when absent.
 SIZED_KEYS = ("attention_mask", "position_ids", "token_type_ids")
-
-
-def common_prefix(a: Tensor, b: Tensor) -> int:
-    """The length of the longest common prefix of two ``[1, n]`` id tensors."""
-    n = min(a.shape[1], b.shape[1])
-    differ = (a[0, :n] != b[0, :n].to(a.device)).nonzero()
-    return int(differ[0, 0]) if differ.numel() else n
 
 
 class DraftView:
