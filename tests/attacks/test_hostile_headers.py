@@ -11,7 +11,6 @@ framing, on every protocol a stranger may open, while an honest session beside i
 from __future__ import annotations
 
 import asyncio
-import struct
 
 import msgpack
 import psutil
@@ -21,7 +20,7 @@ import torch
 from shoal.checkpoints import load_span, save_sharded
 from shoal.protocols import BLOCKS
 from shoal.transport import META, Node
-from shoal.wire import FRAME_HEAD, Message
+from shoal.wire import FRAME_HEAD, FRAME_PREFIX, Message
 from shoal.wire.schema import OpenReply, OpenRequest, StepRequest
 from testkit.tiny import tiny_model
 from tests.helpers.aio import run
@@ -40,7 +39,7 @@ def hostile_head(request_id: int, kind: str) -> bytes:
     """A valid v2 HEAD frame for a ``kind`` message of one f32 tensor of DECLARED bytes."""
     header = {"v": 2, "k": kind, "id": request_id, "m": {}, "t": [["f32", [DECLARED // 4], "raw"]], "n": DECLARED}
     payload = msgpack.packb(header, use_bin_type=True)
-    return struct.pack(">IB", len(payload) + 1, FRAME_HEAD) + payload
+    return FRAME_PREFIX.pack(len(payload) + 1, FRAME_HEAD) + payload
 
 
 @pytest.fixture(scope="module")
