@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(path)
     blocks = halves(config.num_hidden_layers)
     t = time.perf_counter()
-    servers = [Server(path, b, extra_args=["--device", device, "--dtype", args.dtype]) for b in blocks]
+    flags = ["--device", device, "--dtype", args.dtype, "--share-counters"]
+    servers = [Server(path, b, extra_args=flags) for b in blocks]
     try:
         local = load_local(path, dtype, device)  # while the servers load
         result["model"]["params_m"] = round(sum(p.numel() for p in local.parameters()) / 1e6, 3)

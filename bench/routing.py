@@ -59,7 +59,7 @@ class KillAt(LogitsProcessor):
 
 def push_vs_hops(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
     spans = even_spans(load_config(path).num_hidden_layers, 3)
-    servers = [Server(path, span, threads=args.server_threads) for span in spans]
+    servers = [Server(path, span, threads=args.server_threads, extra_args=["--share-counters"]) for span in spans]
     try:
         tickets = [s.wait_ready() for s in servers]
         clients = {

@@ -376,7 +376,8 @@ def scheduler_counters(model) -> dict[str, dict[str, int]]:
 
 def server_args(args, max_batch: int) -> list[str]:
     flags = ["--max-batch", str(max_batch), "--cache-tokens", str(args.cache_tokens),
-             "--max-sessions-per-peer", "64", "--prefill-chunk", str(args.server_prefill_chunk)]  # fmt: skip
+             "--max-sessions-per-peer", "64", "--prefill-chunk", str(args.server_prefill_chunk),
+             "--share-counters"]  # fmt: skip
     if "kv" in args.only:
         flags += ["--page-size", str(args.page_size)]
     if args.merge_wait is not None:

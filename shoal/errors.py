@@ -11,7 +11,8 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     │   │   └── ProtocolMismatch    ... because it speaks none of our protocol versions
     │   └── ClosedError             the connection or stream ended (peer vanished, endpoint closed)
     ├── WireError                   a frame or message violates the wire format (see shoal.wire)
-    │   └── MessageTooLarge         ... in particular, it exceeds a size limit
+    │   ├── MessageTooLarge         ... in particular, it exceeds a size limit
+    │   └── OverLimit               the peer holds its share of this node (streams, bytes) [transport.guard]
     ├── RemoteError                 the peer understood the request and answered with an error
     │   ├── BadRequest              wrong shape, dtype, unknown session, step past max_length ...
     │   │   ├── InvalidMessage      a well-framed message whose metadata does not validate [wire.messages]

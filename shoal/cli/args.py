@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from shoal.limits import Limits, flag_of, limit_fields
+
 if TYPE_CHECKING:
     from shoal.transport import Ticket, TransportConfig
 
@@ -78,15 +80,38 @@ def positive_float(text: str) -> float:
 positive_float.__name__ = "positive number"
 
 
+def add_limit_flags(parser: argparse.ArgumentParser, scope: str) -> None:
+    """A flag for every limit of ``scope`` (:mod:`shoal.limits`: ``node`` or ``server``)."""
+    group = parser.add_argument_group(f"limits ({'per peer and per node' if scope == 'node' else 'work and cache'})")
+    for item in limit_fields(scope):
+        kind = positive_int if isinstance(item.default, int) else positive_float
+        metavar = "BYTES" if item.name.endswith("_bytes") else ("SECONDS" if kind is positive_float else "N")
+        group.add_argument(flag_of(item.name), type=kind, default=item.default, metavar=metavar,
+                           help=item.metadata["help"])  # fmt: skip
+
+
+def limits_of(args: argparse.Namespace) -> Limits:
+    """The limits a command's flags set (those it has no flag for keep their defaults); a
+    combination :class:`Limits` refuses is a usage error."""
+    from shoal.errors import UsageError
+
+    given = {item.name: getattr(args, item.name) for item in limit_fields() if hasattr(args, item.name)}
+    try:
+        return Limits(**given)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def transport_config(args: argparse.Namespace, bind_addr: str) -> TransportConfig:
     """The endpoint settings of every command that joins a swarm (``--network``, the connect and
-    request deadlines), bound to ``bind_addr``. Imports the transport only when called."""
+    request deadlines, the limits), bound to ``bind_addr``. Imports the transport only when called."""
     from shoal.transport import Deadlines, NetworkProfile, TransportConfig
 
     return TransportConfig(
         profile=NetworkProfile(args.network),
         bind_addr=bind_addr,
         deadlines=Deadlines(connect=args.connect_timeout, request=args.request_timeout),
+        limits=limits_of(args),
     )
 
 

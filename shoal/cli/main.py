@@ -21,6 +21,7 @@ from shoal.cli.args import (
     DEFAULT_PAGE_SIZE,
     NETWORK_PROFILES,
     ArgumentParser,
+    add_limit_flags,
     join_ticket,
     port_number,
     positive_float,
@@ -76,8 +77,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         contended_cost=args.contended_cost,
         merge_wait=args.merge_wait,
         packed_weights=args.packed_weights,
-        max_sessions_per_peer=args.max_sessions_per_peer,
-        session_idle_timeout=args.session_timeout,
         identity_file=Path(args.identity) if args.identity else None,
         ticket_file=Path(args.ticket_file) if args.ticket_file else None,
         num_threads=args.num_threads,
@@ -92,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gossip=GossipConfig(period=args.gossip_period, refresh=args.refresh_period, expiry=args.expiry),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        share_counters=args.share_counters,
         adapters=tuple(parse_adapter(text) for text in args.adapter),
     )
     freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
@@ -207,16 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a longer step runs in chunks of this many new positions, other sessions' steps between them",
     )  # fmt: skip
     serve.add_argument(
-        "--max-sessions-per-peer",
-        type=positive_int,
-        default=16,
-        metavar="N",
-        help="open sessions one client may hold at once",
-    )
-    serve.add_argument(
-        "--session-timeout", type=positive_float, default=300.0, help="idle seconds before a session is freed"
-    )
-    serve.add_argument(
         "--identity", metavar="FILE", help="key file for a stable peer id (created if missing, mode 0600)"
     )
     serve.add_argument("--ticket-file", metavar="FILE", help="also write the ticket to this file")
@@ -229,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics, /healthz and /readyz on this TCP port (0: any free one; default: off)",
     )
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    serve.add_argument(
+        "--share-counters", action="store_true",
+        help="answer any peer's info with this server's counters (the dashboard's load chart reads them; they "
+        "also tell a lying peer when it is audited)",
+    )  # fmt: skip
     swarm = serve.add_argument_group("swarm")
     swarm.add_argument("--new-swarm", action="store_true", help="create a swarm; the printed ticket joins it")
     swarm.add_argument("--join", action="append", default=[], metavar="TICKET", help="join the swarm of this peer")
@@ -242,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--refresh-period", type=positive_float, default=60.0, help="seconds between record refreshes")
     swarm.add_argument("--expiry", type=positive_float, default=180.0, help="seconds a record stays valid")
     _add_network(serve)
+    add_limit_flags(serve, "node")
+    add_limit_flags(serve, "server")
     serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser(

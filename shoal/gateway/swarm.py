@@ -165,6 +165,8 @@ class SwarmWatcher:
             counters = reply.reply(InfoReply).counters
         except (ShoalError, TimeoutError):
             return None  # not answering now: no point for it in this sample
+        if counters is None:
+            return None  # the server keeps its counters to itself (the default): no load figure for it
         tokens = counters.positions_processed + counters.forward_tokens
         return Reading(tokens, counters.sessions_active, time.monotonic())
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from shoal.client.runtime import LoopThread, shared_loop
 from shoal.ids import BlockRange
+from shoal.limits import limit_fields
 from shoal.server.backend import compute_thread
 from shoal.server.builder import Prepare, come_online, make_presence, node_key, span_loader, start_endpoint
 from shoal.server.config import ServerConfig
@@ -35,6 +36,8 @@ from shoal.server.preflight import check_model, check_server
 from shoal.server.presence import LoadingGate, Presence
 from shoal.swarm.gossip import GossipConfig
 from shoal.transport import BaseNode, MemoryNetwork, StartNode, Ticket, TransportConfig
+
+LIMIT_NAMES = frozenset(item.name for item in limit_fields())
 
 LOOPBACK = TransportConfig(bind_addr="127.0.0.1:0")
 #: gossip for in-process swarms: news spreads within a few tenths of a second
@@ -68,8 +71,7 @@ class InProcessSwarm:
         spans: Iterable[BlockRange],
         *,
         cache_tokens: int = 4096,
-        max_sessions_per_peer: int = 16,
-        session_idle_timeout: float = 60.0,
+        session_timeout: float = 60.0,
         num_threads: int = 1,
         start_node: StartNode | None = None,
         transport: TransportConfig = LOOPBACK,
@@ -80,7 +82,8 @@ class InProcessSwarm:
         **settings: Any,
     ):
         """``settings``: any other :class:`~shoal.server.config.ServerConfig` field for every server
-        (e.g. ``max_batch``, ``page_size``, ``kv_overcommit``)."""
+        (e.g. ``max_batch``, ``page_size``, ``kv_overcommit``), or any :class:`~shoal.limits.Limits`
+        field (e.g. ``max_sessions_per_peer``): those go into the transport's limits."""
         self.model_dir = Path(model_dir)
         self.model = check_model(str(self.model_dir))  # its config read once, for every server
         self.swarm_id = swarm
@@ -91,13 +94,9 @@ class InProcessSwarm:
         self.transport = transport
         self.servers: list[LocalServer] = []
         self.clients: list = []
-        self._settings = dict(
-            cache_tokens=cache_tokens,
-            max_sessions_per_peer=max_sessions_per_peer,
-            session_idle_timeout=session_idle_timeout,
-            num_threads=num_threads,
-            **settings,
-        )
+        # the harness runs every server: tests read their counters over info (share_counters)
+        self._settings = {"share_counters": True, "cache_tokens": cache_tokens, "session_timeout": session_timeout,
+                          "num_threads": num_threads, **settings}  # fmt: skip
         try:
             for span in spans:
                 self.add(span, prepare)
@@ -107,12 +106,15 @@ class InProcessSwarm:
 
     def add(self, span: BlockRange, prepare: Prepare | None = None, **settings: Any) -> LocalServer:
         """Load one more server for ``span`` and start serving it; ``settings`` (``cache_tokens``,
-        ``max_sessions_per_peer``, ``session_idle_timeout``, ``num_threads``, and any other
+        ``max_sessions_per_peer``, ``session_timeout``, ``num_threads``, and any other
         :class:`~shoal.server.config.ServerConfig` field, e.g. ``quant``) override the swarm's."""
         settings = {**self._settings, **settings}
+        limits = {name: settings.pop(name) for name in LIMIT_NAMES if name in settings}
+        transport = settings.pop("transport", self.transport)
+        settings["transport"] = replace(transport, limits=replace(transport.limits, **limits))
         if self.swarm_id is not None:  # announced as given: no throughput measurement
             settings = {"throughput": 100.0, "gossip": self.gossip, "join": tuple(self.tickets()[:1]), **settings}
-        config = ServerConfig(model=str(self.model_dir), blocks=span, transport=self.transport, **settings)
+        config = ServerConfig(model=str(self.model_dir), blocks=span, **settings)
         checked = check_server(config, self.model)
         compute = compute_thread(config.num_threads)
         key = node_key(config)  # the node's, and the one its receipts are signed with

@@ -237,7 +237,8 @@ class LocalSwarm:
 
     ``extra_args`` and ``env`` apply to every server. ``swarm=True``: they form one swarm; a server
     started while none runs creates it (``--new-swarm``), every other joins through a running
-    server's ticket (or the ``join`` given to :meth:`start`)."""
+    server's ticket (or the ``join`` given to :meth:`start`). ``share_counters``: the servers answer
+    ``info`` with their counters (``--share-counters``)."""
 
     def __init__(
         self,
@@ -249,9 +250,11 @@ class LocalSwarm:
         env: dict[str, str] | None = None,
         entry: Entry = "shoal.cli.main",
         ready_timeout: float = 180.0,
+        share_counters: bool = True,
     ):
         self.model_dir = Path(model_dir)
-        self.extra_args = tuple(extra_args)
+        # the harness runs every server: tests and benchmarks read their counters over info
+        self.extra_args = (*extra_args, "--share-counters") if share_counters else tuple(extra_args)
         self.swarm = swarm
         self.env = env
         self.entry = entry

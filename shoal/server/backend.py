@@ -239,6 +239,9 @@ class SpanBackend:
             if cache is not None:
                 return await self.batcher.step(hidden, position_ids, mask, cache, past_length, prompts=prompts,
                                                adapter=adapter, peer=peer, pushed=pushed)  # fmt: skip
+            if prompts is None and hidden.shape[0] * hidden.shape[1] > RECOMPUTE_CHUNK_POSITIONS:
+                return await self._in_chunks(Priority.FORWARD, hidden, position_ids, mask, 0, self.num_blocks, adapter,
+                                             peer)  # fmt: skip
             return await self._submit(Priority.FORWARD, self._compute, hidden, position_ids, mask, prompts, adapter,
                                       peer=peer)  # fmt: skip
         except ValueError as exc:  # the span's own consistency checks
@@ -255,16 +258,31 @@ class SpanBackend:
         adapter: str | None = None,
     ) -> torch.Tensor:
         """Blocks ``[start, end)`` (within the span) of a stateless pass over ``[0, P)``, at the lowest
-        priority, in ``hidden``'s dtype. Judging another server's evidence (:mod:`shoal.server.judge`)
-        must never hold up this server's own sessions for long: each block runs as a prefill in
-        chunks of positions (:data:`RECOMPUTE_CHUNK_POSITIONS` rows x tokens) through a KV cache of
-        its own, each chunk a task, so a task's work and attention memory stay ~ linear in P. Between
-        blocks the hidden states stay on the device in the span's dtype (as a step's do); they are
-        cast once at the end."""
+        priority, in ``hidden``'s dtype, in chunks (:meth:`_in_chunks`). Judging another server's
+        evidence (:mod:`shoal.server.judge`) must never hold up this server's own sessions for long."""
         if not self.span.start <= start < end <= self.span.end:
             raise BadRequest(f"blocks {start}:{end} are not within this span {self.span.start}:{self.span.end}")
         first = start - self.span.start
-        blocks = [self.span.sub_span(i, i + 1) for i in range(first, first + end - start)]
+        return await self._in_chunks(Priority.TRAINING, hidden, position_ids, mask, first, first + end - start, adapter)
+
+    async def _in_chunks(
+        self,
+        priority: Priority,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        first: int,
+        last: int,
+        adapter: str | None,
+        peer: str | None = None,
+    ) -> torch.Tensor:
+        """The span's blocks ``[first, last)`` (indices within the span) of a stateless pass over
+        ``[0, P)``: each block runs as a prefill in chunks of positions
+        (:data:`RECOMPUTE_CHUNK_POSITIONS` rows x tokens) through a KV cache of its own, each chunk a
+        task at ``priority``, so a task's work and attention memory stay ~ linear in P (a pass in one
+        piece holds P x P attention scores). Between blocks the hidden states stay on the device in
+        the span's dtype (as a step's do); they are cast once at the end."""
+        blocks = [self.span.sub_span(i, i + 1) for i in range(first, last)]
         batch, total = hidden.shape[:2]
         chunks = rows_chunk_bounds(batch, total, RECOMPUTE_CHUNK_POSITIONS)
         device = self.device
@@ -291,7 +309,7 @@ class SpanBackend:
                 held: dict = {}  # the block's cache and output chunks, between its tasks
                 last = index == len(blocks) - 1
                 for a, b in chunks:
-                    done = await self._submit(Priority.TRAINING, through, block, held, out, a, b, last)
+                    done = await self._submit(priority, through, block, held, out, a, b, last, peer=peer)
                 out = done
         except ValueError as exc:  # the span's own consistency checks
             raise BadRequest(str(exc)) from None

@@ -198,8 +198,8 @@ def load_block_server(
     judge = Judge(backend, info, counters, node.id if node is not None else "", jurisdiction)
     pusher = Pusher(counters, node, refuses=judge.convicted)  # never to a liar convicted here
     budget = CacheBudget(pool, config.kv_overcommit)
-    return BlockServer(backend, info, budget, counters, judge, pusher, config.max_sessions_per_peer,
-                       config.session_idle_timeout, signer)  # fmt: skip
+    return BlockServer(backend, info, budget, counters, judge, pusher, config.transport.limits, signer,
+                       config.share_counters)  # fmt: skip
 
 
 def load_adapters(span: BlockSpan, adapters: tuple[tuple[str, Path], ...], hf_config):

@@ -77,12 +77,10 @@ class ServerConfig:
     contended_cost: float = 1.25  # while peers compete, a batch costs at most ~this many lone steps
     merge_wait: float = 1.5  # a free compute thread waits up to this many lone steps for sessions due back
     packed_weights: bool = False  # fp32 CPU: add oneDNN's packed copy of the linear weights (shoal.models.packed)
-    max_sessions_per_peer: int = 16
-    session_idle_timeout: float = 300.0  # a session with no message for this long is closed
     identity_file: Path | None = None
     ticket_file: Path | None = None
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
-    transport: TransportConfig = field(default_factory=TransportConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)  # its limits bound peers (shoal.limits)
     new_swarm: bool = False  # create a swarm (its id goes into this server's ticket)
     join: tuple[Ticket, ...] = ()  # tickets of peers of the swarm to join
     throughput: float | None = None  # tokens/s per block to announce; None: measure (see shoal.server.throughput)
@@ -94,6 +92,7 @@ class ServerConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     metrics_port: int | None = None  # serve Prometheus metrics on this TCP port (0: any free one; None: off)
     metrics_host: str = "127.0.0.1"
+    share_counters: bool = False  # info answers any peer with this server's counters (else: the metrics endpoint)
     adapters: tuple[tuple[str, Path], ...] = ()  # LoRA adapters (name, peft directory) for the span
 
     def __post_init__(self):

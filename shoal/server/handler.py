@@ -48,6 +48,7 @@ from shoal.errors import (
     Unavailable,
 )
 from shoal.ids import PeerId, SessionId
+from shoal.limits import Limits
 from shoal.models.kv import PagedCache
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
@@ -86,27 +87,32 @@ class BlockServer:
         counters: ServerCounters,
         judge: Judge,  # evidence of other servers' lies (EVIDENCE)
         pusher: Pusher,  # steps handed to the next server (never to a liar the judge convicted)
-        max_sessions_per_peer: int,
-        idle_timeout: float,
+        limits: Limits,  # what one peer may hold: sessions, idle time, forward size (shoal.limits)
         signer: ReceiptSigner | None = None,  # the node key: signs receipts (RECEIPTS) when asked
+        share_counters: bool = False,  # info carries the counters to any peer (else only what routing needs)
     ):
         self.backend = backend
         self.signer = signer
         self.info = info
         self.budget = budget
-        self.max_sessions_per_peer = max_sessions_per_peer
-        self.idle_timeout = idle_timeout
+        self.limits = limits
+        self.share_counters = share_counters
+        self.max_sessions_per_peer = limits.max_sessions_per_peer
+        self.idle_timeout = limits.session_timeout
         self.counters = counters
         self.judge = judge
         self.pusher = pusher
         self.draining = False
         self._sessions: dict[SessionId, ServedSession] = {}
-        self._per_peer: Counter[PeerId] = Counter()
+        self._per_peer: Counter[PeerId] = Counter()  # open sessions
+        self._unstepped_rows: Counter[PeerId] = Counter()  # rows of open sessions that never stepped
         self._push_tasks: set[asyncio.Task] = set()
         self._session_tasks: set[asyncio.Task] = set()  # streams serving a session, until their handler ends
         self.prefix = PrefixIndex(budget.pool)  # closed sessions' full pages, reused by digest; sets pool.reclaim
 
-    def describe(self) -> InfoReply:
+    def describe(self, counters: bool = True) -> InfoReply:
+        """What this server is and has free; with ``counters`` (this process's metrics, or peers
+        when it shares them) its counters too."""
         return InfoReply(
             span=self.info,
             free_cache_tokens=self.budget.free_tokens,
@@ -118,7 +124,9 @@ class BlockServer:
                 kv_pages_total=self.budget.pool.num_pages,
                 kv_pages_in_use=self.budget.pool.in_use,
                 prefix_cache_pages=self.prefix.cached_pages(),
-            ),
+            )
+            if counters
+            else None,
         )
 
     async def handle(self, stream: MessageStream, peer_id: PeerId) -> None:
@@ -132,7 +140,7 @@ class BlockServer:
                 continue
             try:
                 if request.kind == "info":
-                    await stream.send(Message("result", request.id, self.describe()))
+                    await stream.send(Message("result", request.id, self.describe(self.share_counters)))
                 elif request.kind == "forward":
                     await stream.send(await forward(self, request, peer_id))
                 elif request.kind == "backward":
@@ -186,18 +194,27 @@ class BlockServer:
             raise BusyError(
                 f"peer already has {self._per_peer[peer_id]} open sessions (limit {self.max_sessions_per_peer})"
             )
+        unstepped, most = self._unstepped_rows[peer_id], self.limits.max_unstepped_rows_per_peer
+        if unstepped + batch_size > most:
+            self.counters.sessions_rejected_busy += 1
+            raise BusyError(
+                f"peer has sessions of {unstepped} rows it never stepped here; {batch_size} more would pass the "
+                f"limit of {most} (--max-unstepped-rows-per-peer): step or close them first"
+            )
         try:
-            pages = self.budget.reserve(batch_size, max_length)  # committed; held only as positions come
+            pages = self.budget.admit(batch_size, max_length)  # one page per row; more as positions come
         except BusyError:
             self.counters.sessions_rejected_busy += 1
             raise
         self._per_peer[peer_id] += 1  # counted before the await: concurrent opens see it
+        self._unstepped_rows[peer_id] += batch_size
         try:
             if prompts is not None:
                 prompts = await self.backend.on_device(prompts)
         except BaseException:
             self.budget.release(pages)
             self._release_peer_slot(peer_id)
+            self._stepped(peer_id, batch_size)
             raise
         cache = PagedCache(self.budget.pool, batch_size, max_length)
         session = ServedSession(SessionId(secrets.token_hex(8)), peer_id, batch_size, max_length, pages, cache, stream)
@@ -225,9 +242,17 @@ class BlockServer:
         if self._per_peer[peer_id] <= 0:
             del self._per_peer[peer_id]
 
+    def _stepped(self, peer_id: PeerId, rows: int) -> None:
+        """A session of ``rows`` rows no longer counts as never stepped (it stepped, or it ended)."""
+        self._unstepped_rows[peer_id] -= rows
+        if self._unstepped_rows[peer_id] <= 0:
+            del self._unstepped_rows[peer_id]
+
     def _free(self, session: ServedSession) -> None:
         if self._sessions.pop(session.id, None) is None:
             return  # already freed
+        if not session.stepped:
+            self._stepped(session.peer_id, session.batch_size)
         self._release_peer_slot(session.peer_id)
         self.budget.release(session.pages)
         self.counters.sessions_active -= 1
@@ -283,19 +308,23 @@ class BlockServer:
     async def _next_message(self, session: ServedSession) -> Message:
         """The client's next message. A session is idle when neither its client nor a pushing
         server has sent it anything for ``idle_timeout`` (with push, the client talks only to the
-        first server of the chain)."""
+        first server of the chain); one that never stepped, after ``first_step_timeout`` already
+        (an open that is never used is reclaimed quickly)."""
         loop = asyncio.get_running_loop()
         while True:
             if session.pending is None:
                 session.pending = loop.create_task(session.stream.recv())
-            remaining = session.last_active + self.idle_timeout - loop.time()
+            timeout = self.idle_timeout if session.stepped else min(self.idle_timeout, self.limits.first_step_timeout)
+            remaining = session.last_active + timeout - loop.time()
             done, _ = await asyncio.wait({session.pending}, timeout=max(0.0, remaining))
             if done:
                 task, session.pending = session.pending, None
                 session.last_active = loop.time()
                 return task.result()
-            if loop.time() - session.last_active >= self.idle_timeout:
-                raise RequestTimeout(f"session {session.id} idle for {self.idle_timeout:.3g} s")
+            if session.stepped and timeout < self.idle_timeout:
+                continue  # its first step ran (pushed) while this waited: the idle deadline applies
+            if loop.time() - session.last_active >= timeout:
+                raise RequestTimeout(f"session {session.id} idle for {timeout:.3g} s")
 
     async def _serve_step(self, session: ServedSession, message: Message, from_push: bool = False) -> None:
         """Run one step, push the output down the chain if asked, answer the session's client.
@@ -358,6 +387,11 @@ class BlockServer:
         hidden, position_ids, mask = self.backend.check_inputs(
             message.tensors, past_length=position, batch_size=session.batch_size, max_length=session.max_length
         )
+        # pages are committed as positions arrive (shoal.server.budget): a full server answers busy
+        session.pages = self.budget.grow(session.pages, session.batch_size, position + hidden.shape[1])
+        if not session.stepped:
+            session.stepped = True
+            self._stepped(session.peer_id, session.batch_size)
         rolled_back = session.cache.length - position  # positions the client dropped (speculation, a retry)
         signs = self.signer is not None  # only a server with a key signs receipts: only it keeps the chain
         states = await step_states(session.state, position, hidden, position_ids, mask) if signs else b""

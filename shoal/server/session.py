@@ -21,7 +21,7 @@ class ServedSession:
     peer_id: PeerId
     batch_size: int
     max_length: int
-    pages: int  # KV pages committed at open (shoal.server.budget); the cache holds what its positions need
+    pages: int  # KV pages committed (shoal.server.budget): grown by each step to what its positions need
     cache: PagedCache | None
     stream: MessageStream  # the client's: every reply of the session goes there
     token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets the previous server push steps
@@ -30,6 +30,7 @@ class ServedSession:
     pending: asyncio.Task | None = None  # the read of the client's next message
     last_active: float = field(default_factory=lambda: asyncio.get_running_loop().time())
     last_step: int = 0  # id of the latest step served: older pushes arriving late are dropped
+    stepped: bool = False  # a step ran: the idle timeout applies, no longer the first-step one
     prompts: torch.Tensor | None = None  # deep prompts added at positions [0, N) of every step's blocks
     adapter: str | None = None  # the LoRA adapter the session runs with (None: the base weights)
     state: StateChain = field(default_factory=StateChain)  # what its cache holds: receipts commit to it

@@ -26,6 +26,7 @@ async def forward(server: BlockServer, request: Message, peer_id: PeerId) -> Mes
     meta: ForwardRequest = request.meta
     backend = server.backend
     hidden, position_ids, mask, prompts = backend.forward_inputs(request.tensors, meta.prompts)
+    check_positions(server, hidden)
     backend.check_adapter(meta.adapter)
     out = await backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter, peer=peer_id)
     server.counters.forward_requests += 1
@@ -45,11 +46,24 @@ async def backward(server: BlockServer, request: Message) -> Message:
     meta: BackwardRequest = request.meta
     backend = server.backend
     hidden, position_ids, mask, prompts, grad_output = backend.backward_inputs(request.tensors, meta.prompts)
+    check_positions(server, hidden)
     backend.check_adapter(meta.adapter)
     grads = await backend.backward(hidden, position_ids, mask, grad_output, prompts=prompts, adapter=meta.adapter)
     server.counters.backward_requests += 1
     server.counters.backward_tokens += hidden.shape[0] * hidden.shape[1]
     return Message("result", request.id, tensors=grads)
+
+
+def check_positions(server: BlockServer, hidden: torch.Tensor) -> None:
+    """A stateless pass of more positions (rows x tokens) than ``max_forward_positions`` is refused:
+    one request must not hold the compute thread (or its memory) for minutes. Longer ones run in
+    chunks of positions (:meth:`~shoal.server.backend.SpanBackend.run`), so work stays linear per task."""
+    positions, limit = hidden.shape[0] * hidden.shape[1], server.limits.max_forward_positions
+    if positions > limit:
+        raise BadRequest(
+            f"a stateless pass of {positions} positions (rows x tokens) is over this server's limit of {limit} "
+            "(--max-forward-positions): split it, or use a session"
+        )
 
 
 def in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:
@@ -65,4 +79,4 @@ def in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:
     return (codec,)
 
 
-__all__ = ["backward", "forward", "in_kind"]
+__all__ = ["backward", "check_positions", "forward", "in_kind"]

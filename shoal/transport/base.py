@@ -21,6 +21,7 @@ from typing import Self
 
 from shoal.errors import ClosedError, RequestTimeout, ShoalError, WireError
 from shoal.transport.config import TransportConfig
+from shoal.transport.guard import PeerGuard
 from shoal.transport.stream import ByteChannel, MessageStream, ReceivedBytes
 from shoal.transport.ticket import Ticket
 from shoal.wire import CAPABILITIES, InvalidMessage, Message, error_message
@@ -80,6 +81,7 @@ class BaseNode:
         self.closed = False
         self.rejected_frames: Counter[str] = Counter()  # malformed frames answered with a wire error, by reason
         self.received = ReceivedBytes()  # frame bytes read by every stream of this node, dialled or accepted
+        self.guard = PeerGuard(config.limits)  # what each peer holds here: connections, streams, unfinished bytes
 
     @property
     def protocols(self) -> list[str]:
@@ -102,8 +104,24 @@ class BaseNode:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _accepted_stream(self, channel: ByteChannel, peer_id: str) -> MessageStream:
+        limits, timeout = self.config.limits, self.config.deadlines.request
+        return MessageStream(channel, peer_id, limits, timeout, self.received, self.guard)
+
     def _serve_stream(self, handler: Handler, stream: MessageStream) -> asyncio.Task:
+        """Serve a stream a peer opened, unless that peer already has its limit of streams open
+        here: then it is answered with a wire error ``over_limit`` and ended."""
+        if not self.guard.admit_stream(stream.peer_id):
+            limit = self.config.limits.max_streams_per_peer
+            text = f"peer has {limit} streams open here (--max-streams-per-peer): finish some first"
+            return self._spawn(self._refuse_stream(stream, text))
         return self._spawn(self._run_handler(handler, stream))
+
+    async def _refuse_stream(self, stream: MessageStream, text: str) -> None:
+        self.rejected_frames["over_limit"] += 1
+        await self._answer(stream, error_message(0, "wire", text, reason="over_limit"))
+        await stream.finish()
+        await stream.stop()
 
     async def _run_handler(self, handler: Handler, stream: MessageStream) -> None:
         """The error boundary of every handler: what it lets escape ends its stream, answered
@@ -121,6 +139,7 @@ class BaseNode:
         except Exception:
             log.exception("handler failed for peer %s", stream.peer_id[:10])
         finally:
+            self.guard.release_stream(stream.peer_id)
             await stream.finish()
             await stream.stop()
 
@@ -194,9 +213,8 @@ class BaseNode:
                 if attempt:
                     raise
                 continue
-            return MessageStream(
-                channel, ticket.peer_id, self.config.limits, self.config.deadlines.request, self.received
-            )
+            limits, timeout = self.config.limits, self.config.deadlines.request
+            return MessageStream(channel, ticket.peer_id, limits, timeout, self.received, self.guard)
         raise AssertionError("unreachable")
 
     async def request(

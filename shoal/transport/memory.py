@@ -30,7 +30,6 @@ from shoal.errors import ClosedError, ConnectTimeout, ProtocolMismatch, RefusedE
 from shoal.transport.base import META, BaseNode, Handler, Protocol
 from shoal.transport.config import TransportConfig
 from shoal.transport.identity import generate_key
-from shoal.transport.stream import MessageStream
 from shoal.transport.ticket import Ticket
 from shoal.wire import MAX_FRAME_PAYLOAD
 
@@ -234,9 +233,7 @@ class _Link:
         self._pipes.add(up)
         self._pipes.add(down)
         acceptor = self._acceptor
-        config = acceptor.config
-        channel = _PipeChannel(down, up)
-        stream = MessageStream(channel, self._dialler.id, config.limits, config.deadlines.request, acceptor.received)
+        stream = acceptor._accepted_stream(_PipeChannel(down, up), self._dialler.id)
         acceptor._serve_stream(acceptor._handlers[self._alpn], stream)
         return _PipeChannel(up, down)
 

@@ -197,14 +197,19 @@ class Node(BaseNode):
         if handler is None:  # cannot happen: iroh only accepts our registered ALPNs
             conn.close(1, b"unknown protocol")
             return
-        limits, request_timeout = self.config.limits, self.config.deadlines.request
-        while True:
-            try:
-                bi = await conn.accept_bi()
-            except iroh.IrohError:
-                return  # the connection closed
-            stream = MessageStream(_QuicChannel(bi), peer_id, limits, request_timeout, self.received)
-            self._serve_stream(handler, stream)
+        if not self.guard.admit_connection(peer_id):
+            limit = self.config.limits.max_connections_per_peer
+            conn.close(2, f"over_limit: peer has {limit} connections open here (--max-connections-per-peer)".encode())
+            return
+        try:
+            while True:
+                try:
+                    bi = await conn.accept_bi()
+                except iroh.IrohError:
+                    return  # the connection closed
+                self._serve_stream(handler, self._accepted_stream(_QuicChannel(bi), peer_id))
+        finally:
+            self.guard.release_connection(peer_id)
 
     # ---- dialling --------------------------------------------------------------------------
     async def _dial(self, ticket: Ticket, protocol: Protocol, timeout: float | None) -> _QuicConnection:

@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from shoal.errors import ClosedError, RequestTimeout, ShoalError, WireError, remote_error
+from shoal.limits import MiB, flag_of
+from shoal.transport.guard import PeerGuard
 from shoal.wire import FRAME_DATA, FRAME_PREFIX, Assembler, Limits, Message, parse_prefix, writes
 
 READ_CHUNK = 64 * 1024  # bytes asked per read; a frame's remainder at least this large is read exactly
@@ -55,7 +57,13 @@ class ReceivedBytes:
 
 class MessageStream:
     """Shoal messages over one byte channel. Sends are serialised by a lock. ``received`` counts
-    the bytes of every frame read (a node passes its own, shared by its streams)."""
+    the bytes of every frame read (a node passes its own, shared by its streams); ``guard`` (the
+    node's) counts the bytes of the peer's unfinished message against its limits.
+
+    Once a frame or message has begun, the peer must keep sending: each read inside it waits at
+    most ``limits.data_timeout`` seconds (and a large frame's remainder at least 1 MiB per
+    ``data_timeout``), else :class:`WireError` ``data_timeout``. A peer that sends a header and
+    stalls holds the stream no longer than that, not until the idle deadline."""
 
     def __init__(
         self,
@@ -64,6 +72,7 @@ class MessageStream:
         limits: Limits,
         request_timeout: float,
         received: ReceivedBytes | None = None,
+        guard: PeerGuard | None = None,
     ):
         self._channel = channel
         self._errors = channel.errors
@@ -73,6 +82,8 @@ class MessageStream:
         self.request_timeout = request_timeout
         self.received = received if received is not None else ReceivedBytes()
         self._assembler = Assembler(limits)
+        self._guard = guard
+        self._held = 0  # bytes of the unfinished message counted in the guard
         self._buffer = b""  # bytes read from the stream but not consumed yet
         self._send_lock = asyncio.Lock()
         self._next_id = 1
@@ -108,9 +119,34 @@ class MessageStream:
             except self._errors as exc:
                 raise self._channel.translate(exc, "send") from None
 
+    async def _in_time(self, read: Awaitable[bytes], seconds: float) -> bytes:
+        try:
+            async with asyncio.timeout(seconds):
+                return await read
+        except TimeoutError:
+            self.broken = True
+            self._release_held()
+            raise WireError(
+                "data_timeout",
+                f"a message began and its next bytes did not come within {seconds:.3g} s ({flag_of('data_timeout')})",
+            ) from None
+
+    def _hold(self, size: int) -> None:
+        """Count a DATA frame of ``size`` bytes that leaves the message unfinished (the frame that
+        finishes it is handed on at once, so it is never counted)."""
+        if self._guard is not None and size < self._assembler.missing:
+            self._guard.take_bytes(self.peer_id, size)
+            self._held += size
+
+    def _release_held(self) -> None:
+        if self._held:
+            self._guard.give_bytes(self.peer_id, self._held)
+            self._held = 0
+
     def _ended(self) -> ShoalError:
         """What a read that found the stream closed raises: mid-message, a truncated message."""
         self.broken = True
+        self._release_held()
         if self._assembler.mid_message or self._buffer:
             return WireError("truncated", "stream ended inside a message")
         return ClosedError(f"stream closed by peer {self.peer_id[:10]}")
@@ -119,7 +155,10 @@ class MessageStream:
         """Append whatever has arrived (at least one byte; one read often covers several frames)
         to the buffer."""
         try:
-            chunk = await self._read(READ_CHUNK)
+            if self._buffer or self._assembler.mid_message:  # inside a frame or message: the peer must go on
+                chunk = await self._in_time(self._read(READ_CHUNK), self.limits.data_timeout)
+            else:
+                chunk = await self._read(READ_CHUNK)
         except self._errors:
             raise self._ended() from None
         if not chunk:
@@ -132,7 +171,9 @@ class MessageStream:
             while len(self._buffer) < n:
                 missing = n - len(self._buffer)
                 if missing >= READ_CHUNK:
-                    data, self._buffer = self._buffer + await self._read_exactly(missing), b""
+                    allowed = self.limits.data_timeout * max(1.0, missing / MiB)
+                    data = self._buffer + await self._in_time(self._read_exactly(missing), allowed)
+                    self._buffer = b""
                     return data
                 await self._read_more()
         except self._errors:
@@ -153,16 +194,19 @@ class MessageStream:
                 self.received.total += end
                 if frame_type == FRAME_DATA:
                     self.received.data += size
+                    self._hold(size)
                 message = self._assembler.feed(frame_type, payload)
             elif frame_type == FRAME_DATA and size >= READ_CHUNK:  # large: the rest read exactly
                 self._buffer = self._buffer[prefix:]
                 self.received.total += end
                 self.received.data += size
+                self._hold(size)
                 message = await self._recv_large_data(size)
             else:
                 await self._read_more()
                 continue
             if message is not None:
+                self._release_held()
                 return message
 
     async def _recv_large_data(self, size: int) -> Message | None:
@@ -204,6 +248,7 @@ class MessageStream:
             raise
         except WireError:
             self.broken = True
+            self._release_held()
             raise
         finally:
             self._receiver = None
@@ -224,16 +269,19 @@ class MessageStream:
     async def finish(self) -> None:
         """No more messages from us; the peer's messages can still be read."""
         self._cancel_deadline()
+        self._release_held()
         await self._channel.finish()
 
     async def stop(self, code: int = 0) -> None:
         """Read no more: the peer's further sends fail instead of waiting for a reader that is gone."""
         self._cancel_deadline()
+        self._release_held()
         await self._channel.stop(code)
 
     async def abort(self, code: int = 1) -> None:
         """Abandon the stream both ways now."""
         self._cancel_deadline()
+        self._release_held()
         self.broken = True
         await self._channel.reset(code)
         await self._channel.stop(code)

@@ -15,7 +15,6 @@ batch size or sequence length; only the receiver's ``max_message_bytes`` does.
 
 from __future__ import annotations
 
-import functools
 import struct
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -24,6 +23,7 @@ import msgspec
 import torch
 
 from shoal.errors import BadRequest, MessageTooLarge, WireError
+from shoal.limits import MAX_FRAME_PAYLOAD, Limits
 from shoal.wire import tensors as tw
 from shoal.wire.codecs import Codec
 from shoal.wire.schema import KINDS, Empty, ErrorReply, Meta, decode_meta, decode_reply
@@ -37,20 +37,6 @@ FRAME_HEAD = 1
 FRAME_DATA = 2
 FRAME_PREFIX = struct.Struct(">IB")  # payload length (type byte included), frame type
 _PACK_PREFIX = FRAME_PREFIX.pack
-MAX_FRAME_PAYLOAD = 4 * 1024 * 1024  # data bytes per DATA frame; a protocol constant
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a receiver accepts. Larger messages are refused before their bytes are read."""
-
-    max_message_bytes: int = 1 << 30
-    max_header_bytes: int = 64 * 1024
-    max_tensors: int = 64
-
-    @functools.cached_property
-    def max_frame_bytes(self) -> int:
-        return max(MAX_FRAME_PAYLOAD, self.max_header_bytes) + 1
 
 
 class _Header(msgspec.Struct, forbid_unknown_fields=True):
@@ -217,6 +203,16 @@ class Assembler:
     def mid_message(self) -> bool:
         return self._pending is not None
 
+    @property
+    def held(self) -> int:
+        """Bytes of the unfinished message held so far."""
+        return len(self._body)
+
+    @property
+    def missing(self) -> int:
+        """Data bytes the unfinished message still expects (0 between messages)."""
+        return 0 if self._pending is None else self._pending.n - len(self._body)
+
     def feed(self, frame_type: int, payload: bytes) -> Message | None:
         """Take one frame; return a message when it is complete."""
         if frame_type == FRAME_HEAD:
@@ -259,8 +255,9 @@ class Assembler:
         total = sum(d.nbytes for d in described)
         if header.n != total:
             raise WireError("size_mismatch", f"header says {header.n!r:.20} bytes, tensors need {total}")
-        if total > self.limits.max_message_bytes:
-            raise MessageTooLarge("message_too_large", f"{total} > {self.limits.max_message_bytes} bytes")
+        allowed = self.limits.max_bytes_of(header.k)
+        if total > allowed:
+            raise MessageTooLarge("message_too_large", f"a {header.k} message of {total} > {allowed} bytes")
         header.t = described
         return header
 

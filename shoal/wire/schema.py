@@ -171,12 +171,14 @@ class SpanInfo(Meta):
 
 
 class InfoReply(Meta):
-    """``info``'s result: the span and the server's state now."""
+    """``info``'s result: the span and the server's state now, what routing needs. ``counters``
+    only from a server that shares them (``--share-counters``): sessions opened and positions run
+    tell a liar when an auditor replays its steps on a replica (the metrics endpoint has them)."""
 
     span: SpanInfo
     free_cache_tokens: Annotated[int, msgspec.Meta(ge=0)]
     draining: bool = False
-    counters: ServerCounters = msgspec.field(default_factory=ServerCounters)
+    counters: ServerCounters | None = None
 
 
 class OpenRequest(Meta):

@@ -35,7 +35,7 @@ SETTINGS = {
     "page_size": 32,
     "max_batch": 8,
     "max_sessions_per_peer": 4,
-    "session_idle_timeout": 30.0,
+    "session_timeout": 30.0,
     "num_threads": 1,
     "throughput": THROUGHPUT,
     "gossip": GOSSIP,

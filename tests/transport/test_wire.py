@@ -161,10 +161,28 @@ def test_the_samples_cover_every_kind():
 
 @pytest.mark.parametrize("kind", sorted(REQUESTS))
 def test_every_kinds_metadata_arrives_as_its_struct(kind):
-    out = roundtrip(Message(kind, 7, REQUESTS[kind], [torch.arange(3)]))
+    carries = Limits().max_bytes_of(kind) > 0  # hello, info, close and error carry no tensors
+    out = roundtrip(Message(kind, 7, REQUESTS[kind], [torch.arange(3)] if carries else []))
     assert (out.kind, out.id, out.meta) == (kind, 7, REQUESTS[kind])
     assert type(out.meta) is KIND_META[kind]
-    assert torch.equal(out.tensors[0], torch.arange(3))
+    assert torch.equal(out.tensors[0], torch.arange(3)) if carries else out.tensors == []
+
+
+@pytest.mark.parametrize("kind", ["hello", "info", "close", "error"])
+def test_a_kind_without_tensors_that_declares_some_is_refused_at_its_header(kind):
+    """Per-kind limits: a control message cannot be a vehicle for a large body."""
+    first = encode(Message(kind, 7, REQUESTS[kind], [torch.arange(3)]))[0]
+    with pytest.raises(MessageTooLarge, match=rf"a {kind} message of 24 > 0 bytes"):
+        Assembler().feed(FRAME_HEAD, first[FRAME_PREFIX.size :])
+
+
+def test_a_ping_or_gossip_is_capped_below_the_message_limit():
+    limits = Limits(max_ping_bytes=1000, max_gossip_bytes=2000)
+    assert (limits.max_bytes_of("ping"), limits.max_bytes_of("gossip")) == (1000, 2000)
+    assert limits.max_bytes_of("step") == limits.max_message_bytes
+    first = encode(Message("ping", 1, REQUESTS["ping"], [torch.zeros(1001, dtype=torch.uint8)]))[0]
+    with pytest.raises(MessageTooLarge, match="a ping message of 1001 > 1000 bytes"):
+        Assembler(limits).feed(FRAME_HEAD, first[FRAME_PREFIX.size :])
 
 
 @pytest.mark.parametrize("reply", REPLIES, ids=lambda r: type(r).__name__)
@@ -366,8 +384,12 @@ INVALID = [
 
 @pytest.mark.parametrize("kind, meta, names", INVALID, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(INVALID)])
 def test_invalid_metadata_is_a_bad_request_naming_the_field(kind, meta, names):
+    carries = Limits().max_bytes_of(kind) > 0
+    frames = [head_frame(good_header(k=kind, id=77, m=meta)), DATA8] if carries else [
+        head_frame(good_header(k=kind, id=77, m=meta, t=[], n=0))
+    ]
     with pytest.raises(InvalidMessage) as caught:
-        feed_frames([head_frame(good_header(k=kind, id=77, m=meta)), DATA8])
+        feed_frames(frames)
     error = caught.value
     assert isinstance(error, BadRequest) and not isinstance(error, WireError)
     assert (error.request_id, error.kind, error.code) == (77, kind, "bad_request")
@@ -400,7 +422,7 @@ def test_a_header_holds_no_memory_until_its_data_arrives():
     header = head_frame(good_header(t=[["f32", [declared // 4], "raw"]], n=declared))
     tracemalloc.start()
     try:
-        assemblers = [Assembler() for _ in range(64)]
+        assemblers = [Assembler(Limits(max_ping_bytes=declared)) for _ in range(64)]
         for assembler in assemblers:
             assert assembler.feed(header[4], header[5:]) is None and assembler.mid_message
         held, _ = tracemalloc.get_traced_memory()

@@ -33,6 +33,7 @@ LAYERS = {
     "protocols": 1,
     "errors": 0,
     "ids": 0,
+    "limits": 0,
     "heap": 0,
     "omp": 0,
 }

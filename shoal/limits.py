@@ -1,0 +1,102 @@
+"""Every bound a node keeps against its peers, in one frozen value with a flag per limit.
+
+A swarm is made of machines owned by strangers, so nothing a peer sends may make a node hold
+unbounded memory, streams, work or cache. Each limit is named here once, with its default and its
+``shoal`` flag (``--max-streams-per-peer`` for :attr:`Limits.max_streams_per_peer`, and so on);
+:mod:`shoal.wire` reads the message limits, :mod:`shoal.transport` the per-peer and per-node ones,
+:mod:`shoal.server` the work and cache ones. ``scope`` says which commands carry the flag: ``node``
+limits guard every node (servers, clients, the gateway), ``server`` ones only a server.
+
+Import-light (no torch, no transport): the command line builds its flags from these fields.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MiB = 1 << 20
+MAX_FRAME_PAYLOAD = 4 * MiB  # data bytes per DATA frame; a protocol constant (shoal.wire re-exports it)
+
+
+def _limit(default: Any, scope: str, help: str) -> Any:
+    return field(default=default, metadata={"scope": scope, "help": help})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a node accepts from any one peer, and from all of them together."""
+
+    # ---- messages (every node) -----------------------------------------------------------------
+    max_message_bytes: int = _limit(256 * MiB, "node", "bytes of one message's tensors")
+    max_header_bytes: int = _limit(64 * 1024, "node", "bytes of one message header")
+    max_tensors: int = _limit(64, "node", "tensors in one message")
+    max_ping_bytes: int = _limit(16 * MiB, "node", "bytes of one ping (an echo for measuring throughput)")
+    max_gossip_bytes: int = _limit(64 * MiB, "node", "bytes of one gossip message (swarm records)")
+    data_timeout: float = _limit(10.0, "node", "seconds a message that started may wait for its next bytes")
+    # ---- per peer and per node (every node) ------------------------------------------------------
+    max_inflight_bytes_per_peer: int = _limit(
+        512 * MiB, "node", "bytes of unfinished messages one peer may have this node hold"
+    )
+    max_inflight_bytes: int = _limit(2048 * MiB, "node", "bytes of unfinished messages of all peers together")
+    max_connections_per_peer: int = _limit(16, "node", "connections one peer may hold open to this node")
+    max_streams_per_peer: int = _limit(256, "node", "streams one peer may have open to this node at once")
+    # ---- work and cache (servers) ----------------------------------------------------------------
+    max_forward_positions: int = _limit(
+        16384, "server", "positions (rows x tokens) of one stateless forward; longer ones are refused"
+    )
+    max_sessions_per_peer: int = _limit(16, "server", "inference sessions one peer may hold open at once")
+    max_unstepped_rows_per_peer: int = _limit(
+        64, "server", "rows (one KV page each) of one peer's sessions that have not stepped yet"
+    )
+    first_step_timeout: float = _limit(
+        60.0, "server", "seconds an opened session may wait for its first step before it is closed"
+    )
+    session_timeout: float = _limit(300.0, "server", "seconds a session may go without a message before it is freed")
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"limit {item.name} must be positive, got {value!r}")
+        if self.max_message_bytes > self.max_inflight_bytes_per_peer:
+            raise ValueError(
+                f"max_message_bytes ({self.max_message_bytes}) must not exceed max_inflight_bytes_per_peer "
+                f"({self.max_inflight_bytes_per_peer}): such a message could never arrive"
+            )
+        if self.max_inflight_bytes_per_peer > self.max_inflight_bytes:
+            raise ValueError("max_inflight_bytes_per_peer must not exceed max_inflight_bytes")
+
+    @functools.cached_property
+    def max_frame_bytes(self) -> int:
+        return max(MAX_FRAME_PAYLOAD, self.max_header_bytes) + 1
+
+    @functools.cached_property
+    def kind_max_bytes(self) -> dict[str, int]:
+        """Tensor bytes a message of each kind may carry, when less than ``max_message_bytes``:
+        kinds that carry no tensors take none."""
+        return {
+            "hello": 0,
+            "info": 0,
+            "close": 0,
+            "error": 0,
+            "ping": min(self.max_ping_bytes, self.max_message_bytes),
+            "gossip": min(self.max_gossip_bytes, self.max_message_bytes),
+        }
+
+    def max_bytes_of(self, kind: str) -> int:
+        return self.kind_max_bytes.get(kind, self.max_message_bytes)
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of limit ``name``."""
+    return "--" + name.replace("_", "-")
+
+
+def limit_fields(scope: str | None = None) -> list[Any]:
+    """The limits' dataclass fields (of one ``scope``, or all), in declaration order."""
+    return [f for f in fields(Limits) if scope is None or f.metadata["scope"] == scope]
+
+
+__all__ = ["MAX_FRAME_PAYLOAD", "Limits", "MiB", "flag_of", "limit_fields"]
