@@ -11,6 +11,7 @@ import os
 from shoal.cli.args import (
     CODECS,
     NETWORK_PROFILES,
+    add_limit_flags,
     join_ticket,
     port_number,
     positive_float,
@@ -34,6 +35,7 @@ def _client_network(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bind", default="0.0.0.0:0", metavar="ADDR:PORT", help="UDP address of the iroh endpoint")
     group.add_argument("--connect-timeout", type=positive_float, default=5.0, help="seconds to reach a peer")
     group.add_argument("--request-timeout", type=positive_float, default=60.0, help="seconds for one request or step")
+    add_limit_flags(parser, "node")  # its endpoint answers any peer too
 
 
 def _compression(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +117,35 @@ def _client_settings(args: argparse.Namespace) -> dict:
 def _http(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: loopback only)")
     parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (0: any free one)")
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        metavar="NAME",
+        help="also answer requests whose Host header is NAME (repeatable; '*': any). Answered by default: "
+        "localhost, 127.0.0.1, ::1, the --host address, this machine's name and any IP address; others get "
+        "421 (against DNS rebinding)",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="let web pages of ORIGIN (e.g. https://app.example:8443) read the answers through CORS "
+        "(repeatable; default: no origin)",
+    )
+
+
+def _http_options(args: argparse.Namespace) -> dict:
+    """The GatewayOptions of the flags :func:`_http` adds."""
+    return dict(
+        host=args.host,
+        port=args.port,
+        allowed_hosts=tuple(args.allowed_host or ()),
+        cors_origins=tuple(args.cors_origin or ()),
+    )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get("SHOAL_API_KEY") or None
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -123,9 +154,8 @@ def cmd_api(args: argparse.Namespace) -> int:
     options = GatewayOptions(
         join=join_ticket(args.join),
         model=args.model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or os.environ.get("SHOAL_API_KEY") or None,
+        api_key=_api_key(args),
+        **_http_options(args),
         max_concurrency=args.max_concurrency,
         default_max_tokens=args.max_tokens,
         **_client_settings(args),
@@ -137,7 +167,10 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
     options = GatewayOptions(
-        join=join_ticket(args.join), host=args.host, port=args.port, transport=transport_config(args, args.bind)
+        join=join_ticket(args.join),
+        api_key=_api_key(args),
+        transport=transport_config(args, args.bind),
+        **_http_options(args),
     )
     return serve_gateway(options)
 
@@ -165,7 +198,11 @@ def add_commands(sub) -> None:
     api = sub.add_parser("api", help="OpenAI-compatible HTTP API (and dashboard) over a swarm")
     api.add_argument("model", help=model_help)
     _http(api)
-    api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $SHOAL_API_KEY; none)")
+    api.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 and on the dashboard's ?ticket= (another swarm) "
+        "(default: $SHOAL_API_KEY; none)",
+    )
     api.add_argument("--max-concurrency", type=positive_int, default=16, help="generations running at once")
     api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
     _client_flags(api)
@@ -173,6 +210,11 @@ def add_commands(sub) -> None:
 
     dashboard = sub.add_parser("dashboard", help="live web page of a swarm: models, block coverage, servers")
     _http(dashboard)
+    dashboard.add_argument(
+        "--api-key",
+        help="let a caller with 'Authorization: Bearer KEY' show another swarm (?ticket=), which the gateway "
+        "dials for it (default: $SHOAL_API_KEY; none: only this swarm)",
+    )
     _client_network(dashboard)
     dashboard.set_defaults(func=cmd_dashboard)
 

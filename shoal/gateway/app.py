@@ -7,6 +7,7 @@
     GET  /api/swarm[?ticket=T]      the swarm's status as JSON (any swarm, with ``ticket``): servers
                                     with their latest load, the swarm graph, this gateway's routes
     GET  /api/swarm/history[?ticket=T&since=S]  1-second load samples of the last 10 minutes
+                                    (``ticket`` makes the gateway dial that peer: it needs the API key)
     GET  /healthz                   200 while the process answers
     GET  /readyz                    200 when the swarm can serve the model (every block has an online
                                     server); 503 with the reason (and the uncovered blocks) otherwise
@@ -14,8 +15,10 @@
                                     drafted and accepted tokens, and the client's verification counters
                                     since start (see GatewayCollector)
 
-The dashboard, its JSON, the health checks and the metrics need no API key (probes, scrapers and
-browsers send none). When speculative decoding ran, a response's ``usage`` also carries
+The dashboard, its JSON (of the gateway's own swarm), the health checks and the metrics need no API
+key (probes, scrapers and browsers send none). Every route answers only to the allowed ``Host`` names,
+a POST only to a JSON body, and no other origin reads an answer unless ``--cors-origin`` names it
+(:mod:`shoal.gateway.guards`). When speculative decoding ran, a response's ``usage`` also carries
 ``"speculation": {rounds, drafted_tokens, accepted_tokens, acceptance_rate, mean_window}``.
 With verification on (``shoal api --verify audit``) a response also carries shoal's extension key
 ``"shoal": {"verification": {mode, audit_every, unverified_blocks, audits, audited_positions,
@@ -37,7 +40,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib.resources import files
@@ -48,9 +51,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from shoal.errors import BusyError, ShoalError
 from shoal.gateway.engine import Completion, Engine, GatewayError
+from shoal.gateway.guards import LOOPBACK_HOSTS, HostGuard, JsonOnly
 from shoal.gateway.schemas import ChatRequest, CompletionRequest, parse
 from shoal.gateway.swarm import SwarmWatcher, Watchers
 from shoal.gateway.views import readiness, swarm_graph
@@ -183,6 +188,18 @@ class Gateway:
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise GatewayError(401, "Incorrect API key provided.", code="invalid_api_key")
 
+    def authorize_ticket(self, request: Request) -> None:
+        """``?ticket=`` has the gateway dial a peer its caller names: only for a caller with the API key."""
+        if self.api_key is None:
+            raise GatewayError(
+                403,
+                "?ticket= (another swarm) makes this gateway dial the peer it names, so it needs an API key: "
+                "start the gateway with --api-key KEY (or $SHOAL_API_KEY) and send 'Authorization: Bearer KEY'",
+                param="ticket",
+                code="ticket_needs_api_key",
+            )
+        self.authorize(request)
+
     def check_model(self, name: str) -> Engine:
         if self.engine is None or name != self.engine.model_id:
             raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
@@ -269,9 +286,17 @@ def _param(body) -> str:
 
 
 def build_app(
-    engine: Engine | None, watchers: Watchers, api_key: str | None = None, max_concurrency: int = 16
+    engine: Engine | None,
+    watchers: Watchers,
+    api_key: str | None = None,
+    max_concurrency: int = 16,
+    *,
+    allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+    cors_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """The ASGI app; ``engine`` None serves only the dashboard."""
+    """The ASGI app; ``engine`` None serves only the dashboard. It answers only requests whose
+    ``Host`` is one of ``allowed_hosts`` (``"*"``: any; see :func:`shoal.gateway.guards.allowed_hosts`)
+    or an IP address, and lets pages of ``cors_origins`` (none by default) read its answers."""
     gateway = Gateway(engine, watchers, api_key, max_concurrency)
 
     @asynccontextmanager
@@ -284,6 +309,15 @@ def build_app(
 
     app = FastAPI(title="shoal gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.gateway = gateway
+    app.add_middleware(JsonOnly)  # innermost of the three: a configured origin can read its 415
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    app.add_middleware(HostGuard, hosts=allowed_hosts)  # outermost: nothing answers a foreign Host
     registry = CollectorRegistry(auto_describe=False)  # this app's own: apps in one process do not mix
     registry.register(GatewayCollector(engine))
 
@@ -359,15 +393,17 @@ def build_app(
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(files("shoal.gateway").joinpath("dashboard.html").read_text(encoding="utf-8"))
 
-    def watcher_of(ticket: str | None) -> SwarmWatcher:
+    def watcher_of(ticket: str | None, request: Request | None = None) -> SwarmWatcher:
+        if ticket:  # empty: the gateway's own swarm, as without
+            gateway.authorize_ticket(request)  # before the ticket is even parsed: nothing dialled
         try:
             return gateway.watchers.get(ticket)
         except ValueError as exc:
             raise GatewayError(400, str(exc), param="ticket") from None
 
     @app.get("/api/swarm")
-    async def swarm(ticket: str | None = None) -> JSONResponse:
-        watcher = watcher_of(ticket)
+    async def swarm(request: Request, ticket: str | None = None) -> JSONResponse:
+        watcher = watcher_of(ticket, request)
         status = await watcher.status()
         default = gateway.watchers.default
         own = default is not None and watcher.table.swarm == default.swarm_id  # the swarm the engine uses
@@ -377,8 +413,8 @@ def build_app(
         return JSONResponse(status, headers={"Cache-Control": "no-store"})
 
     @app.get("/api/swarm/history")
-    async def swarm_history(ticket: str | None = None, since: float | None = None) -> JSONResponse:
-        history = await watcher_of(ticket).history(since)
+    async def swarm_history(request: Request, ticket: str | None = None, since: float | None = None) -> JSONResponse:
+        history = await watcher_of(ticket, request).history(since)
         return JSONResponse(history, headers={"Cache-Control": "no-store"})
 
     @app.get("/healthz")

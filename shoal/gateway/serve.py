@@ -41,6 +41,9 @@ class GatewayOptions:
     prompt_lookup: int | None = None  # ... or with up to this many tokens per round looked up in the prompt
     verify: str = "off"  # "audit" / "redundant": the client checks the servers (from_pretrained(verify=...))
     audit_every: int | None = None  # positions between audits of each hop (None: the mode's default)
+    # Host names answered besides loopback's, the bound address and this machine's name; ("*",): any
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # origins whose pages may read the answers (CORS); none by default
 
 
 def check_draft(name: str, *, weights: bool = False) -> Path:
@@ -86,6 +89,7 @@ def serve_gateway(options: GatewayOptions) -> int:
     import uvicorn
 
     from shoal.gateway.app import build_app
+    from shoal.gateway.guards import allowed_hosts
     from shoal.gateway.swarm import Watchers
     from shoal.heap import freeze_startup_heap
 
@@ -121,7 +125,14 @@ def serve_gateway(options: GatewayOptions) -> int:
             )
             speculation = load_speculation(options.draft, options.prompt_lookup, model.tokenizer)
             engine = Engine(model, model_name(options.model), options.default_max_tokens, speculation)
-        app = build_app(engine, Watchers(options.transport, options.join), options.api_key, options.max_concurrency)
+        app = build_app(
+            engine,
+            Watchers(options.transport, options.join),
+            options.api_key,
+            options.max_concurrency,
+            allowed_hosts=allowed_hosts(options.host, options.allowed_hosts),
+            cors_origins=options.cors_origins,
+        )
         freeze_startup_heap()  # a long-lived process, after its heavy imports, before it says it is ready
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -326,9 +326,13 @@ def test_dashboard_and_its_json(api, swarm):
         shown = servers[server.peer]
         assert (shown["start"], shown["end"], shown["state"]) == (*server.span, "online")
         assert shown["cache_tokens_free"] > 0 and shown["throughput"] == 100
-    status, other = raw(api, f"/api/swarm?ticket={swarm.servers[2].process.ticket}", key=None)
+    # another ticket has the gateway dial that peer: only for a caller with the API key
+    status, payload = raw(api, f"/api/swarm?ticket={swarm.servers[2].process.ticket}", key=None)
+    assert status == 401
+    assert_error(payload, "missing_api_key")
+    status, other = raw(api, f"/api/swarm?ticket={swarm.servers[2].process.ticket}")
     assert status == 200 and other["swarm"] == swarm.ticket.swarm_id
-    status, payload = raw(api, "/api/swarm?ticket=garbage", key=None)
+    status, payload = raw(api, "/api/swarm?ticket=garbage")
     assert status == 400
     assert_error(payload, param="ticket")
 

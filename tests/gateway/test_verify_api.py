@@ -186,7 +186,7 @@ def test_gateway_streams_only_the_honest_text_and_metrics_show_the_ban(world):
     with through(world, liar) as model:
         steer(world, model, liar)
         app = build_app(Engine(model, MODEL_ID), Watchers(world.swarm.transport, None))
-        with TestClient(app) as client:
+        with TestClient(app, base_url="http://localhost") as client:
             body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "stream": True}
             with client.stream("POST", "/v1/completions", json=body) as reply:
                 assert reply.status_code == 200
@@ -234,7 +234,8 @@ def test_without_verification_a_response_has_no_shoal_key(world):
     """verify off: the body is OpenAI's alone, and /metrics says mode off with zero counts."""
     prompt = prompt_ids()
     with connect_over(world.swarm, [*world.low, *world.high]) as model:
-        client = TestClient(build_app(Engine(model, MODEL_ID), Watchers(world.swarm.transport, None)))
+        app = build_app(Engine(model, MODEL_ID), Watchers(world.swarm.transport, None))
+        client = TestClient(app, base_url="http://localhost")
         with client:
             body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4, "temperature": 0}
             payload = client.post("/v1/completions", json=body).json()
