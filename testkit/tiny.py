@@ -329,6 +329,20 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
+def inputs(
+    hidden_size: int, n: int, start: int = 0, batch: int = 1, seed: int = 0, mask: bool = False
+) -> list[torch.Tensor]:
+    """What a block span takes for ``n`` new tokens at positions ``start...``: ``[hidden,
+    position_ids(, attention_mask)]``, the hidden states seeded by ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, n, hidden_size, generator=generator)
+    position_ids = torch.arange(start, start + n).expand(batch, n).contiguous()
+    tensors = [hidden, position_ids]
+    if mask:
+        tensors.append(torch.ones(batch, start + n, dtype=torch.bool))
+    return tensors
+
+
 __all__ = [
     "FAMILIES",
     "GENERIC_FAMILIES",
@@ -337,6 +351,7 @@ __all__ = [
     "TINY_SHAPE",
     "byte_tokenizer",
     "char_tokenizer",
+    "inputs",
     "save_checkpoint",
     "tiny_checkpoint",
     "tiny_config",

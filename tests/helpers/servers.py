@@ -22,6 +22,7 @@ from shoal.protocols import BLOCKS
 from shoal.transport import BaseNode, MessageStream, Ticket, TransportConfig
 from shoal.wire import Message
 from shoal.wire.schema import InfoReply, OpenReply, OpenRequest, PushHop, StepReply, StepRequest
+from testkit.tiny import inputs as inputs  # re-exported: the tests' span inputs
 
 CLIENT_CONFIG = TransportConfig(bind_addr="127.0.0.1:0")
 
@@ -58,19 +59,6 @@ def _unclean(process: ServerProcess) -> str | None:
     if "Traceback" in output:
         return f"server {process.args} logged a traceback:\n{output[-4000:]}"
     return None
-
-
-def inputs(
-    hidden_size: int, n: int, start: int = 0, batch: int = 1, seed: int = 0, mask: bool = False
-) -> list[torch.Tensor]:
-    """``[hidden, position_ids(, attention_mask)]`` for ``n`` new tokens at positions ``start...``."""
-    generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(batch, n, hidden_size, generator=generator)
-    position_ids = torch.arange(start, start + n).expand(batch, n).contiguous()
-    tensors = [hidden, position_ids]
-    if mask:
-        tensors.append(torch.ones(batch, start + n, dtype=torch.bool))
-    return tensors
 
 
 async def info(node: BaseNode, ticket: Ticket) -> InfoReply:
