@@ -13,8 +13,11 @@ Import-light (no torch, no transport): the command line builds its flags from th
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
+
+K = TypeVar("K")
 
 MiB = 1 << 20
 MAX_FRAME_PAYLOAD = 4 * MiB  # data bytes per DATA frame; a protocol constant (shoal.wire re-exports it)
@@ -47,8 +50,12 @@ class Limits:
         16384, "server", "positions (rows x tokens) of one stateless forward; longer ones are refused"
     )
     max_sessions_per_peer: int = _limit(16, "server", "inference sessions one peer may hold open at once")
-    max_unstepped_rows_per_peer: int = _limit(
-        64, "server", "rows (one KV page each) of one peer's sessions that have not stepped yet"
+    max_unstepped_rows_per_peer: int = _limit(64, "server", "rows of one peer's sessions that have not stepped yet")
+    reclaim_idle_after: float = _limit(
+        10.0,
+        "server",
+        "seconds without a message after which a session's unused KV reservation goes to a "
+        "session that needs pages (one that never stepped gives it to another peer at once)",
     )
     first_step_timeout: float = _limit(
         60.0, "server", "seconds an opened session may wait for its first step before it is closed"
@@ -89,6 +96,16 @@ class Limits:
         return self.kind_max_bytes.get(kind, self.max_message_bytes)
 
 
+def count_down(counter: Counter[K], key: K, n: int) -> None:
+    """Take ``n`` off ``key``'s count of what it holds against a limit; a count that reaches 0 is
+    dropped (a table keyed by peer must not keep every peer ever seen)."""
+    left = counter[key] - n
+    if left > 0:
+        counter[key] = left
+    else:
+        counter.pop(key, None)
+
+
 def flag_of(name: str) -> str:
     """The command-line flag of limit ``name``."""
     return "--" + name.replace("_", "-")
@@ -99,4 +116,4 @@ def limit_fields(scope: str | None = None) -> list[Any]:
     return [f for f in fields(Limits) if scope is None or f.metadata["scope"] == scope]
 
 
-__all__ = ["MAX_FRAME_PAYLOAD", "Limits", "MiB", "flag_of", "limit_fields"]
+__all__ = ["MAX_FRAME_PAYLOAD", "Limits", "MiB", "count_down", "flag_of", "limit_fields"]

@@ -1,9 +1,10 @@
 """The ``shoal/blocks/2`` protocol handler: info, stateless forward, and inference sessions.
 
-A session lives on the stream that opened it: it is admitted at ``open`` against the server-wide
-budget of KV pages (:mod:`shoal.server.budget`), its cache takes pages of the span's pool as its
-positions come (:class:`~shoal.models.kv.PagedCache`), and they go back when the client closes it,
-the stream ends (client vanished) or no message arrives within the idle timeout.
+A session lives on the stream that opened it: it is admitted at ``open`` against the per-peer limits
+and the server-wide budget of KV pages (:mod:`shoal.server.admission`, :mod:`shoal.server.budget`),
+its cache takes pages of the span's pool as its positions come (:class:`~shoal.models.kv.PagedCache`),
+and they go back when the client closes it, the stream ends (client vanished) or no message arrives
+within the idle timeout (the first step's, ``first_step_timeout``, sooner).
 
 Server-to-server push: a ``step`` may carry the rest of the chain (``push``: the next servers'
 tickets, session ids and tokens). The server hands its output straight to the next server (a
@@ -32,14 +33,12 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import Counter
 
 import msgspec
 import torch
 
 from shoal.errors import (
     BadRequest,
-    BusyError,
     ClosedError,
     NotFound,
     RemoteError,
@@ -50,6 +49,7 @@ from shoal.errors import (
 from shoal.ids import PeerId, SessionId
 from shoal.limits import Limits
 from shoal.models.kv import PagedCache
+from shoal.server.admission import Admission
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
 from shoal.server.judge import Judge
@@ -97,15 +97,13 @@ class BlockServer:
         self.budget = budget
         self.limits = limits
         self.share_counters = share_counters
-        self.max_sessions_per_peer = limits.max_sessions_per_peer
         self.idle_timeout = limits.session_timeout
         self.counters = counters
         self.judge = judge
         self.pusher = pusher
         self.draining = False
         self._sessions: dict[SessionId, ServedSession] = {}
-        self._per_peer: Counter[PeerId] = Counter()  # open sessions
-        self._unstepped_rows: Counter[PeerId] = Counter()  # rows of open sessions that never stepped
+        self.admission = Admission(budget, limits, counters, self._sessions)  # per-peer counts, pages kept
         self._push_tasks: set[asyncio.Task] = set()
         self._session_tasks: set[asyncio.Task] = set()  # streams serving a session, until their handler ends
         self.prefix = PrefixIndex(budget.pool)  # closed sessions' full pages, reused by digest; sets pool.reclaim
@@ -189,32 +187,12 @@ class BlockServer:
         max_length, batch_size = meta.max_length, meta.batch_size
         prompts = self.backend.session_prompts(request.tensors, meta.prompts, batch_size, max_length)
         self.backend.check_adapter(meta.adapter)
-        if self._per_peer[peer_id] >= self.max_sessions_per_peer:
-            self.counters.sessions_rejected_busy += 1
-            raise BusyError(
-                f"peer already has {self._per_peer[peer_id]} open sessions (limit {self.max_sessions_per_peer})"
-            )
-        unstepped, most = self._unstepped_rows[peer_id], self.limits.max_unstepped_rows_per_peer
-        if unstepped + batch_size > most:
-            self.counters.sessions_rejected_busy += 1
-            raise BusyError(
-                f"peer has sessions of {unstepped} rows it never stepped here; {batch_size} more would pass the "
-                f"limit of {most} (--max-unstepped-rows-per-peer): step or close them first"
-            )
-        try:
-            pages = self.budget.admit(batch_size, max_length)  # one page per row; more as positions come
-        except BusyError:
-            self.counters.sessions_rejected_busy += 1
-            raise
-        self._per_peer[peer_id] += 1  # counted before the await: concurrent opens see it
-        self._unstepped_rows[peer_id] += batch_size
+        pages = self.admission.admit(peer_id, batch_size, max_length)
         try:
             if prompts is not None:
                 prompts = await self.backend.on_device(prompts)
         except BaseException:
-            self.budget.release(pages)
-            self._release_peer_slot(peer_id)
-            self._stepped(peer_id, batch_size)
+            self.admission.cancel(peer_id, batch_size, pages)
             raise
         cache = PagedCache(self.budget.pool, batch_size, max_length)
         session = ServedSession(SessionId(secrets.token_hex(8)), peer_id, batch_size, max_length, pages, cache, stream)
@@ -237,24 +215,10 @@ class BlockServer:
         self.counters.sessions_active += 1
         return session
 
-    def _release_peer_slot(self, peer_id: PeerId) -> None:
-        self._per_peer[peer_id] -= 1
-        if self._per_peer[peer_id] <= 0:
-            del self._per_peer[peer_id]
-
-    def _stepped(self, peer_id: PeerId, rows: int) -> None:
-        """A session of ``rows`` rows no longer counts as never stepped (it stepped, or it ended)."""
-        self._unstepped_rows[peer_id] -= rows
-        if self._unstepped_rows[peer_id] <= 0:
-            del self._unstepped_rows[peer_id]
-
     def _free(self, session: ServedSession) -> None:
         if self._sessions.pop(session.id, None) is None:
             return  # already freed
-        if not session.stepped:
-            self._stepped(session.peer_id, session.batch_size)
-        self._release_peer_slot(session.peer_id)
-        self.budget.release(session.pages)
+        self.admission.release(session)
         self.counters.sessions_active -= 1
         session.cache.close()  # its pages go back to the pool
         session.cache = None
@@ -387,11 +351,7 @@ class BlockServer:
         hidden, position_ids, mask = self.backend.check_inputs(
             message.tensors, past_length=position, batch_size=session.batch_size, max_length=session.max_length
         )
-        # pages are committed as positions arrive (shoal.server.budget): a full server answers busy
-        session.pages = self.budget.grow(session.pages, session.batch_size, position + hidden.shape[1])
-        if not session.stepped:
-            session.stepped = True
-            self._stepped(session.peer_id, session.batch_size)
+        self.admission.step(session, position + hidden.shape[1])  # its pages (committed again if taken back)
         rolled_back = session.cache.length - position  # positions the client dropped (speculation, a retry)
         signs = self.signer is not None  # only a server with a key signs receipts: only it keeps the chain
         states = await step_states(session.state, position, hidden, position_ids, mask) if signs else b""

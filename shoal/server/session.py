@@ -21,7 +21,7 @@ class ServedSession:
     peer_id: PeerId
     batch_size: int
     max_length: int
-    pages: int  # KV pages committed (shoal.server.budget): grown by each step to what its positions need
+    pages: int  # KV pages committed (shoal.server.admission): its max_length's, less a reservation taken back
     cache: PagedCache | None
     stream: MessageStream  # the client's: every reply of the session goes there
     token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets the previous server push steps

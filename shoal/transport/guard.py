@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 from shoal.errors import WireError
-from shoal.limits import Limits, flag_of
+from shoal.limits import Limits, count_down, flag_of
 
 
 class OverLimit(WireError):
@@ -38,7 +38,7 @@ class PeerGuard:
         return True
 
     def release_connection(self, peer: str) -> None:
-        _decrement(self.connections, peer, 1)
+        count_down(self.connections, peer, 1)
 
     def admit_stream(self, peer: str) -> bool:
         if self.streams[peer] >= self.limits.max_streams_per_peer:
@@ -48,7 +48,7 @@ class PeerGuard:
         return True
 
     def release_stream(self, peer: str) -> None:
-        _decrement(self.streams, peer, 1)
+        count_down(self.streams, peer, 1)
 
     # ---- bytes of unfinished messages --------------------------------------------------------
     def take_bytes(self, peer: str, n: int) -> None:
@@ -73,16 +73,8 @@ class PeerGuard:
 
     def give_bytes(self, peer: str, n: int) -> None:
         if n:
-            _decrement(self.inflight, peer, n)
+            count_down(self.inflight, peer, n)
             self.inflight_total = max(0, self.inflight_total - n)
-
-
-def _decrement(counter: Counter[str], key: str, n: int) -> None:
-    left = counter[key] - n
-    if left > 0:
-        counter[key] = left
-    else:
-        counter.pop(key, None)
 
 
 __all__ = ["OverLimit", "PeerGuard"]

@@ -89,6 +89,7 @@ class ServerCounters(msgspec.Struct, kw_only=True):
     sessions_closed: int = 0  # closed by the client
     sessions_abandoned: int = 0  # the client vanished mid-session (or broke its stream)
     sessions_timed_out: int = 0  # idle for longer than the timeout
+    reservations_taken_back: int = 0  # unused KV reservations of unstepped or idle sessions, given to others
     sessions_active: int = 0
     sessions_rejected_busy: int = 0
     steps: int = 0

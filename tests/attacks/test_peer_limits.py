@@ -273,31 +273,31 @@ def test_a_stateless_forward_over_the_position_limit_is_refused_and_a_long_one_r
     run(swarm, go())
 
 
-def test_sessions_opened_and_never_stepped_hold_one_page_a_row_and_are_reclaimed(serve, span):
-    """A peer opens sessions for all the free cache and never steps them: each holds one page per
-    row (not the whole budget), its rows of such sessions are capped (``--max-unstepped-rows-per-
-    peer``), an honest session opens and steps beside them, and after ``--first-step-timeout``
-    they are closed and the cache is free again."""
-    swarm = serve(max_unstepped_rows_per_peer=6, first_step_timeout=0.5, cache_tokens=512)
+def test_sessions_opened_and_never_stepped_hold_nothing_another_session_needs(serve, span):
+    """A peer opens sessions reserving all the free cache and never steps them. An honest peer's
+    open takes the reservation of such a session back, so the honest session opens and steps as
+    without them; the peer's rows of such sessions are capped (``--max-unstepped-rows-per-peer``),
+    and after ``--first-step-timeout`` they are closed."""
+    swarm = serve(max_unstepped_rows_per_peer=6, first_step_timeout=1.0, cache_tokens=512)  # 32 pages
 
     async def go():
         async with await Node.start(LOOPBACK) as hostile, await Node.start(LOOPBACK) as honest:
             ticket = swarm.servers[0].ticket
+            server = swarm.servers[0].server
             free = (await info(honest, ticket)).free_cache_tokens
-            hoarders = [await Session.open(hostile, ticket, max_length=free // 2, batch_size=2) for _ in range(3)]
+            assert free == 512
+            hoarders = [await Session.open(hostile, ticket, max_length=n, batch_size=2) for n in (96, 96, 64)]
+            assert (await info(honest, ticket)).free_cache_tokens == 0  # they reserved it all
             with pytest.raises(BusyError, match=r"never stepped here; 1 more would pass the limit of 6 "
                                                 r"\(--max-unstepped-rows-per-peer\)"):  # fmt: skip
-                await Session.open(hostile, ticket, max_length=free)
-            assert (await info(honest, ticket)).free_cache_tokens == free - 6 * 16
+                await Session.open(hostile, ticket, max_length=16)
             await honest_session(honest, swarm, span)
-            server = swarm.servers[0].server
+            assert server.counters.reservations_taken_back == 1
             deadline = time.monotonic() + 5
             while server.counters.sessions_timed_out < 3 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert server.counters.sessions_timed_out == 3
             assert (await wait_for_info(honest, ticket, lambda r: r.free_cache_tokens == free)).counters is None
-            reopened = await Session.open(hostile, ticket, max_length=free)  # its rows were given back
-            await reopened.close()
             for session in hoarders:
                 await session.stream.finish()
 
@@ -315,5 +315,31 @@ def test_info_to_a_stranger_carries_no_counters(serve, span):
             reply = await info(stranger, swarm.servers[0].ticket)
             assert reply.counters is None and reply.free_cache_tokens == 256 and reply.span.blocks == BlockRange(*SPAN)
             assert swarm.servers[0].server.describe().counters.sessions_opened == 1
+
+    run(swarm, go())
+
+
+def test_an_idle_sessions_unused_reservation_goes_to_a_session_that_needs_pages(serve, span):
+    """A peer reserves the whole cache with one session, steps it once and goes idle. An honest open
+    is busy while that session is recent, and admitted once it has been idle for
+    ``--reclaim-idle-after``: the idle session keeps the pages its positions hold (and goes on
+    stepping), the rest of its reservation goes to the honest session."""
+    swarm = serve(reclaim_idle_after=2.0)  # 256 tokens: 16 pages
+
+    async def go():
+        async with await Node.start(LOOPBACK) as hostile, await Node.start(LOOPBACK) as honest:
+            ticket = swarm.servers[0].ticket
+            hoarder = await Session.open(hostile, ticket, max_length=256)
+            cache = span.allocate_cache(1, 32)
+            x = inputs(HIDDEN, 16, seed=1)
+            torch.testing.assert_close(await hoarder.step(0, x), local_forward(span, x, cache, 0), rtol=0, atol=1e-4)
+            with pytest.raises(BusyError, match=r"needs 4 KV pages of 16, 0 of 16 are free"):
+                await Session.open(honest, ticket, max_length=64)
+            await asyncio.sleep(2.2)
+            await honest_session(honest, swarm, span)
+            assert swarm.servers[0].server.counters.reservations_taken_back == 1
+            y = inputs(HIDDEN, 1, start=16, seed=2)  # its positions kept: it steps on
+            torch.testing.assert_close(await hoarder.step(16, y), local_forward(span, y, cache, 16), rtol=0, atol=1e-4)
+            await hoarder.close()
 
     run(swarm, go())

@@ -385,9 +385,11 @@ INVALID = [
 @pytest.mark.parametrize("kind, meta, names", INVALID, ids=[f"{k}-{i}" for i, (k, _, _) in enumerate(INVALID)])
 def test_invalid_metadata_is_a_bad_request_naming_the_field(kind, meta, names):
     carries = Limits().max_bytes_of(kind) > 0
-    frames = [head_frame(good_header(k=kind, id=77, m=meta)), DATA8] if carries else [
-        head_frame(good_header(k=kind, id=77, m=meta, t=[], n=0))
-    ]
+    frames = (
+        [head_frame(good_header(k=kind, id=77, m=meta)), DATA8]
+        if carries
+        else [head_frame(good_header(k=kind, id=77, m=meta, t=[], n=0))]
+    )
     with pytest.raises(InvalidMessage) as caught:
         feed_frames(frames)
     error = caught.value
