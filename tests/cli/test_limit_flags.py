@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,16 @@ def test_limits_that_cannot_work_together_are_a_usage_error():
 def test_a_limit_must_be_positive():
     with pytest.raises(ValueError, match="limit max_tensors must be positive"):
         Limits(max_tensors=0)
+
+
+def test_the_readme_lists_every_limit_with_its_flag():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    missing = [flag_of(item.name) for item in limit_fields() if f"| `{flag_of(item.name)}` |" not in readme]
+    assert not missing, f"README's table of limits lacks {missing}"
+
+
+@pytest.mark.parametrize("command", ["api", "chat", "dashboard"])
+def test_the_clients_endpoint_takes_the_node_limits(command):
+    flags = {option for action in subparser(command)._actions for option in action.option_strings}
+    assert {flag_of(item.name) for item in limit_fields("node")} <= flags
+    assert not {flag_of(item.name) for item in limit_fields("server")} & flags
