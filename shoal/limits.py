@@ -49,6 +49,9 @@ class Limits:
     max_forward_positions: int = _limit(
         16384, "server", "positions (rows x tokens) of one stateless forward; longer ones are refused"
     )
+    max_unchunked_row_tokens: int = _limit(
+        2048, "server", "tokens of one row of a pass that cannot run in chunks (a backward, deep prompts)"
+    )
     max_sessions_per_peer: int = _limit(16, "server", "inference sessions one peer may hold open at once")
     max_unstepped_rows_per_peer: int = _limit(64, "server", "rows of one peer's sessions that have not stepped yet")
     reclaim_idle_after: float = _limit(

@@ -26,7 +26,7 @@ async def forward(server: BlockServer, request: Message, peer_id: PeerId) -> Mes
     meta: ForwardRequest = request.meta
     backend = server.backend
     hidden, position_ids, mask, prompts = backend.forward_inputs(request.tensors, meta.prompts)
-    check_positions(server, hidden)
+    check_positions(server, hidden, in_chunks=prompts is None)
     backend.check_adapter(meta.adapter)
     out = await backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter, peer=peer_id)
     server.counters.forward_requests += 1
@@ -46,7 +46,7 @@ async def backward(server: BlockServer, request: Message) -> Message:
     meta: BackwardRequest = request.meta
     backend = server.backend
     hidden, position_ids, mask, prompts, grad_output = backend.backward_inputs(request.tensors, meta.prompts)
-    check_positions(server, hidden)
+    check_positions(server, hidden, in_chunks=False)
     backend.check_adapter(meta.adapter)
     grads = await backend.backward(hidden, position_ids, mask, grad_output, prompts=prompts, adapter=meta.adapter)
     server.counters.backward_requests += 1
@@ -54,15 +54,23 @@ async def backward(server: BlockServer, request: Message) -> Message:
     return Message("result", request.id, tensors=grads)
 
 
-def check_positions(server: BlockServer, hidden: torch.Tensor) -> None:
+def check_positions(server: BlockServer, hidden: torch.Tensor, in_chunks: bool) -> None:
     """A stateless pass of more positions (rows x tokens) than ``max_forward_positions`` is refused:
-    one request must not hold the compute thread (or its memory) for minutes. Longer ones run in
-    chunks of positions (:meth:`~shoal.server.backend.SpanBackend.run`), so work stays linear per task."""
-    positions, limit = hidden.shape[0] * hidden.shape[1], server.limits.max_forward_positions
-    if positions > limit:
+    one request must not hold the compute thread (or its memory) for minutes. A forward runs in
+    chunks of positions (:meth:`~shoal.server.backend.SpanBackend.run`), so a task's attention memory
+    stays linear in the row's length; a pass that cannot (a backward, a forward with deep prompts)
+    holds a row's tokens x tokens scores at once, so its rows are capped too (``max_unchunked_row_tokens``)."""
+    limits = server.limits
+    rows, tokens = hidden.shape[:2]
+    if rows * tokens > limits.max_forward_positions:
         raise BadRequest(
-            f"a stateless pass of {positions} positions (rows x tokens) is over this server's limit of {limit} "
-            "(--max-forward-positions): split it, or use a session"
+            f"a stateless pass of {rows * tokens} positions (rows x tokens) is over this server's limit of "
+            f"{limits.max_forward_positions} (--max-forward-positions): split it, or use a session"
+        )
+    if not in_chunks and tokens > limits.max_unchunked_row_tokens:
+        raise BadRequest(
+            f"a backward or a forward with deep prompts of {tokens} tokens per row is over this server's limit "
+            f"of {limits.max_unchunked_row_tokens} (--max-unchunked-row-tokens): use shorter sequences"
         )
 
 

@@ -257,15 +257,19 @@ def test_a_control_message_that_declares_tensors_is_refused_at_its_header(serve,
 # ---- work and cache ----------------------------------------------------------------------------------
 def test_a_stateless_forward_over_the_position_limit_is_refused_and_a_long_one_runs_in_chunks(serve, span):
     """``--max-forward-positions 600``: a forward of 601 positions is a ``bad_request`` naming the
-    flag; one of 2 x 250 (over the 256 positions a task runs at once) runs in chunks through a KV
-    cache of its own and equals the blocks run in one piece."""
-    swarm = serve(max_forward_positions=600)
+    flag, and so is a backward (which runs a row in one piece) of a row longer than
+    ``--max-unchunked-row-tokens``; a forward of 2 x 250 (over the 256 positions a task runs at
+    once) runs in chunks through a KV cache of its own and equals the blocks run in one piece."""
+    swarm = serve(max_forward_positions=600, max_unchunked_row_tokens=300)
 
     async def go():
         async with await Node.start(LOOPBACK) as hostile, await Node.start(LOOPBACK) as honest:
             ticket = swarm.servers[0].ticket
             with pytest.raises(BadRequest, match=r"601 positions .* limit of 600 \(--max-forward-positions\)"):
                 await forward(hostile, ticket, inputs(HIDDEN, 601, seed=1))
+            long_row = [*inputs(HIDDEN, 301, seed=1), torch.randn(1, 301, HIDDEN)]  # hidden, positions, grad
+            with pytest.raises(BadRequest, match=r"301 tokens per row .* limit of 300 \(--max-unchunked-row-tokens\)"):
+                await hostile.request(ticket, BLOCKS, Message("backward", 1, tensors=long_row))
             x = inputs(HIDDEN, 250, batch=2, seed=2, mask=True)
             torch.testing.assert_close(await forward(honest, ticket, x), local_forward(span, x), rtol=0, atol=1e-4)
             await honest_session(honest, swarm, span)
