@@ -11,8 +11,8 @@ stays usable at its length). Pages no live session holds keep the prefix cache
 
 A commitment beyond the positions a session has reached is a *reservation*, and a reservation is
 not kept from others: when an ``open`` or a step finds the budget spent, the server takes back
-(:meth:`CacheBudget.shrink`) the reservations of sessions that never stepped, then of sessions idle
-for a while (:mod:`shoal.server.handler`), down to the pages their positions hold. Such a session
+(:meth:`CacheBudget.shrink`) the reservations of other peers' sessions that never stepped, then of
+sessions idle for a while (:mod:`shoal.server.admission`), down to the pages their positions hold. Such a session
 stays open; it commits again as its positions arrive (:meth:`CacheBudget.grow`). So a stranger who
 opens sessions for all the free cache and never steps holds nothing anyone else needs.
 """

@@ -104,7 +104,9 @@ class BaseNode:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _accepted_stream(self, channel: ByteChannel, peer_id: str) -> MessageStream:
+    def _stream(self, channel: ByteChannel, peer_id: str) -> MessageStream:
+        """A stream with ``peer_id`` over ``channel``, dialled or accepted: this node's limits,
+        request deadline, byte counts and guard."""
         limits, timeout = self.config.limits, self.config.deadlines.request
         return MessageStream(channel, peer_id, limits, timeout, self.received, self.guard)
 
@@ -213,8 +215,7 @@ class BaseNode:
                 if attempt:
                     raise
                 continue
-            limits, timeout = self.config.limits, self.config.deadlines.request
-            return MessageStream(channel, ticket.peer_id, limits, timeout, self.received, self.guard)
+            return self._stream(channel, ticket.peer_id)
         raise AssertionError("unreachable")
 
     async def request(

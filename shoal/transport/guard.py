@@ -31,24 +31,24 @@ class PeerGuard:
 
     # ---- connections and streams ------------------------------------------------------------
     def admit_connection(self, peer: str) -> bool:
-        if self.connections[peer] >= self.limits.max_connections_per_peer:
-            self.refused["max_connections_per_peer"] += 1
-            return False
-        self.connections[peer] += 1
-        return True
+        return self._admit(self.connections, peer, "max_connections_per_peer")
 
     def release_connection(self, peer: str) -> None:
         count_down(self.connections, peer, 1)
 
     def admit_stream(self, peer: str) -> bool:
-        if self.streams[peer] >= self.limits.max_streams_per_peer:
-            self.refused["max_streams_per_peer"] += 1
-            return False
-        self.streams[peer] += 1
-        return True
+        return self._admit(self.streams, peer, "max_streams_per_peer")
 
     def release_stream(self, peer: str) -> None:
         count_down(self.streams, peer, 1)
+
+    def _admit(self, held: Counter[str], peer: str, limit: str) -> bool:
+        """One more for ``peer`` in ``held``, unless it holds the limit ``limit`` names already."""
+        if held[peer] >= getattr(self.limits, limit):
+            self.refused[limit] += 1
+            return False
+        held[peer] += 1
+        return True
 
     # ---- bytes of unfinished messages --------------------------------------------------------
     def take_bytes(self, peer: str, n: int) -> None:

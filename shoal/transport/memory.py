@@ -233,7 +233,7 @@ class _Link:
         self._pipes.add(up)
         self._pipes.add(down)
         acceptor = self._acceptor
-        stream = acceptor._accepted_stream(_PipeChannel(down, up), self._dialler.id)
+        stream = acceptor._stream(_PipeChannel(down, up), self._dialler.id)
         acceptor._serve_stream(acceptor._handlers[self._alpn], stream)
         return _PipeChannel(up, down)
 

@@ -207,7 +207,7 @@ class Node(BaseNode):
                     bi = await conn.accept_bi()
                 except iroh.IrohError:
                     return  # the connection closed
-                self._serve_stream(handler, self._accepted_stream(_QuicChannel(bi), peer_id))
+                self._serve_stream(handler, self._stream(_QuicChannel(bi), peer_id))
         finally:
             self.guard.release_connection(peer_id)
 

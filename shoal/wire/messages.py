@@ -204,11 +204,6 @@ class Assembler:
         return self._pending is not None
 
     @property
-    def held(self) -> int:
-        """Bytes of the unfinished message held so far."""
-        return len(self._body)
-
-    @property
     def missing(self) -> int:
         """Data bytes the unfinished message still expects (0 between messages)."""
         return 0 if self._pending is None else self._pending.n - len(self._body)
