@@ -240,3 +240,28 @@ def test_a_drafter_that_keeps_failing_is_dropped_for_the_call(model, reference, 
     assert len([r for r in caplog.records if r.name == "shoal.client.generation.speculation"]) == 1
     model.generate(prompt, max_new_tokens=4, **kwargs)
     assert model.last_speculation.failures > 0
+
+
+@pytest.mark.parametrize("seed", [1, 9])
+def test_sampled_drafts_weigh_their_own_tokens(model, reference, prompt, expected, seed, monkeypatch):
+    """Universal speculative decoding with the draft's LM head pruned: every drafted token is the top
+    of its own logits in target ids (transformers placed them by another order, and seeds 1 and 9 then
+    crashed ``torch.multinomial`` on an all-zero residual); the tokens stay greedy's."""
+    torch.manual_seed(seed)
+    scripted(monkeypatch, SCRIPTS["plain-first"])
+    drafted: list[tuple[Tensor, Tensor]] = []
+    original = PlannedDrafts._draft
+
+    def draft(planned: PlannedDrafts, input_ids, window, kwargs):
+        candidates, logits, prefill = original(planned, input_ids, window, kwargs)
+        if logits is not None:
+            drafted.append((candidates[:, input_ids.shape[1] :], logits))
+        return candidates, logits, prefill
+
+    monkeypatch.setattr(PlannedDrafts, "_draft", draft)
+    kwargs, _ = drafting("other-tokenizer-sampling", reference)
+    got = model.generate(prompt, max_new_tokens=NEW_TOKENS, **kwargs)
+    assert torch.equal(got, expected)
+    assert len(drafted) > 3
+    for ids, logits in drafted:
+        assert torch.equal(logits.argmax(-1), ids)

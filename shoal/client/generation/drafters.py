@@ -17,6 +17,13 @@ sets in target tokens and compares with draft tokens: a draft tokenizer that nee
 the same text is never cropped, its cache fills with stale positions until it holds more than the
 input, and the draft model's forward gets 0 tokens (issue #40). The view's own crop replaces it.
 
+With the draft's LM head pruned (universal speculative decoding), transformers 5.17 to 5.25 place
+the pruned logits at the target ids taken in the draft's id order, while the pruned head's columns
+follow the order of the draft tokenizer's vocabulary dict: the drafts' probabilities land on other
+tokens, speculative sampling's acceptance test reads the wrong ones (a sampling run loses its
+distribution) and, where the target's and the misplaced draft's top tokens meet, its residual is
+all zeros and ``torch.multinomial`` fails. :class:`UniversalView` maps each column to its own token.
+
 Prompt lookup keeps no state: its view does nothing.
 """
 
@@ -133,6 +140,10 @@ class UniversalView(DraftModelView):
 
     inner: UniversalSpeculativeDecodingGenerator
 
+    def __init__(self, inner: UniversalSpeculativeDecodingGenerator):
+        super().__init__(inner)
+        _place_pruned_logits_by_column(inner._atm_translator)
+
     def draft_ids(self, input_ids: Tensor) -> Tensor:
         inner = self.inner
         inner._prev_assistant_ids, inner._target_seq_len_with_candidates = None, 0  # the first-round path
@@ -155,6 +166,24 @@ class UniversalView(DraftModelView):
     def reset(self) -> None:
         super().reset()
         self.inner._prev_assistant_ids, self.inner._target_seq_len_with_candidates = None, 0
+
+
+def _place_pruned_logits_by_column(translator) -> None:
+    """Make ``translator`` put the pruned head's column ``j`` at the target id of the draft token
+    ``assistant_overlap_token_ids[j]`` (the token the drafts' ids map to), whatever transformers does."""
+    overlap = getattr(translator, "assistant_overlap_token_ids", None)
+    if overlap is None or not getattr(translator, "assistant_prune_lm_head", False):
+        return  # nothing was pruned: the logits keep the draft's own columns, which transformers maps right
+    target_ids = translator._assistant_to_target_input_ids.to(overlap.device)[overlap]
+    filler, vocab_size = translator.FILTER_VALUE, translator.target_vocab_size
+
+    def get_target_logits(assistant_logits: Tensor) -> Tensor:
+        shape = (*assistant_logits.shape[:-1], vocab_size)
+        target = assistant_logits.new_full(shape, filler)
+        target[..., target_ids.to(target.device)] = assistant_logits
+        return target
+
+    translator.get_target_logits = get_target_logits
 
 
 def view_of(inner: CandidateGenerator) -> DraftView:
