@@ -28,7 +28,7 @@ from typing import Any
 
 from iroh import iroh_ffi
 
-from shoal.transport import sendfix
+from shoal.transport import binding
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _shape_ok() -> bool:
         return False
     buffer, status = iroh_ffi._UniffiRustBuffer, iroh_ffi._UniffiRustCallStatus
     return (
-        sendfix.shape_ok()
+        binding.shape_ok()
         and dict(status._fields_).get("error_buf") is buffer
         and lib.uniffi_iroh_ffi_fn_method_sendstream_write_all.argtypes == (ctypes.c_uint64, buffer)
         and lib.uniffi_iroh_ffi_fn_method_recvstream_read.argtypes == (ctypes.c_uint64, ctypes.c_uint32)
@@ -157,7 +157,7 @@ def _lower_bytes(data: bytes | memoryview) -> Any:
     _check(status)
     base = ctypes.cast(rbuf.data, ctypes.c_void_p).value
     ctypes.memmove(base, _I32.pack(size), 4)
-    sendfix.memmove_into(base + 4, data)
+    binding.memmove_into(base + 4, data)
     rbuf.len = size + 4
     return rbuf
 

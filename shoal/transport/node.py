@@ -1,10 +1,10 @@
 """A shoal peer on iroh: endpoint lifecycle, QUIC connections and streams as byte channels.
 
-This module, :mod:`shoal.transport.sendfix` and :mod:`shoal.transport.fastcall` (the lean calls
-every message goes through) are the only importers of ``iroh``; every ``IrohError`` is translated
-into :mod:`shoal.errors` here (:func:`_translate`). Framing, the pool, the handler error boundary and
-the meta protocol are shared with the in-process transport (:mod:`shoal.transport.base`,
-:mod:`shoal.transport.stream`).
+This module, :mod:`shoal.transport.binding` (workarounds for two defects of the binding) and
+:mod:`shoal.transport.fastcall` (the lean calls every message goes through) are the only importers
+of ``iroh``; every ``IrohError`` is translated into :mod:`shoal.errors` here (:func:`_translate`).
+Framing, the pool, the handler error boundary and the meta protocol are shared with the in-process
+transport (:mod:`shoal.transport.base`, :mod:`shoal.transport.stream`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from shoal.errors import (
     TicketError,
     TransportError,
 )
-from shoal.transport import fastcall, sendfix
+from shoal.transport import binding, fastcall
 from shoal.transport.base import META, BaseNode, Handler, Protocol
 from shoal.transport.config import NetworkProfile, TransportConfig
 from shoal.transport.identity import generate_key
@@ -95,6 +95,7 @@ class _QuicChannel:
     translate = staticmethod(_translate)
 
     def __init__(self, bi: Any):
+        binding.release_deferred()  # on the event loop: free what iroh's threads finalized
         self._send, self._recv = bi.send(), bi.recv()
         self.write_all = functools.partial(fastcall.write_all, self._send)
         self.read = functools.partial(fastcall.read, self._recv)
@@ -155,7 +156,7 @@ class Node(BaseNode):
         handlers: dict[Protocol, Handler] | None = None,
         secret_key: bytes | None = None,
     ) -> Node:
-        sendfix.apply()
+        binding.apply()
         iroh_ffi.uniffi_set_event_loop(asyncio.get_running_loop())
         handlers = dict(handlers or {})
         alpns = [p.alpn for p in handlers] + [META.alpn]
@@ -234,3 +235,4 @@ class Node(BaseNode):
             await asyncio.wait_for(self._ep.close(), 3.0)
         if self._accept_task is not None:
             self._accept_task.cancel()
+        binding.release_deferred()

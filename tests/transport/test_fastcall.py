@@ -9,7 +9,7 @@ import pytest
 import torch
 from iroh import iroh_ffi
 
-from shoal.transport import fastcall, sendfix
+from shoal.transport import binding, fastcall
 from shoal.wire.tensors import tensor_bytes
 from tests.helpers.aio import run
 
@@ -18,7 +18,7 @@ ALPN = b"shoal-test/fastcall/1"
 
 
 async def _endpoint() -> iroh.Endpoint:
-    sendfix.apply()
+    binding.apply()
     iroh_ffi.uniffi_set_event_loop(asyncio.get_running_loop())
     options = iroh.EndpointOptions(
         preset=iroh.preset_minimal(),

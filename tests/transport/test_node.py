@@ -10,7 +10,7 @@ import torch
 
 from shoal.errors import ClosedError, ConnectTimeout, ProtocolMismatch, RemoteError, RequestTimeout, TicketError
 from shoal.launch import ServerProcess
-from shoal.transport import META, Node, Protocol, Ticket, TransportConfig, sendfix
+from shoal.transport import META, Node, Protocol, Ticket, TransportConfig, binding
 from shoal.wire import DTYPES, MAX_FRAME_PAYLOAD, Message
 from shoal.wire.schema import HelloReply
 from tests.helpers.aio import run
@@ -155,7 +155,7 @@ def test_send_path_fix_is_active_and_far_faster_than_stock():
     """The binding lowers bytes into Rust with a per-byte Python loop; our fix memmoves."""
     from iroh import iroh_ffi
 
-    assert sendfix.apply() and sendfix.is_active()
+    assert binding.apply() and binding.is_active()
     payload = bytes(range(256)) * (4 * 1024 * 1024 // 256)
 
     def lower(write) -> tuple[float, bytes]:
@@ -169,6 +169,6 @@ def test_send_path_fix_is_active_and_far_faster_than_stock():
         return elapsed, data
 
     fixed_s, fixed_bytes = lower(iroh_ffi._UniffiRustBufferBuilder.write)
-    stock_s, stock_bytes = lower(sendfix.STOCK_WRITE)
+    stock_s, stock_bytes = lower(binding.STOCK_WRITE)
     assert fixed_bytes == stock_bytes == payload
     assert stock_s / fixed_s > 20, f"stock {stock_s:.3f}s vs fixed {fixed_s:.5f}s"
