@@ -1,9 +1,9 @@
 """Workarounds for two defects of the iroh 1.2.0 Python binding: its send path, and finalizers
 that deadlock the endpoint.
 
-**The send path.** The generated ``iroh_ffi._UniffiRustBufferBuilder.write`` copies a ``bytes`` argument into the Rust
-buffer with a Python loop over every byte, which caps sending at a few MB/s. We replace that one
-method with a single ``memmove`` into the same reserved region. The replacement relies on the
+**The send path.** The generated ``iroh_ffi._UniffiRustBufferBuilder.write`` copies a ``bytes``
+argument into the Rust buffer with a Python loop over every byte, which caps sending at a few MB/s.
+We replace that one method with a single ``memmove`` into the same reserved region. The replacement relies on the
 private class's shape (``rbuf`` with ``data``/``len``, a ``_reserve`` context manager); if the
 binding changes shape we refuse to patch and say so rather than corrupt memory, and
 ``tests/transport/test_node.py::test_send_path_fix_is_active_and_far_faster_than_stock`` fails.
@@ -18,13 +18,16 @@ stream half kept in a cycle by an exception's traceback, say): the free takes th
 thread holds, the tokio thread waits forever, and the endpoint stops answering anyone (issue #32's
 fuzz found it: 100,000 frames wedged a server in about half the runs; ``gdb`` showed exactly that
 stack). :func:`apply` makes every binding class's ``__del__`` hand its handle to
-:func:`release_deferred` when it runs on a thread Python did not start (iroh's); the transport calls
-that from the event loop before each new stream and when a node closes.
+:func:`release_deferred` when it runs on a thread Python did not start (iroh's), which the event
+loop then runs (asked at once; the transport also calls it before each new stream and when a node
+closes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import ctypes
 import inspect
 import logging
@@ -69,8 +72,11 @@ def shape_ok() -> bool:
     )
 
 
-def apply() -> bool:
-    """Install both workarounds (idempotent). Returns whether the send-path fix is active."""
+def apply(loop: asyncio.AbstractEventLoop | None = None) -> bool:
+    """Install both workarounds (idempotent); ``loop`` (the transport's) frees what iroh's threads
+    finalize. Returns whether the send-path fix is active."""
+    global _loop
+    _loop = loop or _loop
     _defer_foreign_frees()
     if _Builder.write is _memmove_write:
         return True
@@ -90,6 +96,8 @@ def is_active() -> bool:
 _deferred: collections.deque[tuple[Any, int]] = collections.deque()
 _FREE_CALL = re.compile(r"_UniffiLib\.(uniffi_iroh_ffi_fn_free_\w+), handle")
 _DEFERRING = "_shoal_defers_foreign_frees"
+_loop: asyncio.AbstractEventLoop | None = None  # where deferred frees are released
+_installed = False
 
 
 def _on_foreign_thread() -> bool:
@@ -104,6 +112,9 @@ def _deferring_del(free: Any):
             return
         if _on_foreign_thread():
             _deferred.append((free, handle))
+            if len(_deferred) == 1 and _loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: the next stream or close frees it
+                    _loop.call_soon_threadsafe(release_deferred)
         else:
             iroh_ffi._uniffi_rust_call(free, handle)
 
@@ -127,13 +138,14 @@ def binding_classes() -> dict[type, Any]:
 
 
 def _defer_foreign_frees() -> None:
+    global _installed
+    if _installed:
+        return
     for cls, free in binding_classes().items():
-        original = vars(cls)["__del__"]
-        if getattr(original, _DEFERRING, False):
-            return  # installed already (every class at once)
         replacement = _deferring_del(free)
-        replacement.__wrapped_binding_del__ = original
+        replacement.__wrapped_binding_del__ = vars(cls)["__del__"]
         cls.__del__ = replacement
+    _installed = True
 
 
 def release_deferred() -> int:

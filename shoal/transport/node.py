@@ -156,7 +156,7 @@ class Node(BaseNode):
         handlers: dict[Protocol, Handler] | None = None,
         secret_key: bytes | None = None,
     ) -> Node:
-        binding.apply()
+        binding.apply(asyncio.get_running_loop())
         iroh_ffi.uniffi_set_event_loop(asyncio.get_running_loop())
         handlers = dict(handlers or {})
         alpns = [p.alpn for p in handlers] + [META.alpn]

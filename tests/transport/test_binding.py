@@ -68,6 +68,23 @@ def test_every_binding_class_frees_later_when_finalized_on_a_foreign_thread():
     assert handle not in deferred_handles()
 
 
+def test_a_free_deferred_on_a_foreign_thread_is_released_by_the_loop_at_once():
+    """With the transport's loop known, a deferred free does not wait for the next stream: the
+    loop is asked to release it as soon as it is deferred."""
+
+    async def go() -> tuple[bool, bool]:
+        binding.apply(asyncio.get_running_loop())
+        binding.release_deferred()
+        holder = [iroh.RelayMode.disabled()]
+        handle = holder[0]._handle
+        drop_on_a_foreign_thread(holder)
+        deferred_then = handle in deferred_handles()
+        await asyncio.sleep(0.05)
+        return deferred_then, handle in deferred_handles()
+
+    assert asyncio.run(asyncio.wait_for(go(), 30)) == (True, False)
+
+
 class CollectingLoop(asyncio.SelectorEventLoop):
     """Starts a garbage collection whenever an iroh thread wakes the loop: the moment that hung."""
 
