@@ -149,11 +149,13 @@ def _defer_foreign_frees() -> None:
 
 
 def release_deferred() -> int:
-    """Free the handles finalized on iroh's threads since the last call (from a thread of ours: the
-    event loop's); returns how many."""
+    """Free the handles finalized on iroh's threads since the last call (from a thread of ours: an
+    event loop's; several loops may call it at once); returns how many this call freed."""
     released = 0
-    while _deferred:
-        free, handle = _deferred.popleft()
+    while True:
+        try:
+            free, handle = _deferred.popleft()
+        except IndexError:
+            return released
         iroh_ffi._uniffi_rust_call(free, handle)
         released += 1
-    return released

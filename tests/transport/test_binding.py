@@ -27,8 +27,20 @@ CONFIG = TransportConfig(bind_addr="127.0.0.1:0")
 ECHO = Protocol("echo", 1)
 
 
-def deferred_handles() -> set[int]:
-    return {handle for _, handle in binding._deferred}
+def queued(deferred: collections.deque) -> set[int]:
+    return {handle for _, handle in list(deferred)}
+
+
+class RecordingDeque(collections.deque):
+    """A stand-in for binding's queue of deferred frees that records what was queued."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handles: list[int] = []
+
+    def append(self, item) -> None:
+        self.handles.append(item[1])
+        super().append(item)
 
 
 def drop_on_a_foreign_thread(holder: list) -> None:
@@ -44,45 +56,49 @@ def drop_on_a_foreign_thread(holder: list) -> None:
     assert done.wait(10)
 
 
-def test_every_binding_class_frees_later_when_finalized_on_a_foreign_thread():
+def test_every_binding_class_frees_later_when_finalized_on_a_foreign_thread(monkeypatch):
     """Every class whose ``__del__`` frees a handle is covered; dropped on a foreign thread, a
-    binding object's handle waits for :func:`binding.release_deferred`; on ours it is freed at once."""
+    binding object's handle is queued for :func:`binding.release_deferred`; on ours it is freed at once."""
     binding.apply()
     classes = binding.binding_classes()
     assert {iroh.SendStream, iroh.RecvStream, iroh.BiStream, iroh.Connection, iroh.Endpoint} <= set(classes)
     assert all(getattr(vars(cls)["__del__"], binding._DEFERRING, False) for cls in classes)
-    binding.release_deferred()
+    deferred = RecordingDeque()
+    monkeypatch.setattr(binding, "_deferred", deferred)
+    monkeypatch.setattr(binding, "_loop", None)  # no loop to ask: the handle waits for a release
 
-    mode = iroh.RelayMode.disabled()
-    handle = mode._handle
-    holder = [mode]
-    del mode
+    holder = [iroh.RelayMode.disabled()]
+    handle = holder[0]._handle
     drop_on_a_foreign_thread(holder)
-    assert handle in deferred_handles()
-    assert binding.release_deferred() >= 1
-    assert handle not in deferred_handles()
+    assert handle in deferred.handles
+    binding.release_deferred()
+    assert handle not in queued(deferred)
 
     here = iroh.RelayMode.disabled()
-    handle = here._handle
+    queued_before = len(deferred.handles)
     del here
-    assert handle not in deferred_handles()
+    assert len(deferred.handles) == queued_before  # freed at once, nothing queued
 
 
-def test_a_free_deferred_on_a_foreign_thread_is_released_by_the_loop_at_once():
+def test_a_free_deferred_on_a_foreign_thread_is_released_by_the_loop_at_once(monkeypatch):
     """With the transport's loop known, a deferred free does not wait for the next stream: the
-    loop is asked to release it as soon as it is deferred."""
+    loop is asked to release it as soon as it is queued."""
+    deferred = RecordingDeque()
+    monkeypatch.setattr(binding, "_deferred", deferred)
 
-    async def go() -> tuple[bool, bool]:
+    async def go() -> int:
         binding.apply(asyncio.get_running_loop())
-        binding.release_deferred()
         holder = [iroh.RelayMode.disabled()]
         handle = holder[0]._handle
         drop_on_a_foreign_thread(holder)
-        deferred_then = handle in deferred_handles()
-        await asyncio.sleep(0.05)
-        return deferred_then, handle in deferred_handles()
+        assert handle in deferred.handles
+        for _ in range(100):  # the loop runs the release once we yield to it
+            await asyncio.sleep(0.01)
+            if handle not in queued(deferred):
+                return True
+        return False
 
-    assert asyncio.run(asyncio.wait_for(go(), 30)) == (True, False)
+    assert asyncio.run(asyncio.wait_for(go(), 30))
 
 
 class CollectingLoop(asyncio.SelectorEventLoop):
@@ -97,22 +113,11 @@ class CollectingLoop(asyncio.SelectorEventLoop):
         return super().call_soon_threadsafe(*args, **kwargs)
 
 
-class RecordingDeque(collections.deque):
-    """Binding's queue of deferred frees, counting what was put in it."""
-
-    added = 0
-
-    def append(self, item) -> None:
-        self.added += 1
-        super().append(item)
-
-
 def test_stream_halves_collected_on_iroh_threads_are_freed_on_the_loop_and_service_goes_on(monkeypatch):
     """Each served stream is left in a reference cycle; collections run inside iroh's callbacks.
     Every request is answered, the halves collected there were deferred, and none is left behind
     once the nodes close."""
     binding.apply()
-    binding.release_deferred()
     deferred = RecordingDeque()
     monkeypatch.setattr(binding, "_deferred", deferred)
 
@@ -138,5 +143,5 @@ def test_stream_halves_collected_on_iroh_threads_are_freed_on_the_loop_and_servi
     finally:
         loop.close()
     assert answered == 40
-    assert loop.collections > 0 and deferred.added > 0
-    assert not deferred  # released: before later streams, and when the nodes closed
+    assert loop.collections > 0 and deferred.handles
+    assert not queued(deferred)  # released: by the loop, before later streams, and when the nodes closed
