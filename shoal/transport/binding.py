@@ -112,7 +112,7 @@ def _deferring_del(free: Any):
             return
         if _on_foreign_thread():
             _deferred.append((free, handle))
-            if len(_deferred) == 1 and _loop is not None:
+            if _loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop closed: the next stream or close frees it
                     _loop.call_soon_threadsafe(release_deferred)
         else:

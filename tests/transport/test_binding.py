@@ -121,7 +121,11 @@ def test_stream_halves_collected_on_iroh_threads_are_freed_on_the_loop_and_servi
     deferred = RecordingDeque()
     monkeypatch.setattr(binding, "_deferred", deferred)
 
+    served: set[int] = set()  # handles of the served streams' halves
+
     async def echo(stream, peer_id):
+        channel = stream._channel
+        served.update((channel._send._handle, channel._recv._handle))
         message = await stream.recv()
         await stream.send(Message("result", message.id, tensors=message.tensors))
         cycle = [stream]
@@ -144,4 +148,4 @@ def test_stream_halves_collected_on_iroh_threads_are_freed_on_the_loop_and_servi
         loop.close()
     assert answered == 40
     assert loop.collections > 0 and deferred.handles
-    assert not queued(deferred)  # released: by the loop, before later streams, and when the nodes closed
+    assert not queued(deferred) & served  # released: by the loop, before later streams, and when the nodes closed
