@@ -45,9 +45,12 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        """A subcommand's mistake names the subcommand (``shoal serve: ...``); the top level's needs no
+        name: the error line already starts ``shoal: error:``."""
         from shoal.errors import UsageError
 
-        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+        where = f"{self.prog}: " if " " in self.prog else ""
+        raise UsageError(f"{where}{message} (see `{self.prog} --help`)")
 
 
 def positive_int(text: str) -> int:

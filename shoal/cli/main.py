@@ -306,8 +306,22 @@ def _wants_verbose(argv: list[str]) -> bool:
     return any(arg in ("-v", "--verbose") for arg in argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_command(argv: list[str]) -> int:
+    """Parse ``argv``, run its command and return the exit status; any failure becomes the one error
+    line here. What only a process does once (OpenMP defaults, logging, the fast exit) is
+    :func:`main`'s, so tests run commands in-process through this."""
     from shoal.cli.failures import report
+
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except SystemExit:  # --help and --version: printed, nothing to tear down
+        raise
+    except BaseException as exc:  # the one boundary: see shoal.cli.failures
+        return report(exc, verbose=_wants_verbose(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
     from shoal.omp import apply_defaults
     from shoal.quantization.libraries import quiet_import_warnings
 
@@ -321,13 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not verbose:
         quiet_import_warnings()  # before anything imports transformers (which imports torchao when installed)
-    try:
-        args = build_parser().parse_args(argv)
-        code = args.func(args)
-    except SystemExit:  # --help and --version: printed, nothing to tear down
-        raise
-    except BaseException as exc:  # the one boundary: see shoal.cli.failures
-        code = report(exc, verbose=verbose)
+    code = run_command(argv)
     # Everything is closed and flushed by now. Skip interpreter teardown: dropping iroh's Rust
     # runtime there takes seconds, which every stop of a server would pay.
     sys.stdout.flush()

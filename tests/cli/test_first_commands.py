@@ -1,0 +1,33 @@
+"""A new user's first commands, run in-process through :func:`shoal.cli.main.run_command`: each
+mistake, or a machine without the network or a GPU, ends as exactly one ``shoal: error:`` line and
+its exit status (issue #39), never a traceback, a Python repr or pip's retry warnings."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.cli.main import run_command
+
+pytestmark = pytest.mark.timeout(120)
+
+USAGE, RUNTIME = 2, 1
+
+
+def outcome(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, list[str]]:
+    """``shoal ARGV...`` run here: (exit status, stdout, the lines of stderr)."""
+    status = run_command(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err.splitlines()
+
+
+def test_bare_shoal_names_the_missing_command_without_a_doubled_prefix(capsys):
+    assert outcome(capsys) == (
+        USAGE,
+        "",
+        ["shoal: error: the following arguments are required: COMMAND (see `shoal --help`)"],
+    )
+
+
+def test_a_subcommand_still_names_itself(capsys):
+    expected = "shoal: error: shoal models: the following arguments are required: COMMAND (see `shoal models --help`)"
+    assert outcome(capsys, "models") == (USAGE, "", [expected])
