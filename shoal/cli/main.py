@@ -50,6 +50,7 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from shoal.devices import check_device
     from shoal.heap import freeze_startup_heap
     from shoal.quantization import parse_quantization
     from shoal.server.app import serve
@@ -58,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.swarm.gossip import GossipConfig
     from shoal.transport.loop import run as run_loop
 
+    check_device(args.device)  # before a model is fetched or read: a CPU-only torch cannot use cuda
     blocks = parse_blocks(args.blocks) if args.blocks else None
     join = tuple(join_ticket(t) for t in args.join)
     model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once

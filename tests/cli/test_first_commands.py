@@ -5,6 +5,7 @@ its exit status (issue #39), never a traceback, a Python repr or pip's retry war
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shoal.cli.main import run_command
 
@@ -31,3 +32,22 @@ def test_bare_shoal_names_the_missing_command_without_a_doubled_prefix(capsys):
 def test_a_subcommand_still_names_itself(capsys):
     expected = "shoal: error: shoal models: the following arguments are required: COMMAND (see `shoal models --help`)"
     assert outcome(capsys, "models") == (USAGE, "", [expected])
+
+
+def test_serve_on_cuda_with_a_cpu_only_torch(capsys, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    status, out, err = outcome(capsys, "serve", "smollm2", "--blocks", "0:2", "--device", "cuda")
+    assert (status, out) == (USAGE, "")
+    assert err == [
+        "shoal: error: --device cuda: this torch has no CUDA (a CPU-only build); use --device cpu, "
+        "or install a CUDA build"
+    ]
+
+
+def test_serve_on_a_device_torch_does_not_know(capsys):
+    status, out, err = outcome(capsys, "serve", "smollm2", "--blocks", "0:2", "--device", "gpu")
+    assert (status, out, err) == (
+        USAGE,
+        "",
+        ["shoal: error: --device gpu: not a device torch knows (cpu, cuda, cuda:1, mps ...)"],
+    )
