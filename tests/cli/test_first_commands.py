@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from shoal.checkpoints.fetch import MARKER
 from shoal.cli.main import run_command
+from shoal.errors import ShoalError
+from testkit.tiny import char_tokenizer, tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,6 +41,15 @@ def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIP_RETRIES", "1")
     for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def tiny_smollm2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-block random llama where ``shoal models fetch smollm2`` would have put SmolLM2."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SHOAL_HOME", str(home))
+    model_dir = tiny_checkpoint(home / "models" / "smollm2", "llama", tokenizer=char_tokenizer())
+    (model_dir / MARKER).write_text("{}\n")
 
 
 def test_bare_shoal_names_the_missing_command_without_a_doubled_prefix(capsys):
@@ -82,3 +94,33 @@ def test_demo_without_the_network_says_the_model_is_not_fetched_and_how_to_fetch
 @pytest.mark.usefixtures("offline")
 def test_models_fetch_without_the_network_quietly(capsys):
     assert outcome(capsys, "models", "fetch", "smollm2", "-q") == (RUNTIME, "", [NOT_FETCHED])
+
+
+@pytest.mark.usefixtures("tiny_smollm2")
+def test_demo_with_more_servers_than_blocks(capsys):
+    status, out, err = outcome(capsys, "demo", "--servers", "9")
+    assert (status, out) == (USAGE, "")
+    assert err == ["shoal: error: --servers 9: smollm2 has 4 blocks, so at most 4 servers (one block each)"]
+
+
+@pytest.mark.usefixtures("tiny_smollm2")
+def test_demo_names_its_spans_as_block_ranges_not_reprs(capsys, monkeypatch: pytest.MonkeyPatch):
+    class NoServers:
+        """Stands in for the server processes: the demo gets as far as starting them."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def __enter__(self):
+            raise ShoalError("servers are not started in this test")
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+    monkeypatch.setattr("shoal.launch.LocalSwarm", NoServers)
+    status, out, err = outcome(capsys, "demo", "--servers", "2")
+    assert (status, out) == (RUNTIME, "")
+    assert err == [
+        "starting 2 servers for smollm2 on loopback: blocks [0:2), [2:4)",
+        "shoal: error: servers are not started in this test",
+    ]
