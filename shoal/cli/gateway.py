@@ -115,7 +115,7 @@ def _client_settings(args: argparse.Namespace) -> dict:
 
 
 def _http(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: loopback only)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (0.0.0.0: every interface)")
     parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (0: any free one)")
     parser.add_argument(
         "--allowed-host",

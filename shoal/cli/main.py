@@ -163,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant",
         default="none",
         choices=["none", "int8", "nf4"],
-        help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients accept "
-        "int8 and better by default",
+        help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients route over "
+        "int8 and better unless they ask for more or accept less",
     )
     serve.add_argument(
         "--adapter",
