@@ -83,6 +83,27 @@ def positive_float(text: str) -> float:
 positive_float.__name__ = "positive number"
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(text)
+    return value
+
+
+non_negative_float.__name__ = "non-negative number"
+
+
+def probability(text: str) -> float:
+    """A probability a sampler keeps (``--top-p``): above 0, at most 1, as the HTTP API takes it."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError(text)
+    return value
+
+
+probability.__name__ = "probability in (0, 1]"
+
+
 def add_limit_flags(parser: argparse.ArgumentParser, scope: str) -> None:
     """A flag for every limit of ``scope`` (:mod:`shoal.limits`: ``node`` or ``server``)."""
     group = parser.add_argument_group(f"limits ({'per peer and per node' if scope == 'node' else 'work and cache'})")

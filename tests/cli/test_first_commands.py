@@ -124,3 +124,17 @@ def test_demo_names_its_spans_as_block_ranges_not_reprs(capsys, monkeypatch: pyt
         "starting 2 servers for smollm2 on loopback: blocks [0:2), [2:4)",
         "shoal: error: servers are not started in this test",
     ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (["--top-p", "5"], "argument --top-p: invalid probability in (0, 1] value: '5'"),
+        (["--top-p", "0"], "argument --top-p: invalid probability in (0, 1] value: '0'"),
+        (["--temperature", "-1"], "argument --temperature: invalid non-negative number value: '-1'"),
+    ],
+)
+def test_chat_sampling_flags_out_of_range_are_refused_before_anything_starts(capsys, flags, refusal):
+    """Not a ValueError of the sampler after the first message (top-p), nor greedy answers (temperature)."""
+    expected = f"shoal: error: shoal chat: {refusal} (see `shoal chat --help`)"
+    assert outcome(capsys, "chat", "smollm2", "--join", "garbage", *flags) == (USAGE, "", [expected])
