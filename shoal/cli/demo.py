@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import TextStreamer
 
+from shoal.ids import BlockRange
+
 DEFAULT_MODEL = "smollm2"
 
 
@@ -60,10 +62,16 @@ def summary(arrivals: list[tuple[float, int]], started: float) -> str:
     return f"{tokens} tokens; first after {ttft * 1e3:.0f} ms; decode {decode:.1f} tokens/s"
 
 
+def spans_text(spans: list[BlockRange]) -> str:
+    """``blocks [0:10), [10:20)``: half-open ranges, as the route line and ``shoal swarm status`` show them."""
+    return "blocks " + ", ".join(f"[{span.start}:{span.end})" for span in spans)
+
+
 def run_demo(options: DemoOptions) -> int:
     from shoal.checkpoints import fetch_model, load_config
     from shoal.cli.chat import speculation_line
     from shoal.client import AutoDistributedModelForCausalLM
+    from shoal.errors import UsageError
     from shoal.gateway.serve import check_draft, load_speculation
     from shoal.heap import freeze_startup_heap
     from shoal.launch import LocalSwarm, even_spans
@@ -73,9 +81,15 @@ def run_demo(options: DemoOptions) -> int:
         check_draft(options.draft)  # a wrong name: before any server starts
     model_dir = fetch_model(options.model)
     config = load_config(model_dir)
-    spans = even_spans(get_family(config).num_blocks(config), options.servers)
+    num_blocks = get_family(config).num_blocks(config)
+    if options.servers > num_blocks:
+        raise UsageError(
+            f"--servers {options.servers}: {options.model} has {num_blocks} blocks, so at most {num_blocks} "
+            "servers (one block each)"
+        )
+    spans = even_spans(num_blocks, options.servers)
     threads = str(max(1, min(4, os.cpu_count() or 1)))
-    print(f"starting {len(spans)} servers for {options.model} on loopback: {spans}", file=sys.stderr)
+    print(f"starting {len(spans)} servers for {options.model} on loopback: {spans_text(spans)}", file=sys.stderr)
     with LocalSwarm(model_dir, spans, ["--num-threads", threads]) as swarm:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(model_dir), initial_peers=swarm.tickets)
         try:

@@ -13,9 +13,11 @@ from shoal.cli.args import (
     NETWORK_PROFILES,
     add_limit_flags,
     join_ticket,
+    non_negative_float,
     port_number,
     positive_float,
     positive_int,
+    probability,
     transport_config,
 )
 
@@ -115,7 +117,7 @@ def _client_settings(args: argparse.Namespace) -> dict:
 
 
 def _http(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (default: loopback only)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (0.0.0.0: every interface)")
     parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (0: any free one)")
     parser.add_argument(
         "--allowed-host",
@@ -227,9 +229,9 @@ def add_commands(sub) -> None:
         type=positive_int,
         help="positions of the whole conversation (default: min(context, 2048))",
     )
-    chat.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    chat.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0: greedy")
     chat.add_argument(
-        "--top-p", type=float, default=1.0, help="sample from the smallest set of tokens holding this probability"
+        "--top-p", type=probability, default=1.0, help="sample from the smallest set of tokens holding this probability"
     )
     chat.add_argument("--seed", type=int, help="seed of the sampling (default: random)")
     _client_flags(chat)

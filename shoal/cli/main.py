@@ -50,6 +50,7 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from shoal.devices import check_device
     from shoal.heap import freeze_startup_heap
     from shoal.quantization import parse_quantization
     from shoal.server.app import serve
@@ -58,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.swarm.gossip import GossipConfig
     from shoal.transport.loop import run as run_loop
 
+    check_device(args.device)  # before a model is fetched or read: a CPU-only torch cannot use cuda
     blocks = parse_blocks(args.blocks) if args.blocks else None
     join = tuple(join_ticket(t) for t in args.join)
     model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
@@ -161,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant",
         default="none",
         choices=["none", "int8", "nf4"],
-        help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients accept "
-        "int8 and better by default",
+        help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients route over "
+        "int8 and better unless they ask for more or accept less",
     )
     serve.add_argument(
         "--adapter",
@@ -306,8 +308,22 @@ def _wants_verbose(argv: list[str]) -> bool:
     return any(arg in ("-v", "--verbose") for arg in argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_command(argv: list[str]) -> int:
+    """Parse ``argv``, run its command and return the exit status; any failure becomes the one error
+    line here. What only a process does once (OpenMP defaults, logging, the fast exit) is
+    :func:`main`'s, so tests run commands in-process through this."""
     from shoal.cli.failures import report
+
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except SystemExit:  # --help and --version: printed, nothing to tear down
+        raise
+    except BaseException as exc:  # the one boundary: see shoal.cli.failures
+        return report(exc, verbose=_wants_verbose(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
     from shoal.omp import apply_defaults
     from shoal.quantization.libraries import quiet_import_warnings
 
@@ -321,13 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not verbose:
         quiet_import_warnings()  # before anything imports transformers (which imports torchao when installed)
-    try:
-        args = build_parser().parse_args(argv)
-        code = args.func(args)
-    except SystemExit:  # --help and --version: printed, nothing to tear down
-        raise
-    except BaseException as exc:  # the one boundary: see shoal.cli.failures
-        code = report(exc, verbose=verbose)
+    code = run_command(argv)
     # Everything is closed and flushed by now. Skip interpreter teardown: dropping iroh's Rust
     # runtime there takes seconds, which every stop of a server would pay.
     sys.stdout.flush()

@@ -15,6 +15,7 @@ import torch
 
 from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
 from shoal.client.verification.audit import check_verify
+from shoal.devices import check_device
 from shoal.errors import UsageError
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import AdapterChoice
@@ -52,6 +53,7 @@ class ClientConfig:
     pre_seq_len: int = 0  # trainable prompt positions before every sequence (with a tuning_mode)
 
     def __post_init__(self) -> None:
+        check_device(self.device, "device")
         check_verify(self.verify, self.audit_every)
         if self.prefill_chunk is not None and self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be None, 0 (off) or positive, not {self.prefill_chunk}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from shoal.devices import check_device
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
 from shoal.models.kv import DEFAULT_PAGE_SIZE
@@ -96,6 +97,7 @@ class ServerConfig:
     adapters: tuple[tuple[str, Path], ...] = ()  # LoRA adapters (name, peft directory) for the span
 
     def __post_init__(self):
+        check_device(self.device)
         if self.blocks is None and not (self.new_swarm or self.join):
             raise UsageError(
                 "--blocks START:END is required outside a swarm; to let the server choose its blocks, "

@@ -66,6 +66,22 @@ def test_every_flag_has_help_and_its_default(path, parser):
         assert shown, f"shoal {' '.join(path)}: {action.option_strings} hides its default"
 
 
+@pytest.mark.parametrize(("path", "parser"), ALL, ids=[" ".join(path) or "shoal" for path, _ in ALL])
+def test_no_flag_names_a_default_twice(path, parser):
+    """The formatter adds ``(default: X)``: a help text that names a default itself shows two."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help in (None, argparse.SUPPRESS):
+            continue
+        shown = formatter._expand_help(action)  # the flag's text as --help prints it, default included
+        assert shown.lower().count("default") <= 1, f"shoal {' '.join(path)} {action.option_strings}: {shown!r}"
+
+
+def test_api_help_shows_the_bind_address_default_once():
+    text = " ".join(dict(ALL)[("api",)].format_help().split())
+    assert "--host HOST HTTP address to bind (0.0.0.0: every interface) (default: 127.0.0.1)" in text
+
+
 @pytest.mark.parametrize("path", [path for path, _ in LEAVES], ids=[" ".join(path) for path, _ in LEAVES])
 def test_help_of_every_command_runs(path):
     outcome = shoal(*path, "--help")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.cli.demo import DemoOptions, was_cut
+from shoal.cli.demo import DemoOptions, spans_text, was_cut
+from shoal.ids import BlockRange
 from tests.cli.test_errors import shoal
 
 
@@ -19,6 +20,10 @@ def test_not_cut_when_the_answer_ended():
     assert not was_cut([5, 6], 3, eos_token_id=2)  # stopped early (e.g. a stop string)
 
 
+def test_spans_read_as_half_open_block_ranges():
+    assert spans_text([BlockRange(0, 10), BlockRange(10, 20), BlockRange(20, 30)]) == "blocks [0:10), [10:20), [20:30)"
+
+
 def test_the_default_limit_fits_a_short_answer():
     assert DemoOptions(prompt="hi").max_new_tokens >= 128
 
@@ -31,6 +36,8 @@ def test_demo_answers_and_says_nothing_was_cut(smollm2_dir):
     assert "assistant: The capital of France is Paris." in outcome.stdout
     assert "route: " in outcome.stdout and "tokens/s" in outcome.stdout
     assert "cut" not in outcome.stdout
+    assert "starting 2 servers for smollm2 on loopback: blocks [0:15), [15:30)" in outcome.stderr.splitlines()
+    assert "BlockRange(" not in outcome.stderr + outcome.stdout
 
 
 @pytest.mark.slow

