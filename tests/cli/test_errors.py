@@ -237,7 +237,11 @@ def test_no_route(tiny_dir: Path):
     """A swarm that holds only blocks 0:2 of 4 cannot serve the model: the client says which blocks."""
     with LocalSwarm(tiny_dir, [(0, 2)], ["--num-threads", "1"], swarm=True) as swarm:
         outcome = shoal("chat", str(tiny_dir), "--join", str(swarm.tickets[0]), "--connect-timeout", "5")
-    assert_one_line_error(outcome, RUNTIME, "no usable server hosts blocks 2-3")
+    line = assert_one_line_error(outcome, RUNTIME)
+    assert line == (
+        "shoal: error: no server hosts blocks 2-3: start one with `shoal serve MODEL --blocks 2:4 --join TICKET`, "
+        "or pass the ticket of a server hosting them with another --join"
+    )
 
 
 def test_verbose_adds_the_traceback():
