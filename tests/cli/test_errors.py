@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,6 +186,22 @@ def test_bad_flag_values(tiny_dir: Path, flags: list[str], fragment: str):
 def test_udp_port_in_use(tiny_dir: Path, busy_port: int):
     outcome = shoal("serve", str(tiny_dir), "--blocks", "0:2", "--host", "127.0.0.1", "--port", str(busy_port))
     assert_one_line_error(outcome, RUNTIME, f"cannot listen on 127.0.0.1:{busy_port}", "--port")
+
+
+@pytest.mark.slow
+def test_serve_joining_through_a_peer_that_is_gone(tiny_dir: Path, dead_ticket: str):
+    """A stale ticket must not leave the server serving alone, unseen: it exits within 15 s, before
+    it loads a weight (start-up, then --connect-timeout, then closing its endpoint; with the default
+    5 s deadline it took 12-14 s here, on a loaded 2-core machine: 2 s keeps the test far from 15)."""
+    started = time.monotonic()
+    flags = ["--blocks", "0:2", "--host", "127.0.0.1", "--join", dead_ticket, "--connect-timeout", "2"]
+    outcome = shoal("serve", str(tiny_dir), *flags)
+    assert time.monotonic() - started < 15.0
+    line = assert_one_line_error(outcome, RUNTIME)
+    assert line == (
+        "shoal: error: cannot join the swarm: the --join peer did not answer within 2 s (is it running, and is "
+        "the ticket current? To start anyway, alone until a peer answers: --join-anyway)"
+    )
 
 
 def test_malformed_join_ticket_of_serve(tiny_dir: Path):
