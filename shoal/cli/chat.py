@@ -1,4 +1,4 @@
-"""``shoal chat MODEL --join TICKET``: a terminal chat over a swarm.
+"""``shoal chat MODEL --join TICKET [--join TICKET ...]``: a terminal chat over a swarm (or standalone servers).
 
 The whole conversation runs in ONE inference session: each turn renders the chat template over the
 history and generates from it; the servers already hold every earlier token, so a turn sends only
@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from shoal.transport import Ticket, TransportConfig
-from shoal.wire import Codec
+from shoal.client.config import ClientConfig
+from shoal.transport import Ticket
 
 __all__ = ["ChatOptions", "converse", "run_chat", "speculation_line", "verification_line"]
 
@@ -29,8 +29,8 @@ EXIT = ("/exit", "/quit")
 @dataclass(frozen=True)
 class ChatOptions:
     model: str
-    join: tuple[Ticket, ...]
-    transport: TransportConfig = field(default_factory=TransportConfig)
+    join: tuple[Ticket, ...]  # tickets of swarm members and standalone servers, routed over together
+    client: ClientConfig = field(default_factory=ClientConfig)  # connection, codec, verification
     system: str | None = None  # a system message opening the conversation
     max_new_tokens: int = 256  # per answer
     max_length: int | None = None  # session positions (the whole conversation); None: min(context, 2048)
@@ -38,11 +38,8 @@ class ChatOptions:
     top_p: float = 1.0
     seed: int | None = None
     num_threads: int | None = None
-    compression: Codec = Codec.RAW  # codec of the hidden states on every hop whose server has it
     draft: str | None = None  # speculative decoding with this local draft model (a model name)
     prompt_lookup: int | None = None  # ... or with up to this many tokens a round looked up in the prompt
-    verify: str = "off"  # "audit" / "redundant": check the servers (from_pretrained(verify=...))
-    audit_every: int | None = None  # positions between audits of each hop (None: the mode's default)
 
 
 def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
@@ -58,10 +55,7 @@ def run_chat(options: ChatOptions, stdin: TextIO = sys.stdin, stdout: TextIO = s
         check_draft(options.draft)  # a wrong name: before anything loads
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        options.model, initial_peers=list(options.join), transport=options.transport, compression=options.compression,
-        verify=options.verify, audit_every=options.audit_every,
-    )  # fmt: skip
+    model = AutoDistributedModelForCausalLM.from_client_config(options.model, options.join, options.client)
     try:
         speculation = load_speculation(options.draft, options.prompt_lookup, model.tokenizer)
         freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)

@@ -25,9 +25,21 @@ from shoal.cli.args import (
 VERIFY_CHOICES = ("off", "audit", "redundant")
 
 
-def _client_network(parser: argparse.ArgumentParser) -> None:
+def _client_network(parser: argparse.ArgumentParser, *, several: bool = True) -> None:
+    """The swarm connection's flags; ``several``: ``--join`` is repeatable (a client routes over the
+    servers of every ticket; a dashboard shows one swarm)."""
     group = parser.add_argument_group("swarm connection")
-    group.add_argument("--join", required=True, metavar="TICKET", help="ticket of any member of the swarm")
+    if several:
+        group.add_argument(
+            "--join",
+            action="append",
+            required=True,
+            metavar="TICKET",
+            help="ticket of a swarm member or of a standalone server (repeatable: the servers of every "
+            "ticket are routed over together)",
+        )
+    else:
+        group.add_argument("--join", required=True, metavar="TICKET", help="ticket of any member of the swarm")
     group.add_argument(
         "--network",
         choices=NETWORK_PROFILES,
@@ -103,16 +115,24 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _client_settings(args: argparse.Namespace) -> dict:
-    """What ``shoal api`` and ``shoal chat`` set alike on the client they run: the connection,
-    threads, codec, speculation and verification, from their shared flags."""
-    return dict(
+    """What ``shoal api`` and ``shoal chat`` set alike, from their shared flags: the tickets, the
+    client's :class:`~shoal.client.config.ClientConfig` (connection, codec, verification), threads
+    and speculation."""
+    from shoal.client.config import ClientConfig
+
+    join = tuple(join_ticket(text) for text in args.join)
+    client = ClientConfig(
         transport=transport_config(args, args.bind),
-        num_threads=args.num_threads,
         compression=_codec(args.compression),
-        draft=args.draft,
-        prompt_lookup=args.prompt_lookup,
         verify=args.verify,
         audit_every=args.audit_every,
+    )  # checked when made: a mode this client cannot run is a usage error before anything starts
+    return dict(
+        join=join,
+        client=client,
+        num_threads=args.num_threads,
+        draft=args.draft,
+        prompt_lookup=args.prompt_lookup,
     )
 
 
@@ -154,7 +174,6 @@ def cmd_api(args: argparse.Namespace) -> int:
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
     options = GatewayOptions(
-        join=join_ticket(args.join),
         model=args.model,
         api_key=_api_key(args),
         **_http_options(args),
@@ -166,12 +185,20 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
+    from shoal.client.config import ClientConfig
+    from shoal.errors import UsageError
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
+    ticket = join_ticket(args.join)
+    if not ticket.swarm_id:
+        raise UsageError(
+            "this ticket names no swarm: it was printed by a server started without --new-swarm or --join; "
+            "the dashboard shows a swarm's table: use the ticket of a swarm member"
+        )
     options = GatewayOptions(
-        join=join_ticket(args.join),
+        join=(ticket,),
         api_key=_api_key(args),
-        transport=transport_config(args, args.bind),
+        client=ClientConfig(transport=transport_config(args, args.bind)),
         **_http_options(args),
     )
     return serve_gateway(options)
@@ -182,7 +209,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     options = ChatOptions(
         model=args.model,
-        join=(join_ticket(args.join),),
         system=args.system,
         max_new_tokens=args.max_new_tokens,
         max_length=args.max_length,
@@ -217,7 +243,7 @@ def add_commands(sub) -> None:
         help="let a caller with 'Authorization: Bearer KEY' show another swarm (?ticket=), which the gateway "
         "dials for it (default: $SHOAL_API_KEY; none: only this swarm)",
     )
-    _client_network(dashboard)
+    _client_network(dashboard, several=False)
     dashboard.set_defaults(func=cmd_dashboard)
 
     chat = sub.add_parser("chat", help="chat in the terminal with a model served by a swarm (one session)")

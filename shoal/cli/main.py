@@ -85,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         transport=transport_config(args, f"{args.host}:{args.port}"),
         new_swarm=args.new_swarm,
         join=join,
+        join_anyway=args.join_anyway,
         throughput=args.throughput,
         num_blocks=args.num_blocks,
         rebalance=not args.no_rebalance,
@@ -228,7 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     swarm = serve.add_argument_group("swarm")
     swarm.add_argument("--new-swarm", action="store_true", help="create a swarm; the printed ticket joins it")
-    swarm.add_argument("--join", action="append", default=[], metavar="TICKET", help="join the swarm of this peer")
+    swarm.add_argument(
+        "--join", action="append", default=[], metavar="TICKET",
+        help="join the swarm of this peer (repeatable); fails unless one of them answers within --connect-timeout",
+    )  # fmt: skip
+    swarm.add_argument(
+        "--join-anyway", action="store_true",
+        help="with --join: start even when no peer of the tickets answers (alone in their swarm until one does)",
+    )  # fmt: skip
     swarm.add_argument("--throughput", type=float, help="tokens/s per block to announce (default: measure, cached)")
     swarm.add_argument(
         "--balance-period", type=positive_float, default=120.0, help="seconds between placement re-checks"

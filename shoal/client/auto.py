@@ -52,10 +52,11 @@ class AutoDistributedModelForCausalLM:
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
-        ``initial_peers``: tickets of servers; their spans must chain over every block (or one
-        ticket of a swarm member). ``push``: servers hand a step's output straight to the next
-        server (else the client drives every hop). ``compression``: how hidden states travel to
-        and from every server that announced the codec (the others get raw float32): None or
+        ``initial_peers``: tickets of swarm members (any one per swarm) and of standalone servers,
+        in any mix; the servers they lead to must together host every block. ``push``: servers
+        hand a step's output straight to the next server (else the client drives every hop).
+        ``compression``: how hidden states travel to and from every server that announced the
+        codec (the others get raw float32): None or
         ``"raw"`` (float32, exact), ``"bf16"``, ``"fp16"`` (2 bytes a value) or ``"q8"`` (8-bit
         blocks of 64 values, ~1.06 bytes a value; see :mod:`shoal.wire.codecs`).
         ``refresh_period``: seconds between background refreshes of the server list and measured
@@ -98,6 +99,20 @@ class AutoDistributedModelForCausalLM:
             tuning_mode=tuning_mode,
             pre_seq_len=pre_seq_len,
         )
+        return AutoDistributedModelForCausalLM.from_client_config(
+            model, initial_peers, client_config, start_node=start_node
+        )
+
+    @staticmethod
+    def from_client_config(
+        model: str,
+        initial_peers: Sequence[str | Ticket],
+        client_config: ClientConfig,
+        *,
+        start_node: StartNode = Node.start,
+    ) -> DistributedModelForCausalLM:
+        """:meth:`from_pretrained` with its settings already one :class:`ClientConfig` (``shoal api``
+        and ``shoal chat`` make one of their flags): one path from settings to a running client."""
         model_dir = resolve_model(model, client=True, revision=client_config.revision)
         config = load_config(model_dir)
         family = get_family(config)

@@ -13,34 +13,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shoal.client.config import ClientConfig
 from shoal.errors import BindError, ModelNotFoundError
-from shoal.transport import Ticket, TransportConfig
-from shoal.wire import Codec
+from shoal.transport import Ticket
 
 if TYPE_CHECKING:
     from shoal.gateway.engine import Speculation
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GatewayOptions", "check_draft", "load_speculation", "serve_gateway"]
+__all__ = ["GatewayOptions", "check_draft", "load_speculation", "serve_gateway", "shown_swarm"]
 
 
 @dataclass(frozen=True)
 class GatewayOptions:
-    join: Ticket  # any swarm member's ticket
+    # tickets of swarm members and standalone servers, routed over together (the dashboard shows the
+    # swarm of the first that names one: shown_swarm)
+    join: tuple[Ticket, ...]
     model: str | None = None  # None: serve only the dashboard
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the printed URL names it)
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 when set
-    transport: TransportConfig = field(default_factory=TransportConfig)
+    # the client's settings (its transport is the dashboard's too): connection, codec, verification
+    client: ClientConfig = field(default_factory=ClientConfig)
     max_concurrency: int = 16  # generations running at once (each holds one server-side session)
     default_max_tokens: int = 512
     num_threads: int | None = None  # torch threads (embeddings, LM head, sampling)
-    compression: Codec = Codec.RAW  # codec of the hidden states on every hop whose server has it
     draft: str | None = None  # speculative decoding with this local draft model (a model name, as ``model``)
     prompt_lookup: int | None = None  # ... or with up to this many tokens per round looked up in the prompt
-    verify: str = "off"  # "audit" / "redundant": the client checks the servers (from_pretrained(verify=...))
-    audit_every: int | None = None  # positions between audits of each hop (None: the mode's default)
     # Host names answered besides loopback's, the bound address and this machine's name; ("*",): any
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # origins whose pages may read the answers (CORS); none by default
@@ -67,6 +67,12 @@ def load_speculation(draft: str | None, prompt_lookup: int | None, target_tokeni
     if prompt_lookup is not None:
         return Speculation(prompt_lookup=prompt_lookup)
     return None
+
+
+def shown_swarm(tickets: tuple[Ticket, ...]) -> Ticket | None:
+    """The ticket whose swarm the dashboard shows: the first that names a swarm (None: standalone
+    servers only, no table to show; the dashboard shows a swarm its ``?ticket=`` names)."""
+    return next((t for t in tickets if t.swarm_id), None)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -99,10 +105,6 @@ def serve_gateway(options: GatewayOptions) -> int:
         check_model(options.model)  # an unknown model or family: before the port is taken
     if options.draft is not None:
         check_draft(options.draft)
-    if options.model is not None:
-        from shoal.client.verification.audit import check_verify
-
-        check_verify(options.verify, options.audit_every)  # a mode this client cannot run: before the port
     sock = _bind(options.host, options.port)
     model, engine = None, None
     try:
@@ -115,19 +117,12 @@ def serve_gateway(options: GatewayOptions) -> int:
 
             if options.num_threads:
                 torch.set_num_threads(options.num_threads)
-            model = AutoDistributedModelForCausalLM.from_pretrained(
-                options.model,
-                initial_peers=[options.join],
-                transport=options.transport,
-                compression=options.compression,
-                verify=options.verify,
-                audit_every=options.audit_every,
-            )
+            model = AutoDistributedModelForCausalLM.from_client_config(options.model, options.join, options.client)
             speculation = load_speculation(options.draft, options.prompt_lookup, model.tokenizer)
             engine = Engine(model, model_name(options.model), options.default_max_tokens, speculation)
         app = build_app(
             engine,
-            Watchers(options.transport, options.join),
+            Watchers(options.client.transport, shown_swarm(options.join)),
             options.api_key,
             options.max_concurrency,
             allowed_hosts=allowed_hosts(options.host, options.allowed_hosts),

@@ -84,6 +84,7 @@ class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)  # its limits bound peers (shoal.limits)
     new_swarm: bool = False  # create a swarm (its id goes into this server's ticket)
     join: tuple[Ticket, ...] = ()  # tickets of peers of the swarm to join
+    join_anyway: bool = False  # start even when no peer of ``join`` answers (else: fail, see Presence.join)
     throughput: float | None = None  # tokens/s per block to announce; None: measure (see shoal.server.throughput)
     num_blocks: int | None = None  # blocks to host when placed automatically; None: as many as memory allows
     rebalance: bool = True  # placed automatically: re-check the swarm's balance and move when it clearly helps
@@ -103,6 +104,8 @@ class ServerConfig:
                 "--blocks START:END is required outside a swarm; to let the server choose its blocks, "
                 "start it in a swarm (--new-swarm, or --join TICKET)"
             )
+        if self.join_anyway and not self.join:
+            raise UsageError("--join-anyway goes with --join TICKET")
         if self.blocks is not None and self.num_blocks is not None:
             raise UsageError("--blocks and --num-blocks exclude each other (--num-blocks: placed automatically)")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
 from shoal.checkpoints import model_name
+from shoal.errors import RefusedError, ShoalError, TransportError
 from shoal.ids import BlockRange
 from shoal.protocols import BLOCKS
 from shoal.server.announce import Announcement
@@ -28,10 +29,10 @@ from shoal.server.placement import Balance, Placed, choose_span, plan_move
 from shoal.server.preflight import CheckedServer
 from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
 from shoal.swarm.records import State
-from shoal.swarm.service import SWARM, SwarmService
+from shoal.swarm.service import SWARM, SwarmService, reach_any
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import VerdictKeeper
-from shoal.transport import BaseNode, Handler, Protocol
+from shoal.transport import BaseNode, Handler, Protocol, Ticket
 from shoal.wire import error_message
 
 log = logging.getLogger(__name__)
@@ -97,10 +98,32 @@ class Presence:
 
     async def join(self) -> None:
         """Join the swarm through the tickets given, gossip from now on, and measure (or take the
-        given) throughput before choosing or announcing a span."""
+        given) throughput before choosing or announcing a span. Unless ``join_anyway``, a peer of
+        the tickets must answer first: a stale ticket would leave the server serving alone, unseen."""
+        peers = [t for t in self.config.join if t.peer_id != self.node.id]
+        if peers and not self.config.join_anyway:
+            await self._reach(peers)
         await self.service.join()
         self.service.start()
         await self.measure()
+
+    async def _reach(self, peers: list[Ticket]) -> None:
+        """Fail in one line, within the connect deadline, when no peer of ``peers`` answers."""
+        timeout = self.config.transport.deadlines.connect
+        try:
+            await reach_any(self.node, peers, timeout)
+        except RefusedError:
+            raise  # it answered, and refused: its own error says why
+        except TransportError as exc:
+            silence = (
+                "the --join peer did not answer"
+                if len(peers) == 1
+                else f"none of the {len(peers)} --join peers answered"
+            )
+            raise ShoalError(
+                f"cannot join the swarm: {silence} within {timeout:g} s (is it running, and is the "
+                "ticket current? To start anyway, alone until a peer answers: --join-anyway)"
+            ) from exc
 
     def own_records(self) -> list:
         """Due for (re)publication: the server's records, and its verdicts until it leaves."""

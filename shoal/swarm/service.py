@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,7 +21,7 @@ from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing
 from shoal.swarm.messages import PushRequest, TableReply, decode_payload, encode_payload
 from shoal.swarm.records import RecordError, SignedRecord, decode
 from shoal.swarm.table import RecordTable
-from shoal.transport import MessageStream, Node, Protocol, Ticket
+from shoal.transport import BaseNode, MessageStream, Node, Protocol, Ticket
 from shoal.wire import InvalidMessage, Message, error_message
 from shoal.wire.schema import Gossip
 
@@ -45,6 +45,29 @@ async def fetch_table(node: Node, ticket: Ticket, timeout: float) -> TableReply:
     :class:`RecordError` if the answer does not validate."""
     reply = await node.request(ticket, SWARM, Message("gossip", 1, Gossip(op="table"), [blob(b"")]), timeout)
     return decode_payload(blob_bytes(reply), TableReply)
+
+
+async def reach_any(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -> Ticket:
+    """The first of ``tickets`` whose peer takes a swarm connection within ``timeout``, all dialled
+    at once (the connection stays pooled for what follows). When none does, the first ticket's
+    error: :class:`~shoal.errors.ConnectTimeout` for a peer that is gone."""
+    if not tickets:
+        raise ValueError("reach_any: no ticket given")
+
+    async def dial(ticket: Ticket) -> Ticket:
+        await node.connect(ticket, SWARM, timeout)
+        return ticket
+
+    dials = [asyncio.create_task(dial(ticket)) for ticket in tickets]
+    try:
+        for first_done in asyncio.as_completed(dials):
+            with contextlib.suppress(ShoalError):
+                return await first_done
+        return await dials[0]  # every dial failed: raises the first one's error
+    finally:
+        for task in dials:
+            task.cancel()
+        await asyncio.gather(*dials, return_exceptions=True)
 
 
 class SwarmService:

@@ -9,7 +9,7 @@ import time
 
 from shoal.errors import UsageError
 from shoal.swarm.records import ServerRecord, State
-from shoal.swarm.service import SWARM, decode_table, fetch_table
+from shoal.swarm.service import decode_table, fetch_table, reach_any
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import tally
 from shoal.transport import Node, Ticket, TransportConfig
@@ -22,7 +22,7 @@ async def swarm_status(ticket: Ticket, transport: TransportConfig) -> dict:
             "use the ticket of a swarm member"
         )
     async with await Node.start(transport) as node:
-        await node.connect(ticket, SWARM, transport.deadlines.connect)  # a dead peer fails in --connect-timeout
+        await reach_any(node, [ticket], transport.deadlines.connect)  # a dead peer fails in --connect-timeout
         payload = await fetch_table(node, ticket, transport.deadlines.request)
     table = RecordTable(ticket.swarm_id)
     table.merge_many(decode_table(payload))

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +188,22 @@ def test_udp_port_in_use(tiny_dir: Path, busy_port: int):
     assert_one_line_error(outcome, RUNTIME, f"cannot listen on 127.0.0.1:{busy_port}", "--port")
 
 
+@pytest.mark.slow
+def test_serve_joining_through_a_peer_that_is_gone(tiny_dir: Path, dead_ticket: str):
+    """A stale ticket must not leave the server serving alone, unseen: it exits within 15 s, before
+    it loads a weight (start-up, then --connect-timeout, then closing its endpoint; with the default
+    5 s deadline it took 12-14 s here, on a loaded 2-core machine: 2 s keeps the test far from 15)."""
+    started = time.monotonic()
+    flags = ["--blocks", "0:2", "--host", "127.0.0.1", "--join", dead_ticket, "--connect-timeout", "2"]
+    outcome = shoal("serve", str(tiny_dir), *flags)
+    assert time.monotonic() - started < 15.0
+    line = assert_one_line_error(outcome, RUNTIME)
+    assert line == (
+        "shoal: error: cannot join the swarm: the --join peer did not answer within 2 s (is it running, and is "
+        "the ticket current? To start anyway, alone until a peer answers: --join-anyway)"
+    )
+
+
 def test_malformed_join_ticket_of_serve(tiny_dir: Path):
     assert_one_line_error(shoal("serve", str(tiny_dir), "--join", "garbage"), USAGE, "malformed ticket")
 
@@ -237,7 +254,11 @@ def test_no_route(tiny_dir: Path):
     """A swarm that holds only blocks 0:2 of 4 cannot serve the model: the client says which blocks."""
     with LocalSwarm(tiny_dir, [(0, 2)], ["--num-threads", "1"], swarm=True) as swarm:
         outcome = shoal("chat", str(tiny_dir), "--join", str(swarm.tickets[0]), "--connect-timeout", "5")
-    assert_one_line_error(outcome, RUNTIME, "no usable server hosts blocks 2-3")
+    line = assert_one_line_error(outcome, RUNTIME)
+    assert line == (
+        "shoal: error: no server hosts blocks 2-3: start one with `shoal serve MODEL --blocks 2:4 --join TICKET`, "
+        "or pass the ticket of a server hosting them with another --join"
+    )
 
 
 def test_verbose_adds_the_traceback():

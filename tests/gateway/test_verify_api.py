@@ -102,7 +102,7 @@ def test_api_passes_the_mode_to_the_gateway(monkeypatch):
     monkeypatch.setattr(serve, "serve_gateway", lambda options: seen.append(options) or 0)
     args = build_parser().parse_args(["api", "m", "--join", TICKET, "--verify", "audit", "--audit-every", "4"])
     assert args.func(args) == 0
-    assert (seen[0].verify, seen[0].audit_every) == ("audit", 4)
+    assert (seen[0].client.verify, seen[0].client.audit_every) == ("audit", 4)
 
 
 def test_chat_passes_the_mode_to_the_chat(monkeypatch):
@@ -112,7 +112,7 @@ def test_chat_passes_the_mode_to_the_chat(monkeypatch):
     monkeypatch.setattr(chat, "run_chat", lambda options: seen.append(options) or 0)
     args = build_parser().parse_args(["chat", "m", "--join", TICKET, "--verify", "redundant"])
     assert args.func(args) == 0
-    assert (seen[0].verify, seen[0].audit_every) == ("redundant", None)
+    assert (seen[0].client.verify, seen[0].client.audit_every) == ("redundant", None)
 
 
 # ---- answers over a swarm with a liar -------------------------------------------------------------

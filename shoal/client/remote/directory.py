@@ -1,7 +1,8 @@
 """The client's view of the servers it can route over, and what it has measured about them.
 
-Servers come from the swarm's table (tickets with a swarm id; servers the swarm convicted of lying
-are left out, :func:`shoal.swarm.verdicts.convicted`) or from asking each given peer (plain tickets).
+Servers come from each swarm's table (tickets with a swarm id; servers the swarm convicted of lying
+are left out, :func:`shoal.swarm.verdicts.convicted`) and from asking each other given peer (plain
+tickets: standalone servers, started without ``--new-swarm``/``--join``), the two together.
 Round-trip times are measured with a blocks-protocol ``info`` request (so a server that is slow to
 answer looks slow), once at start and then in the background every ``refresh_period`` seconds
 together with a fresh pull of the table: never on a step's path.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -19,7 +21,7 @@ from dataclasses import replace
 
 from shoal.client.config import ClientConfig
 from shoal.errors import ShoalError
-from shoal.ids import PeerId
+from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
 from shoal.routing import (
@@ -29,6 +31,7 @@ from shoal.routing import (
     NoRouteError,
     RouteInfo,
     ServerSpan,
+    format_blocks,
     forward_cost,
     meeting,
     offering,
@@ -113,6 +116,52 @@ async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
     return spans
 
 
+async def known_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
+    """The servers ``tickets`` lead to, each once: every swarm's (:func:`swarm_spans`, through that
+    swarm's tickets) and each plain ticket's own (:func:`fetch_infos`)."""
+    by_swarm: dict[str, list[Ticket]] = {}
+    for ticket in tickets:
+        if ticket.swarm_id:
+            by_swarm.setdefault(ticket.swarm_id, []).append(ticket)
+    plain = [t for t in tickets if not t.swarm_id]
+    found = await asyncio.gather(
+        *(swarm_spans(node, members, model, timeout) for members in by_swarm.values()),
+        fetch_infos(node, plain, timeout),
+    )
+    unique: dict[PeerId, ServerSpan] = {}
+    for span in itertools.chain.from_iterable(found):
+        unique.setdefault(span.peer_id, span)
+    return list(unique.values())
+
+
+def gaps(blocks: Sequence[int]) -> list[BlockRange]:
+    """Sorted block indices as contiguous ranges: ``[2, 3, 7]`` -> ``[2:4, 7:8]``."""
+    ranges: list[BlockRange] = []
+    for block in blocks:
+        if ranges and ranges[-1].end == block:
+            ranges[-1] = BlockRange(ranges[-1].start, block + 1)
+        else:
+            ranges.append(BlockRange(block, block + 1))
+    return ranges
+
+
+def missing_servers(missing: Sequence[int], *, swarm: bool, silent: int = 0) -> NoRouteError:
+    """The error of a client whose servers leave ``missing`` blocks unhosted, in one line that says
+    how to add them: a server for each gap that joins the swarm (``swarm``: some ticket names one),
+    or one more ticket. ``silent``: given peers that did not answer (they may host those blocks)."""
+    first, *rest = gaps(missing)
+    more = f" (and one with {', '.join(f'--blocks {g}' for g in rest)})" if rest else ""
+    unanswered = f" ({silent} of the given peers did not answer)" if silent else ""
+    if swarm:
+        how = f"`shoal serve MODEL --blocks {first} --join TICKET`{more}, or pass the ticket of a server hosting them"
+    else:
+        how = f"`shoal serve MODEL --blocks {first}`{more} and pass its ticket"
+    return NoRouteError(
+        f"no server hosts blocks {format_blocks(list(missing))}{unanswered}: start one with {how} with another --join",
+        list(missing),
+    )
+
+
 def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: int) -> None:
     """Servers must agree with the client's config and with each other on every block's weights."""
     seen: dict[int, tuple[str, str]] = {}
@@ -191,13 +240,19 @@ class ServerDirectory:
         return any(t.swarm_id for t in self.tickets)
 
     async def refresh(self) -> None:
-        """Pull the server list again (table or infos), then measure round trips to each server."""
-        if self.swarm:
-            spans = await swarm_spans(self.node, self.tickets, self.model, self.config.request_timeout)
-        else:
-            spans = await fetch_infos(self.node, self.tickets, self.config.request_timeout)
+        """Pull the server list again (tables and infos), then measure round trips to each server."""
+        spans = await known_spans(self.node, self.tickets, self.model, self.config.request_timeout)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
+
+    def check_coverage(self) -> None:
+        """A :class:`NoRouteError` that says how to add servers when some block has none at all
+        (whatever its quality or adapters: routing explains those)."""
+        missing = uncovered_blocks(self.spans, self.num_blocks)
+        if missing:
+            hosts = {s.peer_id for s in self.spans}
+            silent = sum(1 for t in self.tickets if not t.swarm_id and t.peer_id not in hosts)
+            raise missing_servers(missing, swarm=self.swarm, silent=silent)
 
     async def _measure(self, spans: list[ServerSpan]) -> list[ServerSpan]:
         """Time an ``info`` request to every server (in parallel); fresh free-cache and drain state

@@ -83,9 +83,11 @@ class RemoteSequence:
         runtime: LoopThread | None = None,
         start_node: StartNode = Node.start,
     ) -> RemoteSequence:
-        """Tickets with a swarm id: join the swarm through any of them and route over its table
-        (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets:
-        ask each peer what it hosts. ``config``: the client's settings (default: all defaults),
+        """Tickets with a swarm id: pull the swarm's table through any of them and route over it
+        (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets
+        (standalone servers): ask each peer what it hosts. Both kinds may be mixed; a block no
+        server hosts is a :class:`~shoal.routing.NoRouteError` that says how to add one.
+        ``config``: the client's settings (default: all defaults),
         shared with the directory. ``start_node``: how the client's node starts with
         ``config.transport`` (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside
         this process)."""
@@ -100,6 +102,7 @@ class RemoteSequence:
             try:
                 directory = ServerDirectory(node, tickets, model, num_blocks, hidden_size, config)
                 await directory.refresh()
+                directory.check_coverage()
                 sequence = cls(node, runtime, directory, num_blocks, config)
                 directory.start()
                 return sequence
