@@ -36,6 +36,7 @@ LAYERS = {
     "limits": 0,
     "heap": 0,
     "omp": 0,
+    "devices": 0,
 }
 
 
