@@ -28,6 +28,7 @@ from pathlib import Path
 
 from shoal import __version__
 from shoal.checkpoints import load_span, model_fingerprints, model_name, resolve_model
+from shoal.errors import UsageError
 from shoal.ids import BlockRange
 from shoal.models import BlockSpan
 from shoal.models.packed import calibrate, pack_linears
@@ -59,14 +60,14 @@ def node_key(config: ServerConfig) -> bytes:
 def swarm_id_of(config: ServerConfig) -> str | None:
     """The swarm ``shoal serve`` takes part in: a new one, the one its ``--join`` tickets name, or none."""
     if config.new_swarm and config.join:
-        raise ValueError("--new-swarm and --join exclude each other")
+        raise UsageError("--new-swarm and --join exclude each other (--new-swarm starts a swarm, --join enters one)")
     if config.new_swarm:
         return secrets.token_hex(8)
     if not config.join:
         return None
     ids = {t.swarm_id for t in config.join}
     if None in ids or len(ids) != 1:
-        raise ValueError("every --join ticket must carry the same swarm id (use a ticket printed by a swarm member)")
+        raise UsageError("every --join ticket must carry the same swarm id (use a ticket printed by a swarm member)")
     return ids.pop()
 
 

@@ -13,6 +13,7 @@ import torch
 from shoal.checkpoints.fetch import MARKER
 from shoal.cli.main import run_command
 from shoal.errors import ShoalError
+from shoal.transport import Ticket
 from testkit.tiny import char_tokenizer, tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
@@ -138,3 +139,14 @@ def test_chat_sampling_flags_out_of_range_are_refused_before_anything_starts(cap
     """Not a ValueError of the sampler after the first message (top-p), nor greedy answers (temperature)."""
     expected = f"shoal: error: shoal chat: {refusal} (see `shoal chat --help`)"
     assert outcome(capsys, "chat", "smollm2", "--join", "garbage", *flags) == (USAGE, "", [expected])
+
+
+def test_serve_with_new_swarm_and_join_is_one_usage_line(capsys):
+    """Both ways into a swarm at once: refused before anything binds, as a usage line (it was
+    ``unexpected ValueError``)."""
+    ticket = str(Ticket("ab" * 32, ("127.0.0.1:9",), None, "cd" * 8))
+    status, out, err = outcome(capsys, "serve", "smollm2", "--new-swarm", "--join", ticket)
+    assert (status, out) == (USAGE, "")
+    assert err == [
+        "shoal: error: --new-swarm and --join exclude each other (--new-swarm starts a swarm, --join enters one)"
+    ]
