@@ -1,7 +1,15 @@
 """Routing: pure decisions about which servers carry which blocks. No I/O here."""
 
 from shoal.routing.bans import BanList
-from shoal.routing.chain import NoRouteError, RouteInfo, ServerSpan, format_blocks, plan_route, uncovered_blocks
+from shoal.routing.chain import (
+    NoRouteError,
+    RouteInfo,
+    ServerSpan,
+    block_runs,
+    format_blocks,
+    plan_route,
+    uncovered_blocks,
+)
 from shoal.routing.costs import LatencyModel, forward_cost, route_with_bans
 from shoal.routing.offers import AdapterChoice, offering, with_offer_hint
 from shoal.routing.quality import meeting, with_quality_hint
@@ -13,6 +21,7 @@ __all__ = [
     "NoRouteError",
     "RouteInfo",
     "ServerSpan",
+    "block_runs",
     "format_blocks",
     "forward_cost",
     "meeting",

@@ -59,15 +59,20 @@ def uncovered_blocks(spans: Sequence[ServerSpan], num_blocks: int) -> list[int]:
     return [i for i in range(num_blocks) if i not in covered]
 
 
+def block_runs(blocks: Sequence[int]) -> list[BlockRange]:
+    """Sorted block indices as contiguous ranges: ``[2, 3, 7]`` -> ``[2:4, 7:8]``."""
+    runs: list[BlockRange] = []
+    for block in blocks:
+        if runs and runs[-1].end == block:
+            runs[-1] = BlockRange(runs[-1].start, block + 1)
+        else:
+            runs.append(BlockRange(block, block + 1))
+    return runs
+
+
 def format_blocks(blocks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
-    parts, start = [], None
-    for i, b in enumerate(blocks):
-        start = b if start is None else start
-        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
-            parts.append(f"{start}" if start == b else f"{start}-{b}")
-            start = None
-    return ", ".join(parts)
+    return ", ".join(f"{r.start}" if len(r) == 1 else f"{r.start}-{r.end - 1}" for r in block_runs(blocks))
 
 
 def plan_route(

@@ -3,14 +3,14 @@ naming the blocks and how to add a server for them, in a swarm or over standalon
 
 from __future__ import annotations
 
-from shoal.client.remote.directory import gaps, missing_servers
+from shoal.client.remote.directory import missing_servers
 from shoal.ids import BlockRange
-from shoal.routing import NoRouteError
+from shoal.routing import NoRouteError, block_runs
 
 
-def test_gaps_are_the_contiguous_runs_of_missing_blocks():
-    assert gaps([2, 3, 7, 9, 10, 11]) == [BlockRange(2, 4), BlockRange(7, 8), BlockRange(9, 12)]
-    assert gaps([0]) == [BlockRange(0, 1)]
+def test_block_runs_are_the_contiguous_runs_of_missing_blocks():
+    assert block_runs([2, 3, 7, 9, 10, 11]) == [BlockRange(2, 4), BlockRange(7, 8), BlockRange(9, 12)]
+    assert block_runs([0]) == [BlockRange(0, 1)]
 
 
 def test_in_a_swarm_the_new_server_joins_it():

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from shoal.client.config import ClientConfig
 from shoal.errors import ShoalError
-from shoal.ids import BlockRange, PeerId
+from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
 from shoal.routing import (
@@ -31,6 +31,7 @@ from shoal.routing import (
     NoRouteError,
     RouteInfo,
     ServerSpan,
+    block_runs,
     format_blocks,
     forward_cost,
     meeting,
@@ -134,22 +135,11 @@ async def known_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
     return list(unique.values())
 
 
-def gaps(blocks: Sequence[int]) -> list[BlockRange]:
-    """Sorted block indices as contiguous ranges: ``[2, 3, 7]`` -> ``[2:4, 7:8]``."""
-    ranges: list[BlockRange] = []
-    for block in blocks:
-        if ranges and ranges[-1].end == block:
-            ranges[-1] = BlockRange(ranges[-1].start, block + 1)
-        else:
-            ranges.append(BlockRange(block, block + 1))
-    return ranges
-
-
 def missing_servers(missing: Sequence[int], *, swarm: bool, silent: int = 0) -> NoRouteError:
     """The error of a client whose servers leave ``missing`` blocks unhosted, in one line that says
     how to add them: a server for each gap that joins the swarm (``swarm``: some ticket names one),
     or one more ticket. ``silent``: given peers that did not answer (they may host those blocks)."""
-    first, *rest = gaps(missing)
+    first, *rest = block_runs(missing)
     more = f" (and one with {', '.join(f'--blocks {g}' for g in rest)})" if rest else ""
     unanswered = f" ({silent} of the given peers did not answer)" if silent else ""
     if swarm:
