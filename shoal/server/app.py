@@ -17,7 +17,6 @@ from concurrent.futures import Executor
 
 import torch
 
-from shoal.errors import UsageError
 from shoal.server.announce import keep_measuring
 from shoal.server.backend import compute_thread
 from shoal.server.builder import (
@@ -55,9 +54,7 @@ async def serve(
     for signum in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signum, stop.set)
-    swarm_id = swarm_id_of(config)
-    if config.blocks is None and swarm_id is None:
-        raise UsageError("--blocks START:END is required outside a swarm (--new-swarm or --join TICKET)")
+    swarm_id = swarm_id_of(config)  # the config requires --blocks outside a swarm
     node, gate = await start_endpoint(config, key, Node.start, swarm=swarm_id is not None)
     tasks: list[asyncio.Task] = []
     metrics = None  # the Prometheus exporter (--metrics-port)

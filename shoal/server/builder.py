@@ -58,9 +58,8 @@ def node_key(config: ServerConfig) -> bytes:
 
 
 def swarm_id_of(config: ServerConfig) -> str | None:
-    """The swarm ``shoal serve`` takes part in: a new one, the one its ``--join`` tickets name, or none."""
-    if config.new_swarm and config.join:
-        raise UsageError("--new-swarm and --join exclude each other (--new-swarm starts a swarm, --join enters one)")
+    """The swarm ``shoal serve`` takes part in: a new one, the one its ``--join`` tickets name, or none
+    (the config refused ``--new-swarm`` with ``--join``)."""
     if config.new_swarm:
         return secrets.token_hex(8)
     if not config.join:

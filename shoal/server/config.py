@@ -104,6 +104,10 @@ class ServerConfig:
                 "--blocks START:END is required outside a swarm; to let the server choose its blocks, "
                 "start it in a swarm (--new-swarm, or --join TICKET)"
             )
+        if self.new_swarm and self.join:
+            raise UsageError(
+                "--new-swarm and --join exclude each other (--new-swarm starts a swarm, --join enters one)"
+            )
         if self.join_anyway and not self.join:
             raise UsageError("--join-anyway goes with --join TICKET")
         if self.blocks is not None and self.num_blocks is not None:
