@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 0.75  # a live server answers a ping within this, however busy its compute thread is
 MEASURE_TIMEOUT = 2.0
+WAIT_POLL = 1.0  # seconds between looks for a newcomer while blocks have no server
 
 
 async def fetch_infos(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -> list[ServerSpan]:
@@ -231,7 +232,7 @@ class ServerDirectory:
 
     async def refresh(self) -> None:
         """Pull the server list again (tables and infos), then measure round trips to each server."""
-        spans = await known_spans(self.node, self.tickets, self.model, self.config.request_timeout)
+        spans = await known_spans(self.node, self.tickets, self.model, self.config.listing_timeout)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
 
@@ -350,6 +351,21 @@ class ServerDirectory:
         offered = offering(meeting(self.spans, self.min_quality), needs, self.adapter)
         live = [s for s in offered if s.peer_id not in exclude and s.peer_id not in self.banned]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
+
+    async def wait_for_servers(
+        self, start: int, *, exclude: Collection[str], needs: Collection[str], timeout: float
+    ) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while missing := self.missing_blocks(start, exclude, needs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return missing
+            await asyncio.sleep(min(WAIT_POLL, left))
+            try:  # the swarm's tables and the given servers, asked again
+                await asyncio.wait_for(self.refresh(), max(deadline - time.monotonic(), 0.01))
+            except Exception as exc:  # a failed look is one more reason to keep waiting, not an error
+                log.debug("looking for servers again failed: %r", exc)
+        return []
 
     # ---- RouteFeedback (shoal.client.remote.feedback): what sessions report and expect ----------------
 
