@@ -71,7 +71,13 @@ class RemoteSession(SessionPositions):
             max_length=max_length, batch_size=batch_size, prompts=prompts is not None, adapter=adapter, share=share
         )
         self._recovery = ChainRecovery(
-            sequence.node, directory, directory, request, push=config.push, prompts=prompts, route_wait=config.route_wait
+            sequence.node,
+            directory,
+            directory,
+            request,
+            push=config.push,
+            prompts=prompts,
+            route_wait=config.route_wait,
         )
         self._history = SpanHistory(batch_size)
         self._chain: list[ServerSpan] = []  # the last chain installed (still readable once closed)
