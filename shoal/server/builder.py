@@ -196,7 +196,8 @@ def load_block_server(
     pool = built.allocate_pool(max(1, config.cache_tokens // config.page_size), config.page_size)
     counters = ServerCounters()
     judge = Judge(backend, info, counters, node.id if node is not None else "", jurisdiction)
-    pusher = Pusher(counters, node, refuses=judge.convicted)  # never to a liar convicted here
+    # only to online members of its swarm serving the next blocks, never to a liar convicted here
+    pusher = Pusher(counters, node, info, jurisdiction.table if jurisdiction is not None else None, judge.convicted)
     budget = CacheBudget(pool, config.kv_overcommit)
     return BlockServer(backend, info, budget, counters, judge, pusher, config.transport.limits, signer,
                        config.share_counters)  # fmt: skip

@@ -8,10 +8,12 @@ within the idle timeout (the first step's, ``first_step_timeout``, sooner).
 
 Server-to-server push: a ``step`` may carry the rest of the chain (``push``: the next servers'
 tickets, session ids and tokens). The server hands its output straight to the next server (a
-``push`` on a server-to-server stream) before answering its own client; that server checks the
-session token it issued at ``open``, runs the step and answers on the session's client stream, and
-so on. Every server still answers the client (who keeps the outputs to replay a span's history).
-The hand-off itself is :mod:`shoal.server.push`.
+``push`` on a server-to-server stream) before answering its own client; that server accepts it only
+with the token that binds the session's secret (issued at ``open``) to the pushing peer
+(:mod:`shoal.verify.tokens`: a server that learned a later hop's token cannot use it), runs the
+step and answers on the session's client stream, and so on. Every server still answers the client
+(who keeps the outputs to replay a span's history). The hand-off itself, and whom a server pushes
+to at all (online members of its swarm serving the next blocks), is :mod:`shoal.server.push`.
 
 Stateless requests (:mod:`shoal.server.stateless`): ``forward``, and for training (``train``)
 ``backward``, the gradient of a pass's inputs (recomputed with autograd, at the lowest priority);
@@ -60,6 +62,7 @@ from shoal.server.stateless import backward, forward, in_kind
 from shoal.transport import MessageStream
 from shoal.verify.receipts import ReceiptSigner, server_receipt
 from shoal.verify.state import step_states
+from shoal.verify.tokens import push_allowed
 from shoal.wire import InvalidMessage, Message, error_message
 from shoal.wire.schema import (
     InfoReply,
@@ -321,13 +324,14 @@ class BlockServer:
             log.info("could not answer session %s: %s", session.id, exc)
 
     async def _receive_push(self, meta: PushRequest, message: Message, peer_id: PeerId) -> None:
-        """A step pushed by the previous server: checked against the session's token, then served
+        """A step pushed by the previous server: its token must be the one the session's client
+        derived for ``peer_id`` (the pushing stream's peer) from the session's secret; then served
         like the client's own step (the reply goes to the session's client). Nothing is sent back
         to the pushing server."""
         session = self._sessions.get(meta.session)
-        if session is None or not secrets.compare_digest(meta.token.encode(), session.token.encode()):
+        if session is None or not push_allowed(session.token, meta.token, peer_id):
             self.counters.pushes_rejected += 1
-            log.info("rejected a push from %s: unknown session or wrong token", peer_id[:10])
+            log.info("rejected a push from %s: unknown session, or not its token for that peer", peer_id[:10])
             return
         if meta.step <= session.last_step:  # overtaken: the client resent this step or moved on
             self.counters.pushes_rejected += 1

@@ -24,7 +24,9 @@ class ServedSession:
     pages: int  # KV pages committed (shoal.server.admission): its max_length's, less a reservation taken back
     cache: PagedCache | None
     stream: MessageStream  # the client's: every reply of the session goes there
-    token: str = field(default_factory=lambda: secrets.token_hex(16))  # lets the previous server push steps
+    # the session's push secret, told only its client: a push from peer P carries the token the client
+    # derived for P from it (shoal.verify.tokens), so only the previous hop the client chose can push
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
     task: asyncio.Task | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time, from the client or a push
     pending: asyncio.Task | None = None  # the read of the client's next message

@@ -32,7 +32,9 @@ MAX_EVIDENCE_STEPS = 1 << 16  # receipts in one piece of evidence
 
 #: Every capability this version of shoal knows, announced by servers (``info``, records) and by
 #: every node (``hello``). Gate each new optional field or kind on one of these.
-PUSH = "push"  # step.push / the push kind: server-to-server hand-off of step outputs
+# step.push / the push kind: server-to-server hand-off of step outputs, each push with the token the
+# client bound to the pushing peer (shoal.verify.tokens; "/2": plain "push" peers took the secret itself)
+PUSH = "push/2"
 CODEC_RAW = Codec.RAW.capability  # tensors as their raw bytes (every v2 peer)
 CODEC_BF16 = Codec.BF16.capability  # float32 tensors as bfloat16 (shoal.wire.codecs)
 CODEC_FP16 = Codec.FP16.capability  # float32 tensors as float16
@@ -253,12 +255,13 @@ class BackwardRequest(Meta):
 
 class OpenReply(Meta):
     session: Session
-    token: Text  # lets the previous server of a chain push steps into this session
+    token: Text  # the session's push secret: the client derives from it each previous server's push token
     max_length: int
 
 
 class PushHop(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    """One server further down a chain: where to push, into which session, with its token."""
+    """One server further down a chain: where to push, into which session, with the token that lets
+    the server just before it (and no other peer) push there (:mod:`shoal.verify.tokens`)."""
 
     ticket: Text
     session: Session
@@ -271,7 +274,9 @@ PushRoute = Annotated[tuple[PushHop, ...], msgspec.Meta(max_length=MAX_PUSH_HOPS
 class StepRequest(Meta):
     session: Session
     position: Position  # the session's length before this step
-    push: PushRoute = ()  # needs PUSH: the rest of the chain, to hand the output on to
+    # needs PUSH: the rest of the chain, to hand the output on to; each hop's token is bound to the hop
+    # before it, so the tail a server passes on is no use to it (nor to anyone but its intended pusher)
+    push: PushRoute = ()
     receipt: bool = False  # needs RECEIPTS: the reply carries a signed Receipt (pushed on to the chain)
 
 

@@ -28,6 +28,7 @@ from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer
 from shoal.server.preflight import check_server
 from shoal.transport import BaseNode, MemoryNetwork, MessageStream, Node, Ticket, TransportConfig
+from shoal.verify.tokens import push_token
 from shoal.wire import Message
 from shoal.wire.schema import OpenReply, OpenRequest, PushHop, StepReply, StepRequest
 from testkit.faults import (
@@ -99,9 +100,9 @@ class Session:
         reply = await stream.request(Message("open", 1, OpenRequest(max_length=max_length)), timeout=5.0)
         return cls(stream, reply.reply(OpenReply))
 
-    def hop(self, ticket: Ticket) -> PushHop:
-        """Where a previous server pushes into this session."""
-        return PushHop(ticket=str(ticket), session=self.opened.session, token=self.opened.token)
+    def hop(self, ticket: Ticket, previous: str) -> PushHop:
+        """Where the previous server (peer id ``previous``) pushes into this session (at ``ticket``)."""
+        return PushHop(ticket=str(ticket), session=self.opened.session, token=push_token(self.opened.token, previous))
 
     async def step(self, tensors: list[torch.Tensor], push: tuple[PushHop, ...] = (), timeout: float = 5.0):
         meta = StepRequest(session=self.opened.session, position=self.position, push=push)
@@ -330,7 +331,7 @@ def test_equivocation_pushes_the_next_server_another_tensor_than_the_reply(model
             results = []
             for i, n in enumerate([3, 1]):
                 tensors = inputs(n, first.position, i)
-                reply = await first.step(tensors, push=(second.hop(mirror.ticket),))
+                reply = await first.step(tensors, push=(second.hop(mirror.ticket, liar.node.id),))
                 received = await second.stream.recv(5.0)  # the mirror answers the pushed step on its session
                 assert received.kind == "result" and received.id == first.last_id
                 second.position += n

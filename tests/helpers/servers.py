@@ -20,6 +20,7 @@ from shoal.ids import BlockRange
 from shoal.launch import ServerProcess, serve_args, stop_all
 from shoal.protocols import BLOCKS
 from shoal.transport import BaseNode, MessageStream, Ticket, TransportConfig
+from shoal.verify.tokens import push_token
 from shoal.wire import Message
 from shoal.wire.schema import InfoReply, OpenReply, OpenRequest, PushHop, StepReply, StepRequest
 from testkit.tiny import inputs as inputs  # re-exported: the tests' span inputs
@@ -86,9 +87,10 @@ class Session:
             raise
         return cls(stream, reply.reply(OpenReply))
 
-    def push_hop(self, ticket: Ticket) -> PushHop:
-        """Where a previous server pushes steps of this session (``ticket``: this session's server)."""
-        return PushHop(ticket=str(ticket), session=self.id, token=self.token)
+    def push_hop(self, ticket: Ticket, previous: str) -> PushHop:
+        """Where the server ``previous`` (a peer id) pushes steps of this session (``ticket``: this
+        session's server), with the token bound to that peer."""
+        return PushHop(ticket=str(ticket), session=self.id, token=push_token(self.token, previous))
 
     async def send_step(
         self, position: int, tensors: Sequence[torch.Tensor], session_id: str | None = None, push=()

@@ -237,7 +237,8 @@ def test_a_server_never_pushes_to_a_peer_it_convicted(court):
     reply says ``pushed=False`` and the client drives that hop itself."""
     liar = court.liars["noise"]
     counters = ServerCounters()
-    pusher = Pusher(counters, court.node, refuses={liar.node.id}.__contains__)  # its node: never used
+    span = court.judges[0].server.info
+    pusher = Pusher(counters, court.node, span, refuses={liar.node.id}.__contains__)  # its node: never used
     step = Message("step", 3, StepRequest(session="s", position=0), [torch.zeros(1, 1, HIDDEN), torch.zeros(1, 1)])
     route = (PushHop(ticket=str(liar.ticket), session="t", token="k"),)
     assert court.run(pusher.push(Message("result", 3, tensors=[torch.zeros(1, 1, HIDDEN)]), step, route)) is False

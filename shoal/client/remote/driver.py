@@ -43,6 +43,7 @@ import time
 import weakref
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from torch import Tensor
 
@@ -110,9 +111,11 @@ def push_reach(
 def push_routes(
     hops: Sequence[Hop], enabled: bool = True, codecs: Sequence[Codec] | None = None, receipts: bool = False
 ) -> list[tuple[PushHop, ...]]:
-    """``push`` of the step sent to each hop: the hops it reaches by push after itself."""
+    """``push`` of the step sent to each hop: the hops it reaches by push after itself, each with the
+    token bound to the hop before it (the only peer that can push with it)."""
     reach = push_reach([hop.span for hop in hops], enabled, codecs, receipts)
-    return [tuple(hop.push_hop for hop in hops[k + 1 : last + 1]) for k, last in enumerate(reach)]
+    bound = [hop.push_hop(before.span.peer_id) for before, hop in pairwise(hops)]  # of hops 1, 2, ...
+    return [tuple(bound[k:last]) for k, last in enumerate(reach)]
 
 
 class ChainDriver:

@@ -9,9 +9,11 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from shoal.errors import ShoalError
+from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.routing import ServerSpan
 from shoal.transport import BaseNode, MessageStream
+from shoal.verify.tokens import push_token
 from shoal.wire import Message
 from shoal.wire.schema import OpenReply, OpenRequest, PushHop
 
@@ -25,13 +27,13 @@ class Hop:
     reads those replies, sets it. ``replace_after``: while nobody could take over from it, the
     monotonic time before which its replacement is not looked for again."""
 
-    __slots__ = ("__weakref__", "_pending", "draining", "push_hop", "replace_after", "session", "span", "stream")
+    __slots__ = ("__weakref__", "_pending", "_secret", "draining", "replace_after", "session", "span", "stream")
 
     def __init__(self, span: ServerSpan, stream: MessageStream, reply: OpenReply):
         self.span = span
         self.stream = stream
         self.session = reply.session
-        self.push_hop = PushHop(ticket=str(span.ticket), session=reply.session, token=reply.token)  # where to push
+        self._secret = reply.token  # the session's push secret: never sent on (see push_hop)
         self.draining = False
         self.replace_after = 0.0
         self._pending: asyncio.Task[Message] | None = None  # a recv still waiting (a late reply given more time)
@@ -55,6 +57,11 @@ class Hop:
             await stream.abort()
             raise
         return cls(span, stream, reply)
+
+    def push_hop(self, previous: PeerId) -> PushHop:
+        """Where the server ``previous`` (a peer id: the hop before this one) pushes steps of this
+        session, with a token only that peer can push with (:mod:`shoal.verify.tokens`)."""
+        return PushHop(ticket=str(self.span.ticket), session=self.session, token=push_token(self._secret, previous))
 
     @property
     def key(self) -> tuple[str, int, int]:
