@@ -28,6 +28,7 @@ from shoal.launch import ServerProcess
 from shoal.protocols import BLOCKS
 from shoal.swarm.service import SWARM, blob, blob_bytes
 from shoal.transport import META, MessageStream, Node
+from shoal.verify.tokens import push_token
 from shoal.wire import Message
 from shoal.wire.schema import (
     KIND_META,
@@ -256,7 +257,8 @@ def test_every_metadata_field_mutated_at_a_live_server(blocks_server, model_dir)
             # the session is intact: a step pushed into it (right token) and one of its client
             cache = span.allocate_cache(1, 16)
             prefill, step = inputs(HIDDEN, 2, seed=11), inputs(HIDDEN, 1, start=2, seed=12)
-            push = PushRequest(session=opened.session, token=opened.token, position=0, step=1000)
+            token = push_token(opened.token, node.id)  # the client lets its own node push here
+            push = PushRequest(session=opened.session, token=token, position=0, step=1000)
             await push_stream.send(Message("push", push_stream.next_id(), push, prefill))
             pushed = await session_stream.recv(10)  # the pushed step is answered on the session's stream
             assert (pushed.kind, pushed.id, pushed.reply(StepReply).position) == ("result", 1000, 2)
