@@ -9,8 +9,9 @@ within the idle timeout (the first step's, ``first_step_timeout``, sooner).
 Server-to-server push: a ``step`` may carry the rest of the chain (``push``: the next servers'
 tickets, session ids and tokens). The server hands its output straight to the next server (a
 ``push`` on a server-to-server stream) before answering its own client; that server accepts it only
-with the token that binds the session's secret (issued at ``open``) to the pushing peer
-(:mod:`shoal.verify.tokens`: a server that learned a later hop's token cannot use it), runs the
+with the token that binds the session's secret (issued at ``open``) to the pushing peer and the
+step (:mod:`shoal.verify.tokens`: a server that learned a later hop's token cannot use it, the one
+before cannot push the step elsewhere in the session, or without the receipt asked), runs the
 step and answers on the session's client stream, and so on. Every server still answers the client
 (who keeps the outputs to replay a span's history). The hand-off itself, and whom a server pushes
 to at all (online members of its swarm serving the next blocks), is :mod:`shoal.server.push`.
@@ -325,11 +326,14 @@ class BlockServer:
 
     async def _receive_push(self, meta: PushRequest, message: Message, peer_id: PeerId) -> None:
         """A step pushed by the previous server: its token must be the one the session's client
-        derived for ``peer_id`` (the pushing stream's peer) from the session's secret; then served
-        like the client's own step (the reply goes to the session's client). Nothing is sent back
-        to the pushing server."""
+        derived from the session's secret for ``peer_id`` (the pushing stream's peer) and this very
+        step (id, position, positions, receipt asked); then served like the client's own step (the
+        reply goes to the session's client). Nothing is sent back to the pushing server."""
         session = self._sessions.get(meta.session)
-        if session is None or not push_allowed(session.token, meta.token, peer_id):
+        hidden = message.tensors[0] if message.tensors else None
+        n = hidden.shape[1] if hidden is not None and hidden.dim() >= 2 else -1
+        if session is None or not push_allowed(session.token, meta.token, peer_id, step=meta.step,
+                                               position=meta.position, n=n, receipt=meta.receipt):  # fmt: skip
             self.counters.pushes_rejected += 1
             log.info("rejected a push from %s: unknown session, or not its token for that peer", peer_id[:10])
             return

@@ -1,12 +1,17 @@
-"""Push tokens bound to the peer that may use them: a server that learns one cannot push with it.
+"""Push tokens bound to the peer that may use them, and to the one step it may push with each.
 
 A session's server issues a secret at ``open`` (:class:`~shoal.wire.schema.OpenReply` ``token``)
-that only the session's client learns. The client hands the server before that hop in its chain
-``push_token(secret, that server's peer id)`` (:class:`~shoal.wire.schema.PushHop`), and the
-session's server accepts a push only with the token of the pushing stream's peer, which the
-transport authenticates (:func:`push_allowed`). So a token is worth something to one peer only: a
+that only the session's client learns. For every step it pushes, the client hands the server before
+that hop in its chain :func:`push_token` of the secret, that server's peer id and the step (its id,
+position, number of positions, and whether a receipt is asked), and the session's server accepts a
+push only with the token of the pushing stream's peer, which the transport authenticates, for the
+step pushed (:func:`push_allowed`). So a token is worth something to one peer, for one step: a
 server that sees a later hop's token (a push route carries the rest of the chain on) can neither
-push into that session nor pass for the hop before it, and nobody derives another session's token.
+push into that session nor pass for the hop before it; the hop before it cannot push the step at
+another position, under another id, or without the receipt the client asked for (which would make
+the client blame the honest server pushed to); and nobody derives another session's token. Only the
+tensors a pusher sends stay its own: the receipt of the server pushed to shows them to the client
+(:class:`~shoal.verify.receipts.Equivocation`).
 """
 
 from __future__ import annotations
@@ -18,16 +23,18 @@ PUSH_TOKEN_CONTEXT = b"shoal/push-token/1\0"
 PUSH_TOKEN_CHARS = 32  # 128 bits, in hex
 
 
-def push_token(secret: str, previous: str) -> str:
-    """The token that lets peer ``previous`` (a peer id) push into the session of ``secret``."""
-    mac = hmac.new(secret.encode(), PUSH_TOKEN_CONTEXT + previous.encode(), hashlib.sha256)
-    return mac.hexdigest()[:PUSH_TOKEN_CHARS]
+def push_token(secret: str, previous: str, *, step: int, position: int, n: int, receipt: bool) -> str:
+    """The token that lets peer ``previous`` (a peer id) push step ``step`` (``n`` positions at
+    ``position``, asking a receipt or not) into the session of ``secret``."""
+    what = f"{previous}\0{step}\0{position}\0{n}\0{int(receipt)}".encode()
+    return hmac.new(secret.encode(), PUSH_TOKEN_CONTEXT + what, hashlib.sha256).hexdigest()[:PUSH_TOKEN_CHARS]
 
 
-def push_allowed(secret: str, token: str, pusher: str) -> bool:
-    """Whether ``token`` lets ``pusher`` (the pushing stream's peer id) push into the session of
-    ``secret`` (compared in constant time)."""
-    return hmac.compare_digest(push_token(secret, pusher).encode(), token.encode())
+def push_allowed(secret: str, token: str, pusher: str, *, step: int, position: int, n: int, receipt: bool) -> bool:
+    """Whether ``token`` lets ``pusher`` (the pushing stream's peer id) push that step into the
+    session of ``secret`` (compared in constant time)."""
+    expected = push_token(secret, pusher, step=step, position=position, n=n, receipt=receipt)
+    return hmac.compare_digest(expected.encode(), token.encode())
 
 
 __all__ = ["PUSH_TOKEN_CHARS", "PUSH_TOKEN_CONTEXT", "push_allowed", "push_token"]

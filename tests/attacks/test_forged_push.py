@@ -1,11 +1,12 @@
 """Honest push routes (issue #33): a server of a push chain cannot forge pushes that make the client
 blame an honest server, and a client cannot make a server dial whatever it names.
 
-* A forging first hop: besides its honest push to the next server, it pushes noise straight to the
-  hop after that, under the client's step id, with the tokens a push route shows it (the later hop's
+* A forging first hop: before its honest push to the next server, it pushes under the client's step
+  id noise straight to the hop after that, with the tokens a push route shows it (the later hop's
   own, bound to the server before that hop: passing for it; or its own next hop's, for the later
-  hop's session). The later hop refuses every forged push (counted as rejected), so its receipts
-  show the honest inputs: the generation equals transformers' and the client bans nobody.
+  hop's session), or its output to its next hop at another position or without the receipt the
+  client asked. The hop forged to refuses every forged push (counted as rejected): its receipts show
+  the honest inputs, the generation equals transformers' and the client bans nobody.
 * A swarm member refuses to push to a next hop that is not an online member of its swarm serving
   the next blocks (a standalone server, a member of other blocks, an arbitrary peer): it dials none
   of them, its reply says ``pushed: false`` and the client drives that hop itself, with the same
@@ -60,13 +61,27 @@ def reference(model_dir: Path) -> torch.Tensor:
 
 
 # ---- a hop that forges pushes --------------------------------------------------------------------
-class ForgingPusher(Pusher):
-    """Pushes honestly to the next server, and first pushes noise to the hop after it, under the
-    same step id, with a token a push route shows this server: ``token`` picks which."""
+#: How the forging first hop forges: (the hop it pushes to, what it changes).
+FORGERIES = {
+    # noise to the hop after its next, with that hop's token as the route shows it (bound to the next
+    # server: passing for it), or with the token of its own next hop (that session's, bound to itself)
+    "later_hops_token": ("later", "noise"),
+    "next_hops_token": ("later", "noise, the next hop's token"),
+    # its own output to its next hop, with that hop's token, one position further (whose error
+    # reply would fail the honest hop), or not asking the receipt the client asked for (whose missing
+    # receipt would get the honest hop banned as a liar)
+    "moved": ("next", "position + 1"),
+    "without_receipt": ("next", "no receipt asked"),
+}
 
-    def __init__(self, honest: Pusher, token: str):
+
+class ForgingPusher(Pusher):
+    """Pushes honestly to the next server, after a forged push as ``how`` (:data:`FORGERIES`) says,
+    under the same step id."""
+
+    def __init__(self, honest: Pusher, how: str):
         super().__init__(honest.counters, honest.node, honest.span, honest.table, honest.refuses)
-        self.token = token
+        self.how = how
         self.forged = 0  # forged pushes sent
         self._forgery: dict[str, object] = {}
 
@@ -76,34 +91,40 @@ class ForgingPusher(Pusher):
         return await super().push(reply, message, route)
 
     async def _forge(self, reply: Message, message: Message, route: tuple[PushHop, ...]) -> None:
-        nearer, later = route[0], route[1]
-        token = {"later_hops_token": later.token, "next_hops_token": nearer.token}[self.token]
-        meta = PushRequest(session=later.session, token=token, position=message.meta.position, step=message.id,
-                           push=route[2:], receipt=message.meta.receipt)  # fmt: skip
-        noise = torch.randn(reply.tensors[0].shape, generator=torch.Generator().manual_seed(self.forged))
-        stream = self._forgery.get(later.ticket)
+        step, (nearer, later) = message.meta, route[:2]
+        position, receipt, hidden = step.position, step.receipt, reply.tensors[0]
+        if self.how in ("later_hops_token", "next_hops_token"):
+            target, rest = later, route[2:]
+            token = later.token if self.how == "later_hops_token" else nearer.token
+            hidden = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(self.forged))
+        else:
+            target, rest, token = nearer, route[1:], nearer.token
+            position, receipt = (position + 1, receipt) if self.how == "moved" else (position, not receipt)
+        meta = PushRequest(session=target.session, token=token, position=position, step=message.id, push=rest,
+                           receipt=receipt)  # fmt: skip
+        stream = self._forgery.get(target.ticket)
         if stream is None:
-            stream = self._forgery[later.ticket] = await self.node.open_stream(Ticket.parse(later.ticket), BLOCKS)
-        await stream.send(Message("push", stream.next_id(), meta, [noise, *message.tensors[1:]], reply.codecs))
+            stream = self._forgery[target.ticket] = await self.node.open_stream(Ticket.parse(target.ticket), BLOCKS)
+        await stream.send(Message("push", stream.next_id(), meta, [hidden, *message.tensors[1:]], reply.codecs))
         self.forged += 1
 
 
-def forging(token: str):
+def forging(how: str):
     def prepare(server: BlockServer) -> BlockServer:
-        server.pusher = ForgingPusher(server.pusher, token)
+        server.pusher = ForgingPusher(server.pusher, how)
         return server
 
     return prepare
 
 
-@pytest.mark.parametrize("token", ["later_hops_token", "next_hops_token"])
-def test_a_hop_forging_pushes_to_a_later_hop_is_refused_and_nobody_honest_is_blamed(model_dir, reference, token):
-    """The first of three hops forges a push to the third at every step (before the second's
-    honest push can arrive). The third refuses each (its token is bound to the second server, or
-    is the second's session's, bound to the forger), serves the second's push: the tokens equal
-    transformers', no hop failed, no server is banned or convicted, every step was pushed."""
+@pytest.mark.parametrize("how", list(FORGERIES))
+def test_a_hop_forging_pushes_is_refused_and_nobody_honest_is_blamed(model_dir, reference, how):
+    """The first of three hops forges a push at every step (:data:`FORGERIES`), before its honest
+    push. The hop it forges to refuses each (the token is bound to another peer, another session or
+    another step) and serves the honest pushes: the tokens equal transformers', no hop failed, no
+    server is banned or convicted, every step was pushed through."""
     with InProcessSwarm(model_dir, []) as swarm:
-        forger = swarm.add(FIRST, forging(token))
+        forger = swarm.add(FIRST, forging(how))
         second, third = swarm.add(SECOND), swarm.add(THIRD)
         model = swarm.connect(push=True, refresh_period=0)
         got = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -111,9 +132,11 @@ def test_a_hop_forging_pushes_to_a_later_hop_is_refused_and_nobody_honest_is_bla
         steps = NEW_TOKENS  # one prefill, then one step per token but the last
         pusher = forger.server.pusher
         assert isinstance(pusher, ForgingPusher) and pusher.forged == steps
-        wait_until(lambda: third.server.counters.pushes_rejected == steps, what="every forged push refused")
-        c = third.server.counters
-        assert (c.pushes_received, c.pushes_rejected, c.steps) == (steps, steps, steps)  # no forged step ran
+        forged_to = third if FORGERIES[how][0] == "later" else second
+        wait_until(lambda: forged_to.server.counters.pushes_rejected == steps, what="every forged push refused")
+        for server in (second, third):  # no forged step ran
+            c = server.server.counters
+            assert (c.pushes_received, c.pushes_rejected, c.steps) == (steps, steps * (server is forged_to), steps)
         assert forger.server.counters.pushes_sent == second.server.counters.pushes_sent == steps
         session = model.blocks._session
         assert session.recoveries == []
@@ -219,16 +242,18 @@ def test_a_member_pushes_only_to_online_members_of_the_next_blocks_at_their_anno
                 await Session.open(node, s.ticket, max_length=16) for s in (standalone, twin, high)
             ]
             made_up = Ticket(peer(high), (f"{MEMORY_HOST}:9",), None, swarm.swarm_id)  # nobody listens there
-            route = [
-                to_standalone.push_hop(standalone.ticket, peer(member)),
-                to_twin.push_hop(twin.ticket, peer(member)),
-                to_standalone.push_hop(node.ticket(), peer(member)),  # the client's own node
-                to_high.push_hop(made_up, peer(member)),
+            nexts = [
+                (to_standalone, standalone.ticket),
+                (to_twin, twin.ticket),
+                (to_standalone, node.ticket()),  # the client's own node
+                (to_high, made_up),
             ]
-            for i, hop in enumerate(route):  # each at position 0: the first session goes back there
-                step_id = await first.send_step(0, x, push=(hop,))
+            for i, (to, ticket) in enumerate(nexts):  # each at position 0: the first session goes back there
+                step_id = first.stream.next_id()
+                hop = to.push_hop(ticket, peer(member), step=step_id, position=0, n=2, receipt=False)
+                await first.send_step(0, x, push=(hop,), step_id=step_id)
                 meta, _ = await first.result(step_id)
-                assert meta.pushed is (i == len(route) - 1), i
+                assert meta.pushed is (i == len(nexts) - 1), i
             pushed, _ = await to_high.result(step_id)  # the pushed step, under the client's id
             assert pushed.position == 2
             for session in (first, to_standalone, to_twin, to_high):

@@ -100,13 +100,22 @@ class Session:
         reply = await stream.request(Message("open", 1, OpenRequest(max_length=max_length)), timeout=5.0)
         return cls(stream, reply.reply(OpenReply))
 
-    def hop(self, ticket: Ticket, previous: str) -> PushHop:
-        """Where the previous server (peer id ``previous``) pushes into this session (at ``ticket``)."""
-        return PushHop(ticket=str(ticket), session=self.opened.session, token=push_token(self.opened.token, previous))
+    def hop(self, ticket: Ticket, previous: str) -> Callable[[int, int, int], PushHop]:
+        """Where the previous server (peer id ``previous``) pushes into this session (at ``ticket``):
+        the hop for a step (its id, position and positions), with the token for that step."""
 
-    async def step(self, tensors: list[torch.Tensor], push: tuple[PushHop, ...] = (), timeout: float = 5.0):
-        meta = StepRequest(session=self.opened.session, position=self.position, push=push)
+        def bound(step: int, position: int, n: int) -> PushHop:
+            token = push_token(self.opened.token, previous, step=step, position=position, n=n, receipt=False)
+            return PushHop(ticket=str(ticket), session=self.opened.session, token=token)
+
+        return bound
+
+    async def step(
+        self, tensors: list[torch.Tensor], push: Sequence[Callable[[int, int, int], PushHop]] = (), timeout: float = 5.0
+    ):
         self.last_id = self.stream.next_id()
+        route = tuple(hop(self.last_id, self.position, tensors[0].shape[1]) for hop in push)
+        meta = StepRequest(session=self.opened.session, position=self.position, push=route)
         reply = await self.stream.request(Message("step", self.last_id, meta, tensors), timeout)
         self.position += tensors[0].shape[1]
         assert reply.reply(StepReply).position == self.position

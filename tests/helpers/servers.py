@@ -87,16 +87,26 @@ class Session:
             raise
         return cls(stream, reply.reply(OpenReply))
 
-    def push_hop(self, ticket: Ticket, previous: str) -> PushHop:
-        """Where the server ``previous`` (a peer id) pushes steps of this session (``ticket``: this
-        session's server), with the token bound to that peer."""
-        return PushHop(ticket=str(ticket), session=self.id, token=push_token(self.token, previous))
+    def push_hop(
+        self, ticket: Ticket, previous: str, *, step: int, position: int, n: int, receipt: bool = False
+    ) -> PushHop:
+        """Where the server ``previous`` (a peer id) pushes step ``step`` (``n`` positions at
+        ``position``) of this session (``ticket``: this session's server), with the token bound to
+        that peer and that step."""
+        token = push_token(self.token, previous, step=step, position=position, n=n, receipt=receipt)
+        return PushHop(ticket=str(ticket), session=self.id, token=token)
 
     async def send_step(
-        self, position: int, tensors: Sequence[torch.Tensor], session_id: str | None = None, push=()
+        self,
+        position: int,
+        tensors: Sequence[torch.Tensor],
+        session_id: str | None = None,
+        push=(),
+        step_id: int | None = None,
     ) -> int:
-        """Send a step without waiting for its reply; returns its id."""
-        step_id = self.stream.next_id()
+        """Send a step without waiting for its reply; returns its id (``step_id``: one taken from
+        the stream's ``next_id`` already, e.g. to bind push tokens to it)."""
+        step_id = self.stream.next_id() if step_id is None else step_id
         meta = StepRequest(session=self.id if session_id is None else session_id, position=position, push=tuple(push))
         await self.stream.send(Message("step", step_id, meta, list(tensors)))
         return step_id

@@ -653,10 +653,11 @@ async def pending_reply(stream: MessageStream, wait: float = 0.1) -> asyncio.Tas
 def test_pushes_need_the_session_token_and_a_forged_one_changes_nothing(serve, span):
     """Pushes (server-to-server hand-offs) into a session: unknown sessions, wrong, empty or
     non-ASCII tokens, the session's secret itself, the token bound to another peer than the pusher,
-    another session's token and stale step ids are dropped and counted as rejected; malformed ones are refused to the pusher, naming the field. The session's client
-    hears nothing and its cache is untouched (its length did not move). A push with the right
-    token is served, answered on the session's own stream under the pushed step id; that step id
-    again is stale."""
+    another session's token, a step's token on another step id, position or receipt flag, and stale
+    step ids are dropped and counted as rejected; malformed ones are refused to the pusher, naming
+    the field. The session's client hears nothing and its cache is untouched (its length did not
+    move). A push with the right token is served, answered on the session's own stream under the
+    pushed step id; that step id again is stale."""
     bench = serve()
 
     async def go():
@@ -669,10 +670,13 @@ def test_pushes_need_the_session_token_and_a_forged_one_changes_nothing(serve, s
         assert_same(await session.step(0, prefill), local_forward(span, prefill, cache, 0))  # step id 2
         pushed = inputs(HIDDEN, 2, start=2, seed=5)
 
-        mine = push_token(session.token, node.id)  # what the client hands the peer it lets push: here itself
+        def bound(step=9, peer=node.id, secret=session.token, position=2, receipt=False) -> str:
+            """What the client hands the peer it lets push that step (here its own node)."""
+            return push_token(secret, peer, step=step, position=position, n=2, receipt=receipt)
 
-        def push(session_id=session.id, token=mine, step=9) -> PushRequest:
-            return PushRequest(session=session_id, token=token, position=2, step=step)
+        def push(session_id=session.id, token=None, step=9, position=2, receipt=False) -> PushRequest:
+            token = token if token is not None else bound(step)
+            return PushRequest(session=session_id, token=token, position=position, step=step, receipt=receipt)
 
         forged = [
             push(session_id="feedfacefeedface"),
@@ -680,9 +684,12 @@ def test_pushes_need_the_session_token_and_a_forged_one_changes_nothing(serve, s
             push(token=""),
             push(token="tökén"),
             push(token=session.token),  # the session's secret is no token
-            push(token=push_token(session.token, "ab" * 32)),  # another peer's token: not this pusher's
-            push(token=push_token(other.token, node.id)),
+            push(token=bound(peer="ab" * 32)),  # another peer's token: not this pusher's
+            push(token=bound(secret=other.token)),
             push(session_id=other.id),  # the right token, for another session
+            push(step=10, token=bound(step=9)),  # the token of another step
+            push(position=0),  # the step's token, at another position
+            push(receipt=True),  # ... or asking another receipt than the client did
             push(step=2),  # the prefill's id: stale
         ]
         malformed = [
@@ -753,7 +760,8 @@ def test_a_late_push_overtaken_while_it_waited_for_the_lock_never_overwrites_the
         try:
             retry_id = await session.send_step(2, retry)  # s2 = 4: the client drives the hop itself
             await waiting_for(served.lock, 1)
-            meta = PushRequest(session=session.id, token=push_token(session.token, node.id), position=2, step=late_id)
+            token = push_token(session.token, node.id, step=late_id, position=2, n=1, receipt=False)
+            meta = PushRequest(session=session.id, token=token, position=2, step=late_id)
             await pusher.send(Message("push", pusher.next_id(), meta, late))
             await waiting_for(served.lock, 2)
         finally:
@@ -788,12 +796,14 @@ def test_a_pushed_chain_answers_every_hop_to_the_client_and_counts_each_push(ser
     async def go():
         node = await bench.client()
         sessions = await open_chain(bench, node)
-        route = tuple(s.push_hop(bench.ticket(i), bench.ticket(i - 1).peer_id) for i, s in enumerate(sessions) if i)
         caches = [spans(0, end).allocate_cache(1, 16) for _, end in CHAIN]
         position = 0
         for n, seed in [(4, 1), (1, 2), (1, 3)]:
             x = inputs(HIDDEN, n, start=position, seed=seed)
-            step_id = await sessions[0].send_step(position, x, push=route)
+            step_id = sessions[0].stream.next_id()
+            route = tuple(s.push_hop(bench.ticket(i), bench.ticket(i - 1).peer_id, step=step_id, position=position, n=n)
+                          for i, s in enumerate(sessions) if i)  # fmt: skip
+            await sessions[0].send_step(position, x, push=route, step_id=step_id)
             for i, (session, (_, end)) in enumerate(zip(sessions, CHAIN, strict=True)):
                 meta, out = await session.result(step_id)
                 assert meta.position == position + n
@@ -820,7 +830,7 @@ def test_a_push_that_cannot_be_delivered_says_so_and_the_client_drives_the_hop(s
     async def go():
         node = await bench.client()
         first, second = await open_chain(bench, node)
-        token = push_token(second.token, bench.ticket(0).peer_id)
+        token = push_token(second.token, bench.ticket(0).peer_id, step=2, position=0, n=3, receipt=False)
         nowhere = PushHop(ticket=str(node.ticket()), session=second.id, token=token)  # a client: no blocks
         x = inputs(HIDDEN, 3, seed=1)
         meta, out = await first.result(await first.send_step(0, x, push=(nowhere,)))
@@ -844,11 +854,12 @@ def test_pushes_keep_a_session_alive_that_its_client_never_talks_to(serve, spans
         node = await bench.client()
         first, second = await open_chain(bench, node)
         forgotten = await Session.open(node, bench.ticket(1), max_length=16)
-        route = (second.push_hop(bench.ticket(1), bench.ticket(0).peer_id),)
         cache = spans(0, 2).allocate_cache(1, 16)
         for position in range(10):  # 10 x 0.05 s
             x = inputs(HIDDEN, 1, start=position, seed=position)
-            step_id = await first.send_step(position, x, push=route)
+            step_id = first.stream.next_id()
+            route = (second.push_hop(bench.ticket(1), bench.ticket(0).peer_id, step=step_id, position=position, n=1),)
+            await first.send_step(position, x, push=route, step_id=step_id)
             await first.result(step_id)
             _, out = await second.result(step_id)
             assert_same(out, local_forward(spans(0, 2), x, cache, position))

@@ -257,7 +257,7 @@ def test_every_metadata_field_mutated_at_a_live_server(blocks_server, model_dir)
             # the session is intact: a step pushed into it (right token) and one of its client
             cache = span.allocate_cache(1, 16)
             prefill, step = inputs(HIDDEN, 2, seed=11), inputs(HIDDEN, 1, start=2, seed=12)
-            token = push_token(opened.token, node.id)  # the client lets its own node push here
+            token = push_token(opened.token, node.id, step=1000, position=0, n=2, receipt=False)  # its own node
             push = PushRequest(session=opened.session, token=token, position=0, step=1000)
             await push_stream.send(Message("push", push_stream.next_id(), push, prefill))
             pushed = await session_stream.recv(10)  # the pushed step is answered on the session's stream

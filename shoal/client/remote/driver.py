@@ -31,10 +31,11 @@ over 1 MiB (a prefill) is hashed on a worker thread.
 
 A late reply (an adaptive deadline from the latencies seen so far) makes the client ping the
 server: a live one gets more time, up to the request deadline; a dead one fails the hop
-(:class:`HopFailed`). Every decoded token comes through here: the push routes are computed once
-per chain, not per step. A long step may instead travel in chunks (:mod:`shoal.client.remote.pipeline`),
-which sends and checks each chunk with the same :meth:`ChainDriver.send_step` and
-:meth:`ChainDriver.accept` as :meth:`ChainDriver.run`.
+(:class:`HopFailed`). Every decoded token comes through here: the push segments are computed once
+per chain, not per step; a step's route only adds each pushed hop's token for it (bound to the hop
+before and to the step: :mod:`shoal.verify.tokens`, an HMAC: a few microseconds). A long step may
+instead travel in chunks (:mod:`shoal.client.remote.pipeline`), which sends and checks each chunk
+with the same :meth:`ChainDriver.send_step` and :meth:`ChainDriver.accept` as :meth:`ChainDriver.run`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import time
 import weakref
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 from torch import Tensor
 
@@ -108,14 +108,16 @@ def push_reach(
     return reach
 
 
-def push_routes(
-    hops: Sequence[Hop], enabled: bool = True, codecs: Sequence[Codec] | None = None, receipts: bool = False
-) -> list[tuple[PushHop, ...]]:
-    """``push`` of the step sent to each hop: the hops it reaches by push after itself, each with the
-    token bound to the hop before it (the only peer that can push with it)."""
-    reach = push_reach([hop.span for hop in hops], enabled, codecs, receipts)
-    bound = [hop.push_hop(before.span.peer_id) for before, hop in pairwise(hops)]  # of hops 1, 2, ...
-    return [tuple(bound[k:last]) for k, last in enumerate(reach)]
+def push_route(
+    hops: Sequence[Hop], k: int, last: int, asks: Sequence[bool], *, step: int, position: int, n: int
+) -> tuple[PushHop, ...]:
+    """``push`` of step ``step`` (``n`` positions at ``position``) sent to hop ``k``: hops ``k + 1``
+    to ``last``, each with the token that lets only the hop before it push only this step, asking a
+    receipt as ``asks`` says of it (an HMAC each: a few microseconds)."""
+    return tuple(
+        hops[j].push_hop(hops[j - 1].span.peer_id, step=step, position=position, n=n, receipt=asks[j])
+        for j in range(k + 1, last + 1)
+    )
 
 
 class ChainDriver:
@@ -146,7 +148,7 @@ class ChainDriver:
         self.starts: frozenset[int] = frozenset()  # first block of every hop: the chain's boundaries
         self.codecs: tuple[Codec, ...] = ()  # of each hop's hidden states
         self.asks: tuple[bool, ...] = ()  # whether each hop is asked for receipts
-        self._routes: list[tuple[PushHop, ...]] = []
+        self._reach: list[int] = []  # the last hop a step sent to each hop reaches by push
         self._step_id = 0
         self._signed: weakref.WeakKeyDictionary[Hop, _Signed] = weakref.WeakKeyDictionary()  # a hop's, while it lives
 
@@ -155,7 +157,7 @@ class ChainDriver:
         self.starts = frozenset(hop.span.start for hop in self.hops)
         self.codecs = tuple(codec_for(hop.span, self.compression) for hop in self.hops)
         self.asks = tuple(self._asks(hop) for hop in self.hops)
-        self._routes = push_routes(self.hops, self.push, self.codecs, self.receipts)
+        self._reach = push_reach(self.chain, self.push, self.codecs, self.receipts)
 
     def _asks(self, hop: Hop) -> bool:
         return self.receipts and hop.span.supports(RECEIPTS)
@@ -169,7 +171,7 @@ class ChainDriver:
         segment's first hop, whose server pushes it on through the last."""
         segments, k = [], 0
         while k < len(self.hops):
-            last = k + len(self._routes[k])
+            last = self._reach[k]
             segments.append((k, last))
             k = last + 1
         return segments
@@ -207,15 +209,14 @@ class ChainDriver:
         the output of every hop (at the hop's end block); a hop's input there becomes what its
         server decodes (the codec's round trip). ``receipts`` gets every checked receipt, at the
         hop's first block. Raises :class:`HopFailed` (a failed receipt check too)."""
-        hops, routes = self.hops, self._routes
+        hops = self.hops
         n = position_ids.shape[1]
         count = len(hops)
         k = index
         while k < count:
-            push = routes[k]
             step_id = self.next_id()
             tensors = await self.send_step(k, step_id, inputs, position_ids, mask, position)
-            last = k + len(push)
+            last = self._reach[k]
             sent_to = k
             while True:  # replies of hop k, then of the hops it pushed to
                 sent = tensors if k == sent_to else step_inputs(inputs[hops[k].span.start], position_ids, mask)
@@ -242,8 +243,9 @@ class ChainDriver:
         """Send hop ``k`` step ``step_id`` (pushed on along its route) over ``inputs`` at its first
         block, which becomes what its server decodes (the codec's round trip); returns the tensors
         sent. Raises :class:`HopFailed`."""
-        hop = self.hops[k]
-        request = StepRequest(session=hop.session, position=position, push=self._routes[k], receipt=self.asks[k])
+        hop, n = self.hops[k], position_ids.shape[1]
+        push = push_route(self.hops, k, self._reach[k], self.asks, step=step_id, position=position, n=n)
+        request = StepRequest(session=hop.session, position=position, push=push, receipt=self.asks[k])
         codec = carried(self.codecs[k], inputs[hop.span.start].dtype)
         hidden = inputs[hop.span.start] = roundtrip(inputs[hop.span.start], codec)  # raises if it cannot carry it
         tensors = step_inputs(hidden, position_ids, mask)
@@ -379,5 +381,5 @@ __all__ = [
     "announced_adapter",
     "codec_for",
     "push_reach",
-    "push_routes",
+    "push_route",
 ]

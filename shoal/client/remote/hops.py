@@ -27,13 +27,15 @@ class Hop:
     reads those replies, sets it. ``replace_after``: while nobody could take over from it, the
     monotonic time before which its replacement is not looked for again."""
 
-    __slots__ = ("__weakref__", "_pending", "_secret", "draining", "replace_after", "session", "span", "stream")
+    __slots__ = ("__weakref__", "_pending", "_secret", "_ticket", "draining", "replace_after", "session", "span",
+                 "stream")  # fmt: skip
 
     def __init__(self, span: ServerSpan, stream: MessageStream, reply: OpenReply):
         self.span = span
         self.stream = stream
         self.session = reply.session
         self._secret = reply.token  # the session's push secret: never sent on (see push_hop)
+        self._ticket = str(span.ticket)
         self.draining = False
         self.replace_after = 0.0
         self._pending: asyncio.Task[Message] | None = None  # a recv still waiting (a late reply given more time)
@@ -58,10 +60,12 @@ class Hop:
             raise
         return cls(span, stream, reply)
 
-    def push_hop(self, previous: PeerId) -> PushHop:
-        """Where the server ``previous`` (a peer id: the hop before this one) pushes steps of this
-        session, with a token only that peer can push with (:mod:`shoal.verify.tokens`)."""
-        return PushHop(ticket=str(self.span.ticket), session=self.session, token=push_token(self._secret, previous))
+    def push_hop(self, previous: PeerId, *, step: int, position: int, n: int, receipt: bool) -> PushHop:
+        """Where the server ``previous`` (a peer id: the hop before this one) pushes step ``step`` of
+        this session (``n`` positions at ``position``, ``receipt`` asked or not), with a token that
+        lets only that peer push only that step (:mod:`shoal.verify.tokens`)."""
+        token = push_token(self._secret, previous, step=step, position=position, n=n, receipt=receipt)
+        return PushHop(ticket=self._ticket, session=self.session, token=token)
 
     @property
     def key(self) -> tuple[str, int, int]:
