@@ -14,8 +14,10 @@ from shoal.errors import ShoalError
 from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.routing import NoRouteError, RouteInfo, ServerSpan, block_runs, format_blocks, uncovered_blocks
+from shoal.swarm.liveness import Liveness, Probe, Reach
 from shoal.swarm.records import State
 from shoal.swarm.service import fetch_table, table_from_reply
+from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import convicted
 from shoal.transport import BaseNode, Ticket
 from shoal.wire import Message
@@ -24,6 +26,8 @@ from shoal.wire.schema import InfoReply
 log = logging.getLogger(__name__)
 
 LISTING_GRACE = 1.0  # seconds a plain ticket's peer may answer after the others cover every block
+MAX_PULLS = 4  # swarm members a client pulls the table from at once (the tickets it was given)
+EXTRA_PULLS = 2  # more members asked when only one ticket was given (one member cannot eclipse the swarm)
 
 
 async def fetch_info(node: BaseNode, ticket: Ticket, timeout: float) -> ServerSpan | None:
@@ -48,18 +52,68 @@ async def fetch_info(node: BaseNode, ticket: Ticket, timeout: float) -> ServerSp
     return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
 
 
-async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
-    """Pull the swarm's table through the first ticket that answers; the online servers of ``model``
-    that its verdicts do not convict."""
+async def pull_table(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -> RecordTable:
+    """The swarm's table as several members see it, merged: the given tickets' peers (at most
+    ``MAX_PULLS``) and, when only one was given, ``EXTRA_PULLS`` more members it lists. Only records
+    that verify are merged (the newest of each), so one member cannot make a client believe a short
+    or doctored table: one that lists far fewer servers than the others is named in a warning. A
+    server counts as reached if any member has reached it."""
     swarm = next(t.swarm_id for t in tickets if t.swarm_id)
-    for ticket in tickets:
+    asked = list(tickets[:MAX_PULLS])
+    views = await _views(node, asked, swarm, timeout)
+    if not views:
+        raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(asked)} tickets")
+    if len(tickets) == 1:
+        seen = {t.peer_id for t in asked}
+        members = [r for r in views[0][1].servers() if r.peer not in seen and r.state is State.ONLINE]
+        more = [Ticket(r.peer, r.addrs, r.relay, swarm) for r in members[:EXTRA_PULLS]]
+        views += await _views(node, more, swarm, timeout, quiet=True)
+    merged = RecordTable(swarm)
+    for _, view in views:
+        merged.merge_many(view.records())
+    servers = merged.servers(include_unreachable=True)
+    liveness = Liveness(self_id="")
+    for record in servers:
+        states = {view.reach(held.record) for _, view in views if (held := view.get(record.key)) is not None}
+        if states & {Reach.REACHABLE, Reach.UNREACHABLE}:
+            ok = Reach.REACHABLE in states
+            liveness.probes[record.peer] = Probe(tuple(record.addrs), record.timestamp, ok, 0.0)
+    merged.liveness = liveness
+    for ticket, view in views:
+        held = sum(view.get(r.key) is not None for r in servers)
+        if len(servers) >= 4 and held < 0.75 * len(servers):
+            log.warning(
+                "swarm member %s listed %d of the %d servers the others know: it may be hiding the swarm; "
+                "using every valid record",
+                ticket.peer_id[:10],
+                held,
+                len(servers),
+            )
+    return merged
+
+
+async def _views(
+    node: BaseNode, tickets: Sequence[Ticket], swarm: str, timeout: float, quiet: bool = False
+) -> list[tuple[Ticket, RecordTable]]:
+    """Each answering ticket's table (as its peer sees it), in the order given."""
+
+    async def one(ticket: Ticket) -> tuple[Ticket, RecordTable] | None:
         try:
-            table = table_from_reply(swarm, await fetch_table(node, ticket, timeout))  # its unreachable ones left out
-            break
+            return ticket, table_from_reply(swarm, await fetch_table(node, ticket, timeout))
         except ShoalError as exc:
-            log.warning("could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc)
-    else:
-        raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(tickets)} tickets")
+            (log.debug if quiet else log.warning)(
+                "could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc
+            )
+            return None
+
+    return [view for view in await asyncio.gather(*(one(t) for t in tickets)) if view is not None]
+
+
+async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
+    """The online servers of ``model`` in the swarm's table (:func:`pull_table`) that its verdicts
+    do not convict and no member found unreachable."""
+    table = await pull_table(node, tickets, timeout)
+    swarm = table.swarm
     names = sorted(m.name for m in table.models())
     if model is None or table.model(model) is None:
         raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
@@ -160,4 +214,4 @@ def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: 
                 )
 
 
-__all__ = ["check_consistent", "fetch_info", "known_spans", "missing_servers", "swarm_spans"]
+__all__ = ["check_consistent", "fetch_info", "known_spans", "missing_servers", "pull_table", "swarm_spans"]
