@@ -10,9 +10,10 @@ server, nor to the next: only to the hop each is bound to).
 Whom a server pushes to (a client names the route; a server does not dial whatever it names):
 
 * in a swarm, only a peer whose record in the server's table says it is an **online member
-  serving the next blocks** (same model, its span starting where this one ends), and at the
-  addresses that record announces, whatever addresses the client's ticket holds. A non-member, a
-  member of other blocks, one still joining or gone offline, is never dialled;
+  serving the next blocks** (same model, its span starting where this one ends) that this server
+  has reached (admitted, :mod:`shoal.swarm.liveness`), and at the addresses that record announces,
+  whatever addresses the client's ticket holds. A non-member, a member of other blocks, one still
+  joining, gone offline, not yet reached or found unreachable, is never dialled;
 * standalone (no swarm, so no table to ask), only a peer the client named that **answers ``info``
   with the next blocks** of the same model, asked first on every new push stream; a peer that
   answered otherwise is not dialled again for :data:`REFUSED_SECONDS`;
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from shoal.errors import RemoteError, ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
+from shoal.swarm.liveness import Reach
 from shoal.swarm.records import ServerRecord, State
 from shoal.swarm.table import RecordTable
 from shoal.transport import BaseNode, MessageStream, Ticket
@@ -136,6 +138,8 @@ class Pusher:
         record = signed.record if signed is not None else None
         if not isinstance(record, ServerRecord) or record.state is not State.ONLINE or record.expires <= time.time():
             raise PushRefused(f"peer {peer[:10]} is not an online member of the swarm")
+        if self.table.reach(record) is not Reach.REACHABLE:  # not admitted here: never reached, or lost
+            raise PushRefused(f"member {peer[:10]} has not been reached from here at the addresses it announces")
         if record.model != self.span.model or record.start != self.span.blocks.end:
             raise self._not_next(f"member {peer[:10]}", record.model, record.blocks)
         return Ticket(record.peer, record.addrs, record.relay, record.swarm)

@@ -29,6 +29,7 @@ from shoal.launch.inprocess import LOOPBACK, LocalServer
 from shoal.protocols import BLOCKS
 from shoal.server.handler import BlockServer
 from shoal.server.push import Pusher
+from shoal.swarm.liveness import Reach
 from shoal.swarm.records import State
 from shoal.transport import BaseNode, Ticket
 from shoal.transport.memory import MEMORY_HOST
@@ -176,12 +177,13 @@ def dialled(server: LocalServer) -> list[str]:
 
 
 def online(member: LocalServer, *others: LocalServer) -> None:
-    """Wait until ``member``'s swarm table holds every one of ``others`` online."""
+    """Wait until ``member``'s swarm table holds every one of ``others`` online, and reached."""
     table = member.presence.service.table
 
     def known() -> bool:
         records = [table.get(f"s:{peer(s)}") for s in others]
-        return all(r is not None and r.record.state is State.ONLINE for r in records)
+        return all(r is not None and r.record.state is State.ONLINE and table.reach(r.record) is Reach.REACHABLE
+                   for r in records)  # fmt: skip
 
     wait_until(known, timeout=10.0, what="the members' records")
 
