@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from shoal.errors import RemoteError, ShoalError
+from shoal.errors import RefusedError, RemoteError, ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
 from shoal.swarm.liveness import Reach
@@ -147,16 +147,19 @@ class Pusher:
     async def _open(self, target: Ticket) -> MessageStream:
         """A new push stream to ``target``; standalone, only once it answered ``info`` with the next
         blocks of the same model (else it is refused for a while)."""
-        stream = await self.node.open_stream(target, BLOCKS, timeout=PUSH_DIAL_TIMEOUT)
-        if self.table is not None:
-            return stream  # a member: its record said what it serves
+        if self.table is not None:  # a member: its record said what it serves
+            return await self.node.open_stream(target, BLOCKS, timeout=PUSH_DIAL_TIMEOUT)
+        stream = None
         try:
+            stream = await self.node.open_stream(target, BLOCKS, timeout=PUSH_DIAL_TIMEOUT)
             reply = (await stream.request(Message("info", stream.next_id()), PUSH_DIAL_TIMEOUT)).reply(InfoReply)
             if not self._serves_next(reply.span):
                 raise self._not_next(f"peer {target.peer_id[:10]}", reply.span.model, reply.span.blocks)
         except BaseException as exc:
-            await stream.abort()
-            if isinstance(exc, PushRefused | RemoteError):  # what it answered: ask no more for a while
+            if stream is not None:
+                await stream.abort()
+            # what it answered (a refusal too; not silence): ask no more for a while
+            if isinstance(exc, PushRefused | RemoteError | RefusedError):
                 if len(self._refused) >= MAX_TICKETS:
                     self._refused.clear()
                 self._refused[target] = time.monotonic() + REFUSED_SECONDS

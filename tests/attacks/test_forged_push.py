@@ -10,7 +10,8 @@ blame an honest server, and a client cannot make a server dial whatever it names
 * A swarm member refuses to push to a next hop that is not an online member of its swarm serving
   the next blocks (a standalone server, a member of other blocks, an arbitrary peer): it dials none
   of them, its reply says ``pushed: false`` and the client drives that hop itself, with the same
-  tokens. A member named at made-up addresses is pushed to at the addresses it announced.
+  tokens. A member named at made-up addresses is pushed to at the addresses it announced. A
+  standalone server (no table) pushes only to a named peer that answers ``info`` with the next blocks.
 """
 
 from __future__ import annotations
@@ -268,3 +269,45 @@ def test_a_member_pushes_only_to_online_members_of_the_next_blocks_at_their_anno
     c = member.server.counters
     assert (c.pushes_sent, c.pushes_failed) == (1, 3)
     assert [s.server.counters.pushes_received for s in (standalone, twin, high)] == [0, 0, 1]
+
+
+def test_a_standalone_server_pushes_only_to_a_named_peer_that_answers_with_the_next_blocks(model_dir):
+    """No swarm, so no table to ask: the server asks a named next hop ``info`` on a new push stream
+    first. A server of its own blocks is refused (``pushed: false``) and, named again, not dialled
+    again; a client node (no blocks protocol) is refused too; a server of the next blocks is pushed
+    to, and its session answers the pushed step."""
+    with InProcessSwarm(model_dir, []) as swarm:
+        first, twin, high = swarm.add(LOW, recording), swarm.add(LOW), swarm.add(HIGH)
+        x = inputs(first.server.backend.hidden_size, 2, seed=1)
+        client: list[str] = []
+
+        async def go() -> None:
+            node = await swarm.network.start(LOOPBACK)
+            client.append(node.id)
+            try:
+                opened = [await Session.open(node, s.ticket, max_length=16) for s in (first, twin, high)]
+                head, to_twin, to_high = opened
+                nexts = [
+                    (to_twin, twin.ticket),
+                    (to_twin, twin.ticket),
+                    (to_high, node.ticket()),
+                    (to_high, high.ticket),
+                ]
+                for i, (to, ticket) in enumerate(nexts):  # each at position 0, as above
+                    step_id = head.stream.next_id()
+                    hop = to.push_hop(ticket, peer(first), step=step_id, position=0, n=2, receipt=False)
+                    await head.send_step(0, x, push=(hop,), step_id=step_id)
+                    meta, _ = await head.result(step_id)
+                    assert meta.pushed is (i == len(nexts) - 1), i
+                pushed, _ = await to_high.result(step_id)  # the pushed step, under the client's id
+                assert pushed.position == 2
+                for session in opened:
+                    await session.close()
+            finally:
+                await node.close()
+
+        swarm.runtime.run(go(), 30)
+        assert dialled(first) == [peer(twin), *client, peer(high)]
+        c = first.server.counters
+        assert (c.pushes_sent, c.pushes_failed) == (1, 3)
+        assert [s.server.counters.pushes_received for s in (twin, high)] == [0, 1]
