@@ -84,7 +84,7 @@ def push_vs_hops(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dic
             client.close()
         median = {m: statistics.median(r["decode_tok_s"] for r in runs[m]) for m in runs}
         return {
-            "servers": [list(s) for s in spans],
+            "servers": [[s.start, s.end] for s in spans],
             "server_threads": args.server_threads,
             "push_decode_tok_s_median": round(median["push"], 2),
             "hops_decode_tok_s_median": round(median["hops"], 2),
@@ -140,7 +140,7 @@ def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
                 trials.append(
                     {
                         "victim": victim,
-                        "victim_blocks": list(layout[victim]),
+                        "victim_blocks": [layout[victim].start, layout[victim].end],
                         "step": step,
                         "recovery_s": round(clock.times[step + 1] - clock.killed_at, 3),
                         "median_token_s": round(statistics.median(gaps), 4),
@@ -158,7 +158,7 @@ def recovery(path: Path, ids: torch.Tensor, args: argparse.Namespace) -> dict:
         stop_all(list(servers.values()))
     latencies = [t["recovery_s"] for t in trials]
     return {
-        "servers": {n: list(s) for n, s in layout.items()},
+        "servers": {n: [s.start, s.end] for n, s in layout.items()},
         "trials": trials,
         "recovery_s_median": round(statistics.median(latencies), 3),
         "recovery_s_max": round(max(latencies), 3),
