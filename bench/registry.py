@@ -61,6 +61,7 @@ EPOCH = 1.75e9  # virtual time 0 on the records' clock
 SWARM = "bench-swarm"
 MODEL = "bench/model-32"
 RELAY = "https://euw1-1.relay.iroh.network./"
+OUTSIDER = "0" * 64  # the sender of requests from outside the swarm (Sim.inject)
 TARGET_CONVERGENCE_S = 30.0
 TARGET_BYTES_RATIO = 2.0
 
@@ -286,7 +287,7 @@ class SimPeer:
             return
         try:
             self.table.expire()  # SwarmService.handle: never hand out records that have lapsed
-            reply = self.gossiper.handle(out.op, out.payload)
+            reply = self.gossiper.handle(out.op, out.payload, caller.id if caller is not None else OUTSIDER)
             self._wake()
         except RecordError as exc:
             self.table.rejected[exc.reason] += 1

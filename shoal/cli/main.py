@@ -245,7 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--drain-timeout", type=float, default=5.0, help="seconds sessions get to move on at exit")
     swarm.add_argument("--gossip-period", type=positive_float, default=5.0, help="seconds between gossip rounds")
     swarm.add_argument("--refresh-period", type=positive_float, default=60.0, help="seconds between record refreshes")
-    swarm.add_argument("--expiry", type=positive_float, default=180.0, help="seconds a record stays valid")
+    swarm.add_argument(
+        "--expiry",
+        type=positive_float,
+        default=180.0,
+        help="seconds a record stays valid (at most 600: tables refuse longer)",
+    )
     _add_network(serve)
     add_limit_flags(serve, "node")
     add_limit_flags(serve, "server")

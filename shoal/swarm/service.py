@@ -115,11 +115,13 @@ class SwarmService:
                     records = [s.data for s in self.table.records()]
                     reply = encode_payload(TableReply(records=records, rejected=dict(self.table.rejected)))
                 else:
-                    reply = self.gossiper.handle(op, blob_bytes(request))
+                    reply = self.gossiper.handle(op, blob_bytes(request), peer_id)
                     self._wake()
             except RecordError as exc:
                 self.table.rejected[exc.reason] += 1
-                await stream.send(error_message(request.id, "bad_request", str(exc)))
+                # past its budget a sender is told to come back later (BusyError), not that it erred
+                code = "busy" if exc.reason == "rate_limited" else "bad_request"
+                await stream.send(error_message(request.id, code, str(exc)))
                 continue
             await stream.send(Message("result", request.id, tensors=[blob(reply)]))
 

@@ -4,6 +4,22 @@ Merging is the only way in, so gossip, clients and tests all go through the same
 signature, swarm, expiry, clock skew, lifetime, newer-than-held, size, (for server records)
 fingerprints that match the swarm's model record, and (for verdicts, on decoding) a receipt the
 accused signed. Verdicts are only held here; who they convict is :mod:`shoal.swarm.verdicts`.
+
+A table is bounded whoever signs (:class:`~shoal.limits.RegistryLimits`): a key holds one server
+record (its key is the signer's), at most ``max_models_per_signer`` model records and
+``max_verdicts_per_signer`` verdicts; a model at most ``max_servers_per_model`` server records;
+the table at most ``max_models`` model names, ``max_records`` records, ``max_table_bytes``.
+Server and model records live at most ``max_announce_lifetime``.
+
+The rule past a cap: a record that would need room the cap has not is refused (reason ``full``);
+nothing held is ever evicted to make room, and a record already held may always be replaced by a
+newer one of its key. Keys cost nothing, so an attacker with many keys can fill a cap: what it
+then holds back is newcomers (honest or not), never a record the table already had, and only for
+as long as it keeps re-signing its records within ``max_announce_lifetime`` and getting them
+through the senders' budgets (:mod:`shoal.swarm.quota`). Room frees as records lapse, so honest
+servers that keep refreshing keep their places, and one that joins during a flood waits until
+the flood's records expire. (Evicting anything instead, oldest or newest, would let the flood
+choose its victims among the honest records.)
 """
 
 from __future__ import annotations
@@ -13,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from shoal.limits import RegistryLimits, count_down
 from shoal.swarm.records import ModelRecord, RecordError, ServerRecord, SignedRecord, State, VerdictRecord, decode
 
 log = logging.getLogger(__name__)
@@ -26,12 +43,19 @@ class RecordTable:
         clock: Callable[[], float] = time.time,
         max_skew: float = 5.0,
         max_lifetime: float = 3600.0,
+        limits: RegistryLimits = RegistryLimits(),
     ):
         self.swarm = swarm
         self.clock = clock
         self.max_skew = max_skew
         self.max_lifetime = max_lifetime
+        self.limits = limits
         self._records: dict[str, SignedRecord] = {}
+        # what the caps count, kept by _put and _drop
+        self._bytes = 0
+        self._signed: Counter[tuple[str, str]] = Counter()  # (kind tag, signer) -> records
+        self._names: Counter[str] = Counter()  # model name -> records naming it (model or server)
+        self._servers: Counter[str] = Counter()  # model name -> server records
         self.rejected: Counter[str] = Counter()
         self.accepted = 0
 
@@ -50,8 +74,11 @@ class RecordTable:
             raise RecordError("expired", record.key)
         if record.timestamp > now + self.max_skew:
             raise RecordError("future", f"{record.key} is dated {record.timestamp - now:.1f} s ahead")
-        if record.expires - record.timestamp > self.max_lifetime:
-            raise RecordError("lifetime", f"{record.key} claims to live {record.expires - record.timestamp:.0f} s")
+        lifetime = record.expires - record.timestamp
+        if lifetime > self.max_lifetime or (
+            not isinstance(record, VerdictRecord) and lifetime > self.limits.max_announce_lifetime
+        ):
+            raise RecordError("lifetime", f"{record.key} claims to live {lifetime:.0f} s")
         held = self._records.get(record.key)
         # a conflicting model definition is a forgery whatever its age: say so rather than "stale"
         if isinstance(record, ModelRecord) and held is not None and held.record.fingerprints != record.fingerprints:
@@ -60,6 +87,54 @@ class RecordTable:
             raise RecordError("stale", f"{record.key} is not newer than the one held")
         if isinstance(record, ServerRecord):
             self._check_server(record)
+        self._check_room(signed, held)
+
+    def _check_room(self, signed: SignedRecord, held: SignedRecord | None) -> None:
+        """Refuse ``signed`` (``full``) if it needs room a cap has not (``held``: its key's record)."""
+        record, limits = signed.record, self.limits
+        if held is None and len(self._records) >= limits.max_records:
+            raise RecordError("full", f"{record.key}: the table holds {limits.max_records} records")
+        if self._bytes - (len(held.data) if held else 0) + len(signed.data) > limits.max_table_bytes:
+            raise RecordError("full", f"{record.key}: the table holds {limits.max_table_bytes} bytes of records")
+        same_signer = held is not None and held.record.signer == record.signer
+        per_signer = {ModelRecord: limits.max_models_per_signer, VerdictRecord: limits.max_verdicts_per_signer}
+        cap = per_signer.get(type(record))
+        if cap is not None and not same_signer and self._signed[record.TAG, record.signer] >= cap:
+            raise RecordError("full", f"{record.key}: {record.signer[:10]} signs {cap} {record.TAG} records already")
+        name = _model_name(record)
+        if name is not None and name not in self._names and len(self._names) >= limits.max_models:
+            raise RecordError("full", f"{record.key}: the table names {limits.max_models} models")
+        if not isinstance(record, ServerRecord) or (held is not None and held.record.model == record.model):
+            return
+        if self._servers[record.model] >= limits.max_servers_per_model:
+            raise RecordError("full", f"{record.key}: model {record.model} has {limits.max_servers_per_model} servers")
+
+    def _put(self, signed: SignedRecord) -> None:
+        held = self._records.get(signed.key)
+        if held is not None:
+            self._uncount(held)
+        self._records[signed.key] = signed
+        record = signed.record
+        self._bytes += len(signed.data)
+        self._signed[record.TAG, record.signer] += 1
+        name = _model_name(record)
+        if name is not None:
+            self._names[name] += 1
+        if isinstance(record, ServerRecord):
+            self._servers[record.model] += 1
+
+    def _drop(self, key: str) -> None:
+        self._uncount(self._records.pop(key))
+
+    def _uncount(self, signed: SignedRecord) -> None:
+        record = signed.record
+        self._bytes -= len(signed.data)
+        count_down(self._signed, (record.TAG, record.signer), 1)
+        name = _model_name(record)
+        if name is not None:
+            count_down(self._names, name, 1)
+        if isinstance(record, ServerRecord):
+            count_down(self._servers, record.model, 1)
 
     def _check_server(self, record: ServerRecord) -> None:
         model = self.model(record.model)
@@ -78,7 +153,7 @@ class RecordTable:
             if exc.reason != "stale":  # stale copies are normal in gossip; the rest are worth a line
                 log.info("rejected record: %s", exc)
             return False
-        self._records[signed.key] = signed
+        self._put(signed)
         self.accepted += 1
         if isinstance(signed.record, ModelRecord):
             self._purge_mismatching(signed.record)
@@ -94,15 +169,20 @@ class RecordTable:
                 try:
                     self._check_server(record)
                 except RecordError as exc:
-                    del self._records[key]
+                    self._drop(key)
                     self.rejected[exc.reason] += 1
 
     def expire(self, now: float | None = None) -> list[str]:
         now = self.clock() if now is None else now
         gone = [key for key, signed in self._records.items() if signed.record.expires <= now]
         for key in gone:
-            del self._records[key]
+            self._drop(key)
         return gone
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the records held, as signed."""
+        return self._bytes
 
     def digest(self) -> list[tuple[str, float]]:
         return [(key, signed.timestamp) for key, signed in self._records.items()]
@@ -151,3 +231,13 @@ class RecordTable:
             if isinstance(s.record, VerdictRecord) and (model is None or s.record.model == model)
         ]
         return sorted(out, key=lambda v: (v.model, v.accused, v.judge))
+
+
+def _model_name(record) -> str | None:
+    """The model a record names, for the cap on model names (verdicts name one, but are capped
+    per judge instead)."""
+    if isinstance(record, ModelRecord):
+        return record.name
+    if isinstance(record, ServerRecord):
+        return record.model
+    return None
