@@ -39,6 +39,7 @@ import itertools
 import json
 import math
 import random
+import resource
 import statistics
 import sys
 import time
@@ -62,6 +63,7 @@ SWARM = "bench-swarm"
 MODEL = "bench/model-32"
 RELAY = "https://euw1-1.relay.iroh.network./"
 OUTSIDER = "0" * 64  # the sender of requests from outside the swarm (Sim.inject)
+FULL_MAX_PEERS = 2000  # past this the full simulation's N^2 tables do not fit: sampled mode
 TARGET_CONVERGENCE_S = 30.0
 TARGET_BYTES_RATIO = 2.0
 
@@ -672,6 +674,16 @@ def _run(config: SimConfig, window: float, trials: int, shared: SharedDecode | N
         },
         "targets": {"convergence_s": TARGET_CONVERGENCE_S, "bytes_ratio": TARGET_BYTES_RATIO},
     }
+    out["mode"] = "full"
+    return finish(out, join, leave, ratio, sim.now, started)
+
+
+def finish(out: dict, join: dict, leave: dict, ratio: float, virtual: float, started: float) -> dict:
+    """The summary keys every mode prints, and whether the targets are met."""
+    out["join_convergence_s"] = join["max_s"]
+    out["leave_convergence_s"] = leave["max_s"]
+    out["bytes_ratio"] = round(ratio, 3)
+    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     out["targets_met"] = bool(
         join["max_s"] is not None
         and join["max_s"] < TARGET_CONVERGENCE_S
@@ -679,7 +691,7 @@ def _run(config: SimConfig, window: float, trials: int, shared: SharedDecode | N
         and leave["max_s"] < TARGET_CONVERGENCE_S
         and ratio <= TARGET_BYTES_RATIO
     )
-    out["virtual_s"] = round(sim.now, 1)
+    out["virtual_s"] = round(virtual, 1)
     out["wall_s"] = round(time.perf_counter() - started, 1)
     return out
 
@@ -702,6 +714,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--per-peer-decode", action="store_true", help="every peer decodes every copy (slow: minutes for 200 peers)"
     )
+    parser.add_argument(
+        "--sampled",
+        action="store_true",
+        help=f"every peer simulated, full tables only at observers (bench/registry_scale.py; "
+        f"the default above {FULL_MAX_PEERS} peers)",
+    )
+    parser.add_argument("--observers", type=int, default=16, help="sampled: peers that hold a real table")
+    parser.add_argument("--sample-rate", type=float, default=1.0, help="sampled: refreshes per second spread as gossip")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = parser.parse_args(argv)
     base = GossipConfig()
@@ -715,7 +735,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else None
     config = SimConfig(peers=args.peers, gossip=gossip, seed=args.seed, dead_timeout=args.dead_timeout)
-    result = run(config, window=args.window, trials=args.trials, per_peer_decode=args.per_peer_decode, log=log)
+    if args.sampled or args.peers > FULL_MAX_PEERS:
+        from bench import registry_scale  # it imports this module
+
+        say = log or (lambda *_: None)
+        result = registry_scale.run(config, args.window, args.trials, args.observers, args.sample_rate, say)
+    else:
+        result = run(config, window=args.window, trials=args.trials, per_peer_decode=args.per_peer_decode, log=log)
     print(json.dumps(result, indent=2))
 
 
