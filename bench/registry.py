@@ -1,7 +1,12 @@
 """Swarm registry at scale: the real record, table and gossip code over a simulated network.
 
-    python -m bench.registry          # 1,000 peers, 5 s rounds, 60 s refresh: ~1.5 min on 2 busy cores
+    python -m bench.registry          # 1,000 peers, 5 s rounds, 60 s refresh: ~2.5 min on 2 busy cores
     python -m bench.registry --peers 200 --period 2 --refresh 20 [--fanout F --push-delay S --sync-every R]
+    python -m bench.registry --peers 10000   # sampled mode (bench/registry_scale.py): ~30 s, ~400 MB
+
+Past ``FULL_MAX_PEERS`` (2,000) peers, or with ``--sampled``, the run is :mod:`bench.registry_scale`:
+every peer simulated, full tables only at a sample of observers (this mode's N^2 tables take 24 GB
+at 10,000 peers). What follows describes the full mode.
 
 One process, a virtual clock, no sockets. Every peer has its own :class:`RecordTable` (whose clock
 is the virtual clock) and :class:`Gossiper`, driven the way :class:`shoal.swarm.service.SwarmService`
@@ -27,7 +32,10 @@ would take ~20 minutes here); ``--per-peer-decode`` turns that off. Table checks
 run per peer.
 
 Prints JSON: convergence after joins, clean leaves and a crash, and steady-state traffic per peer
-against the floor ``N * record_bytes * 60 / refresh``, with ``targets_met``.
+against the floor ``N * record_bytes * 60 / refresh``, with ``targets_met``; in both modes a summary
+of ``join_convergence_s`` and ``leave_convergence_s`` (the worst trial), ``bytes_ratio`` and
+``peak_rss_mb``. Tables run with the default :class:`~shoal.limits.RegistryLimits` (caps, and
+senders' budgets: ``rejected_records`` counts what they refused of honest traffic).
 """
 
 from __future__ import annotations
@@ -671,6 +679,13 @@ def _run(config: SimConfig, window: float, trials: int, shared: SharedDecode | N
             "record_decodes_per_peer_per_second": round(decodes / n / (minutes * 60), 2) if shared else None,
             "decode_us_per_record": round(_decode_us(sim), 1),
             "failed_calls_total": sim.failed_calls,
+            # every table's refusals over the run but stale copies (normal in gossip): honest
+            # traffic under the registry's caps and senders' budgets (shoal.limits.RegistryLimits)
+            "rejected_records": {
+                reason: n
+                for reason, n in sum((p.table.rejected for p in sim.peers), start=Counter()).items()
+                if reason != "stale"
+            },
         },
         "targets": {"convergence_s": TARGET_CONVERGENCE_S, "bytes_ratio": TARGET_BYTES_RATIO},
     }

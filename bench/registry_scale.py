@@ -80,7 +80,10 @@ def wanted_payload(ids: int) -> int:
 
 def records_payload(sizes: list[int]) -> int:
     """``PushRequest`` of records of ``sizes`` bytes."""
-    return 1 + 8 + array_header(len(sizes)) + sum(bin_size(s) for s in sizes)
+    return 1 + (8 + array_header(len(sizes)) + sum(bin_size(s) for s in sizes) if sizes else 0)
+
+
+PUSH_HEADER = records_payload([0]) - bin_size(0)  # a push's bytes besides its records
 
 
 def sync_reply_payload(sizes: list[int], ids: int) -> int:
@@ -375,7 +378,7 @@ class ScaleSim:
         for spread in theirs:
             self.learn(peer, spread)
         if mine:
-            self.envelopes["push"] += self.config.overhead + records_payload([]) + self.config.overhead + 1
+            self.envelopes["push"] += self.config.overhead + PUSH_HEADER + self.config.overhead + 1
             self.push(peer, target, mine)
 
     def _check_crash(self) -> None:
@@ -510,7 +513,7 @@ def run(config: SimConfig, window: float, trials: int, observers: int, sample_ra
     framing = config.overhead
     by_op["offer"] += g.fanout * batches_per_minute * (framing + digest_payload(0))
     by_op["offer.reply"] += g.fanout * batches_per_minute * (framing + wanted_payload(1) - ID_BYTES)
-    by_op["push"] += g.fanout * batches_per_minute * pushed * (framing + records_payload([]))
+    by_op["push"] += g.fanout * batches_per_minute * pushed * (framing + PUSH_HEADER)
     by_op["push.reply"] += g.fanout * batches_per_minute * pushed * (framing + 1)
     for op in ("sync", "sync.reply", "push"):
         by_op[op] += (env1[op] - env0[op]) / n / minutes

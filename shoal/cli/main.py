@@ -26,6 +26,7 @@ from shoal.cli.args import (
     port_number,
     positive_float,
     positive_int,
+    record_lifetime,
     transport_config,
 )
 
@@ -247,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--refresh-period", type=positive_float, default=60.0, help="seconds between record refreshes")
     swarm.add_argument(
         "--expiry",
-        type=positive_float,
+        type=record_lifetime,
         default=180.0,
         help="seconds a record stays valid (at most 600: tables refuse longer)",
     )

@@ -17,7 +17,13 @@ peers after a short batching delay, so news spreads in O(log N) network hops, no
 peer pulls a record's bytes once, which keeps traffic near the floor of one copy per peer per
 refresh. Offers alone miss about ``exp(-fanout)`` of the peers; every ``sync_every`` rounds a peer
 swaps full digests with one random peer, which repairs those (and anything else: lost messages,
-peers that were down) within a round or two. ``bench/registry.py`` measures both on 1,000 peers.
+peers that were down) within a round or two. ``bench/registry.py`` measures both on 1,000 peers
+(and, sampled, on 10,000).
+
+What a peer takes from another is bounded (:mod:`shoal.swarm.quota`): each request is charged its
+bytes against the sender's budget, the keys wanted of an offer or sync are at most what the
+sender's record budget covers, and a push merges the records asked for and at most a few more.
+Replies to our own syncs are merged whole (we asked); the table's caps hold for every record.
 """
 
 from __future__ import annotations
@@ -243,19 +249,25 @@ class Gossiper:
 
     def _merge_push(self, items: Iterable[bytes], sender: str) -> list[str]:
         """A push of ``sender``: the records we asked it for, and up to ``max_unasked_per_push`` others
-        its budget covers; past those the rest is dropped undecoded (counted ``unasked``)."""
+        its budget covers. Past those, the rest is dropped (counted ``unasked``; an honest sender's are
+        copies it pushed twice, by an offer and a sync): decoded only while it still has asks open,
+        each such decode taken from its budget, so a flood costs at most its budget's decodes."""
         accepted, unasked, items = [], 0, list(items)
+        cap = self.table.limits.max_unasked_per_push
         for i, data in enumerate(items):
+            if unasked > cap and not (self.quota.open_asks(sender) and self.quota.unasked(sender)):
+                self.table.rejected["unasked"] += len(items) - i
+                break
             try:
                 signed = decode(data)
             except RecordError as exc:
                 self.table.rejected[exc.reason] += 1
                 continue
             if not self.quota.asked_of(sender, self._id(signed.key)):
-                if unasked >= self.table.limits.max_unasked_per_push:
-                    self.table.rejected["unasked"] += len(items) - i
-                    break
                 unasked += 1
+                if unasked > cap:
+                    self.table.rejected["unasked"] += 1
+                    continue
                 if not self.quota.unasked(sender):
                     self.table.rejected["rate_limited"] += 1
                     continue

@@ -9,7 +9,9 @@ whole (``rate_limited``), before anything in it is decoded. Records come in thre
 * asked for: our reply to its offer or sync named their keys (:meth:`Quota.ask`, which grants at
   most the records left in its budget and takes them from it); its push of those is merged;
 * unasked, in a push: at most ``max_unasked_per_push`` of one push (a leaving server pushes its
-  offline record to every peer), each taken from the budget; the rest are dropped undecoded;
+  offline record to every peer), each taken from the budget; the rest are dropped, and decoded
+  (to find the asked ones among them) only while asks of the sender are open, each decode taken
+  from its budget;
 * in the reply to a request of ours (a sync): not charged, we asked; the table's caps still hold.
 
 Budgets are token buckets (``sender_*_per_s`` sustained, ``sender_*_burst`` at once). A sender
@@ -137,6 +139,11 @@ class Quota:
             return False
         self._asked -= 1
         return True
+
+    def open_asks(self, peer: str) -> int:
+        """Keys asked of ``peer`` that it has not pushed yet."""
+        sender = self._senders.get(peer)
+        return 0 if sender is None else len(sender.asked)
 
     def unasked(self, peer: str) -> bool:
         """Whether ``peer``'s budget covers one record we did not ask for (then taken from it)."""
