@@ -15,7 +15,7 @@ import pytest
 
 from bench import registry_scale
 from bench.registry import SimConfig, run
-from bench.registry_scale import digest_payload, records_payload, sync_reply_payload, wanted_payload
+from bench.scale_sim import digest_payload, records_payload, sync_reply_payload, wanted_payload
 from shoal.swarm.gossip import GossipConfig
 from shoal.swarm.messages import OfferReply, OfferRequest, PushRequest, SyncReply, encode_payload
 
