@@ -112,6 +112,14 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
     add_speculation(parser)
     add_verification(parser)
     _client_network(parser)
+    parser.add_argument(
+        "--route-wait",
+        type=non_negative_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="when no live server is left for some blocks mid-answer, wait this long for one to join before "
+        "the answer fails (0: fail at once)",
+    )
 
 
 def _client_settings(args: argparse.Namespace) -> dict:
@@ -126,6 +134,7 @@ def _client_settings(args: argparse.Namespace) -> dict:
         compression=_codec(args.compression),
         verify=args.verify,
         audit_every=args.audit_every,
+        route_wait=args.route_wait,
     )  # checked when made: a mode this client cannot run is a usage error before anything starts
     return dict(
         join=join,

@@ -49,6 +49,7 @@ class AutoDistributedModelForCausalLM:
         verify: str = "off",
         audit_every: int | None = None,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+        route_wait: float = 10.0,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
@@ -60,7 +61,9 @@ class AutoDistributedModelForCausalLM:
         ``"raw"`` (float32, exact), ``"bf16"``, ``"fp16"`` (2 bytes a value) or ``"q8"`` (8-bit
         blocks of 64 values, ~1.06 bytes a value; see :mod:`shoal.wire.codecs`).
         ``refresh_period``: seconds between background refreshes of the server list and measured
-        latencies. ``routing_seed``: seeds the random
+        latencies. ``route_wait``: when no live server is left for some blocks during a session,
+        seconds to wait for one to join before :class:`~shoal.routing.NoRouteError` (0: at once).
+        ``routing_seed``: seeds the random
         choices of routes (stateless forward spreads load by drawing servers). ``start_node``: how
         the client's node starts (iroh by default; ``MemoryNetwork.start`` reaches a swarm of
         servers inside this process, see :mod:`shoal.launch`). ``min_quality``: the lowest weight format
@@ -96,6 +99,7 @@ class AutoDistributedModelForCausalLM:
             verify=verify,
             audit_every=audit_every,
             prefill_chunk=prefill_chunk,
+            route_wait=route_wait,
             tuning_mode=tuning_mode,
             pre_seq_len=pre_seq_len,
         )

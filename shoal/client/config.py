@@ -25,6 +25,9 @@ from shoal.wire import Codec
 __all__ = ["ClientConfig"]
 
 
+LISTING_ANSWER_S = 2.0  # seconds beyond the connect deadline a live peer needs to answer a listing
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """How one client loads its part of the model, routes, verifies and runs sessions. Checked when
@@ -43,6 +46,7 @@ class ClientConfig:
     routing_seed: int | None = None  # seeds the random choices of routes (None: unseeded)
     min_quality: Quantization = DEFAULT_MIN_QUALITY  # the lowest weight format of a server routed over
     adapter: AdapterChoice | None = None  # LoRA adapter every block runs with; only its servers are routed over
+    route_wait: float = 10.0  # seconds a session waits for a server to join when no live one is left for some blocks
     # verification (shoal.client.verification.audit)
     verify: str = "off"  # "off", "audit" (a second server checks every hop) or "redundant" (every step, twice)
     audit_every: int | None = None  # positions between audits of a hop (None: the mode's default; redundant: 1)
@@ -57,11 +61,14 @@ class ClientConfig:
         check_verify(self.verify, self.audit_every)
         if self.prefill_chunk is not None and self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be None, 0 (off) or positive, not {self.prefill_chunk}")
+        if not self.route_wait >= 0:
+            raise UsageError(f"route_wait must be 0 (fail at once) or more seconds, not {self.route_wait}")
         if self.tuning_mode is None and self.pre_seq_len:
             raise UsageError(f"pre_seq_len={self.pre_seq_len} needs tuning_mode='ptune' or 'deep_ptune'")
 
     @property
-    def request_timeout(self) -> float:
-        """How long a request to a server may take from the dial to the reply (listing servers)."""
-        deadlines = self.transport.deadlines
-        return deadlines.connect + deadlines.request
+    def listing_timeout(self) -> float:
+        """How long the dial, then the answer, of a request listing servers (a table, an ``info``)
+        may each take: a peer that has not answered by then is skipped, so one dead ticket does not
+        hold up the rest for a whole request deadline."""
+        return self.transport.deadlines.connect + LISTING_ANSWER_S

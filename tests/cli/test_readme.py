@@ -1,82 +1,47 @@
-"""The README names only what a user of this repository has: every path it mentions exists in the
-checkout, every ``python -m`` module is there, and every ``shoal`` command (with each of its flags)
-is one the ``shoal`` command accepts."""
+"""The README is a front door: short, with the test command CI and the issue tracker call "the README's
+test command", and it names only what a user of this repository has (every path, ``python -m`` module
+and ``shoal`` command with its flags; checked for every page of the site in ``tests/docs``)."""
 
 from __future__ import annotations
 
-import argparse
-import re
-from pathlib import Path
-
 import pytest
 
-from shoal.cli.main import build_parser
+from tests.helpers.docs import (
+    README,
+    check_command,
+    check_module,
+    check_path,
+    mentioned_modules,
+    mentioned_paths,
+    shoal_commands,
+)
 
-ROOT = Path(__file__).parents[2]
-README = (ROOT / "README.md").read_text()
-TOP_LEVEL = {p.name for p in ROOT.iterdir()} - {".git"}  # a token starting with one of these is a path
-# names shaped like paths that are not files: protocol ids, and placeholders the text explains
-NOT_PATHS = re.compile(r"^shoal/(blocks|swarm|meta)/\d+$|^path/to/|^org/name$")
-
-
-def code_spans(text: str) -> list[str]:
-    """Inline code and the lines of fenced code blocks."""
-    blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.DOTALL)
-    rest = re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.DOTALL)
-    return [line for block in blocks for line in block.splitlines()] + re.findall(r"`([^`\n]+)`", rest)
+TEXT = README.read_text()
 
 
-def mentioned_paths(text: str) -> set[str]:
-    found = set()
-    for span in code_spans(text) + re.findall(r"\(([\w./-]+)\)", text):
-        for token in re.findall(r"(?<![\w$~:/.-])(\.{0,2}/?[\w.*-]+(?:/[\w.*-]+)+/?)", span):
-            first = token.split("/")[0]
-            if first in ("..", ".") or first in TOP_LEVEL:
-                found.add(token)
-    return {p for p in found if not NOT_PATHS.search(p)}
+def test_the_readme_is_at_most_200_lines():
+    assert len(TEXT.splitlines()) <= 200, "the README is a front door: move the details to a page under docs/"
 
 
-def shoal_commands(text: str) -> list[str]:
-    """Each ``shoal ...`` command line of the README's code (after ``&&``, ``scripts/isolated``, ...)."""
-    commands = []
-    for span in code_spans(text):
-        for part in re.split(r"&&|;|\|\|", span.split("#")[0]):
-            match = re.match(r"\s*(?:scripts/isolated\s+)?shoal\s+(.*)", part)
-            if match:
-                commands.append(match.group(1).strip().rstrip("\\").strip())
-    return commands
-
-
-def parser_for(words: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
-    """The (sub)command parser the leading words reach, and the words left over."""
-    parser = build_parser()
-    while words:
-        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        if not subs or words[0] not in subs[0].choices:
-            break
-        parser, words = subs[0].choices[words[0]], words[1:]
-    return parser, words
+def test_the_readme_keeps_the_test_commands():
+    assert "scripts/test -q" in TEXT and "scripts/test -q -m slow" in TEXT
 
 
 def test_the_readme_names_no_path_outside_the_repository():
-    assert "../" not in README, "the README points outside the repository (e.g. ../shared): users do not have it"
+    assert "../" not in TEXT, "the README points outside the repository (e.g. ../shared): users do not have it"
 
 
-@pytest.mark.parametrize("path", sorted(mentioned_paths(README)))
+@pytest.mark.parametrize("path", sorted(mentioned_paths(TEXT)))
 def test_every_path_exists(path: str):
-    if "*" in path:
-        assert list(ROOT.glob(path)), f"README names {path}: nothing matches"
-    else:
-        assert (ROOT / path).exists(), f"README names {path}, which this repository does not have"
+    check_path(path, "README")
 
 
-@pytest.mark.parametrize("module", sorted(set(re.findall(r"python -m ([\w.]+)", README))))
+@pytest.mark.parametrize("module", sorted(mentioned_modules(TEXT)))
 def test_every_module_exists(module: str):
-    base = ROOT / Path(*module.split("."))
-    assert base.with_suffix(".py").is_file() or (base / "__main__.py").is_file(), f"no module {module}"
+    check_module(module)
 
 
-COMMANDS = shoal_commands(README)
+COMMANDS = shoal_commands(TEXT)
 
 
 def test_the_readme_shows_shoal_commands():
@@ -85,19 +50,4 @@ def test_the_readme_shows_shoal_commands():
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_shoal_command_and_flag_exists(command: str):
-    words = command.split()
-    top = {flag for action in build_parser()._actions for flag in action.option_strings}
-    while words and words[0].startswith("-"):  # `shoal -v serve ...`
-        assert words[0] in top, f"`shoal {command}`: shoal has no flag {words[0]}"
-        words = words[1:]
-    if not words:  # `shoal --version`
-        return
-    if words[0].isupper():  # `shoal COMMAND --help`: a flag every command has
-        words = ["serve", *words[1:]]
-    parser, rest = parser_for(words)
-    assert not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions), (
-        f"`shoal {command}`: {parser.prog} needs a subcommand, not {rest[:1]}"
-    )
-    known = {flag for action in parser._actions for flag in action.option_strings}
-    for flag in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", " ".join(rest)):
-        assert flag in known, f"`shoal {command}`: {parser.prog} has no flag {flag}"
+    check_command(command)

@@ -13,7 +13,9 @@ coverage for every block); steps are pushed from server to server.
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import time
 
 import pytest
@@ -116,8 +118,11 @@ def test_killing_any_route_server_keeps_the_tokens(local_swarm, reference_and_di
 
 
 @pytest.mark.timeout(30)
-def test_without_spare_coverage_the_error_names_the_missing_blocks(local_swarm):
-    model = local_swarm.connect(refresh_period=0)
+def test_without_spare_coverage_the_error_names_the_missing_blocks(local_swarm, caplog):
+    """The last servers of blocks 3-5 die: one line says the client waits ``route_wait`` seconds for
+    a newcomer, then one error names the blocks, within that wait (not a series of recoveries)."""
+    wait = 1.5
+    model = local_swarm.connect(refresh_period=0, route_wait=wait)
     failed_at = {}
 
     def kill_second_half() -> None:
@@ -126,14 +131,45 @@ def test_without_spare_coverage_the_error_names_the_missing_blocks(local_swarm):
         failed_at["t"] = time.perf_counter()
 
     session = model.inference_session(max_length=MAX_LENGTH)
-    with pytest.raises(NoRouteError) as caught, session:
+    with caplog.at_level(logging.WARNING, "shoal.client"), pytest.raises(NoRouteError) as caught, session:
         model.generate(
             PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, logits_processor=[AtStep(5, kill_second_half)]
         )
     elapsed = time.perf_counter() - failed_at["t"]
     assert caught.value.missing == [3, 4, 5]
-    assert "3-5" in str(caught.value)
-    assert elapsed < 10.0, f"took {elapsed:.1f} s to give up"
+    assert str(caught.value) == "no live server left for blocks 3-5 after waiting 1.5 s for one to join"
+    assert wait <= elapsed < wait + 3.0, f"took {elapsed:.1f} s to give up (route_wait {wait} s)"
+    waits = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    assert waits == ["no live server left for blocks 3-5: waiting up to 1.5 s for one to join"]
+    assert len(caplog.records) <= 3, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.timeout(60)
+def test_a_server_joining_within_the_route_wait_takes_over(reference_and_dir):
+    """In a swarm, the last servers of blocks 3-5 die and a new one joins while the session waits:
+    the session goes on over it (its history replayed there) and the tokens do not change."""
+    with InProcessSwarm(reference_and_dir[1], [FIRST, FIRST, SECOND, SECOND], swarm="failover") as swarm:
+        model = swarm.connect(refresh_period=0, route_wait=20.0)
+        joiner = threading.Timer(0.2, swarm.add, args=(SECOND,))
+
+        def kill_second_half() -> None:
+            swarm.kill(SECOND)
+            swarm.kill(SECOND)
+            joiner.start()
+
+        recorder = AtStep(5, kill_second_half)
+        try:
+            out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, logits_processor=[recorder])
+        finally:
+            joiner.join(30)
+        assert torch.equal(out, reference_and_dir[0])
+        assert recorder.gap() < 15.0, f"the newcomer took over after {recorder.gap():.1f} s"
+
+
+def test_the_default_route_wait_is_at_most_10_seconds():
+    from shoal.client.config import ClientConfig
+
+    assert 0 < ClientConfig().route_wait <= 10.0
 
 
 # ---- across processes ----------------------------------------------------------------------------

@@ -40,13 +40,15 @@ def test_the_config_is_frozen_with_from_pretrained_defaults():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.push = False  # type: ignore[misc]
     deadlines = config.transport.deadlines
-    assert config.request_timeout == deadlines.connect + deadlines.request
+    assert config.listing_timeout == deadlines.connect + 2.0 < deadlines.connect + deadlines.request
+    assert config.route_wait == 10.0
 
 
 @pytest.mark.parametrize(
     ("settings", "error"),
     [
         ({"verify": "paranoid"}, UsageError),
+        ({"route_wait": -1.0}, UsageError),
         ({"verify": "audit", "audit_every": 0}, UsageError),
         ({"verify": "redundant", "audit_every": 8}, UsageError),  # redundant mode audits every step
         ({"prefill_chunk": -1}, ValueError),
@@ -62,6 +64,7 @@ def test_settings_are_checked_when_the_config_is_made(settings, error):
     ("keywords", "error"),
     [
         ({"verify": "paranoid"}, UsageError),
+        ({"route_wait": -1.0}, UsageError),
         ({"prefill_chunk": -1}, ValueError),
         ({"min_quality": "int3"}, UsageError),
         ({"compression": "zip"}, UsageError),

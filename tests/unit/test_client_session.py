@@ -283,8 +283,8 @@ def test_a_draining_server_without_a_replacement_keeps_serving(swarms, reference
 # ---- no way out, rollback, batches, refused steps ------------------------------------------------
 def test_without_a_spare_the_error_names_the_missing_blocks(swarms):
     swarm = swarms(spans=(A, A, B))
-    run = Run(swarm)
-    with pytest.raises(NoRouteError, match=r"no live server left for blocks 2-3") as caught:
+    run = Run(swarm, route_wait=0)
+    with pytest.raises(NoRouteError, match=r"^no live server left for blocks 2-3$") as caught:
         run.feed(hidden(10), at={7: lambda: swarm.kill(B)})
     assert caught.value.missing == [2, 3]
 

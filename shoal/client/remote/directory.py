@@ -40,8 +40,7 @@ from shoal.routing import (
     uncovered_blocks,
 )
 from shoal.swarm.records import State
-from shoal.swarm.service import decode_table, fetch_table
-from shoal.swarm.table import RecordTable
+from shoal.swarm.service import fetch_table, report_unreachable, table_from_reply
 from shoal.swarm.verdicts import convicted
 from shoal.transport import BaseNode, Ticket
 from shoal.wire import Message
@@ -51,6 +50,10 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = 0.75  # a live server answers a ping within this, however busy its compute thread is
 MEASURE_TIMEOUT = 2.0
+WAIT_POLL = 1.0  # seconds between looks for a newcomer while blocks have no server
+SILENT_GRACE = 0.25  # seconds a listed server may answer after the others cover every block
+SILENT_BAN = 10.0  # at least this long out of routes for a listed server that did not answer
+REPORT_TO = 2  # swarm members told which listed servers did not answer
 
 
 async def fetch_infos(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -> list[ServerSpan]:
@@ -83,10 +86,9 @@ async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
     """Pull the swarm's table through the first ticket that answers; the online servers of ``model``
     that its verdicts do not convict."""
     swarm = next(t.swarm_id for t in tickets if t.swarm_id)
-    table = RecordTable(swarm)
     for ticket in tickets:
         try:
-            table.merge_many(decode_table(await fetch_table(node, ticket, timeout)))
+            table = table_from_reply(swarm, await fetch_table(node, ticket, timeout))  # its unreachable ones left out
             break
         except ShoalError as exc:
             log.warning("could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc)
@@ -214,6 +216,7 @@ class ServerDirectory:
         self.spans: list[ServerSpan] = []
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
         self._task: asyncio.Task | None = None
+        self._reports: set[asyncio.Future] = set()  # reports of silent servers on their way
 
     @property
     def min_quality(self) -> Quantization:
@@ -231,7 +234,7 @@ class ServerDirectory:
 
     async def refresh(self) -> None:
         """Pull the server list again (tables and infos), then measure round trips to each server."""
-        spans = await known_spans(self.node, self.tickets, self.model, self.config.request_timeout)
+        spans = await known_spans(self.node, self.tickets, self.model, self.config.listing_timeout)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
 
@@ -246,17 +249,21 @@ class ServerDirectory:
 
     async def _measure(self, spans: list[ServerSpan]) -> list[ServerSpan]:
         """Time an ``info`` request to every server (in parallel); fresh free-cache and drain state
-        from the answers. Servers that do not answer stay listed (the table says they exist), and
-        are found out when used."""
+        from the answers. Once the servers that answered cover every block, the others get
+        ``SILENT_GRACE`` (or 3 of the slowest answer's round trips) more, then count as silent:
+        they stay listed (the table says they exist) but are banned from routes for a while (a ban is
+        advice: a route that needs one still takes it) and reported to the swarm, so that a dead
+        server listed until its record expires costs a new client no wait."""
 
-        async def one(span: ServerSpan) -> ServerSpan:
+        async def one(span: ServerSpan) -> ServerSpan | None:
             started = time.perf_counter()
             try:
                 reply = await self.node.request(span.ticket, BLOCKS, Message("info", 1), timeout=MEASURE_TIMEOUT)
                 fresh = reply.reply(InfoReply)
             except ShoalError:
-                return span
-            self.latency.observe_rtt(span.peer_id, (time.perf_counter() - started) * 1e3)
+                return None
+            rtt_ms = (time.perf_counter() - started) * 1e3
+            self.latency.observe_rtt(span.peer_id, rtt_ms)
             info = replace(
                 span.info,
                 free_cache_tokens=fresh.free_cache_tokens,
@@ -267,7 +274,43 @@ class ServerDirectory:
             )
             return replace(span, info=info)
 
-        return list(await asyncio.gather(*(one(s) for s in spans)))
+        tasks = {asyncio.ensure_future(one(span)): span for span in spans}
+        answered: dict[PeerId, ServerSpan] = {}
+        deadline = time.monotonic() + MEASURE_TIMEOUT
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending, timeout=max(deadline - time.monotonic(), 0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    break
+                for task in done:
+                    if (fresh := task.result()) is not None:
+                        answered[fresh.peer_id] = fresh
+                if pending and not uncovered_blocks(list(answered.values()), self.num_blocks):
+                    slowest = max(self.latency.client_rtt_ms.get(p, 0.0) for p in answered) / 1e3
+                    deadline = min(deadline, time.monotonic() + max(SILENT_GRACE, 3 * slowest))
+        finally:
+            for task in pending:
+                task.cancel()
+        silent = [span for span in spans if span.peer_id not in answered]
+        for span in silent:
+            self.bans.ban(span.peer_id, max(self.config.refresh_period, SILENT_BAN))
+        if silent:
+            log.info("%d listed servers did not answer: %s", len(silent), ", ".join(s.peer_id[:10] for s in silent))
+            self._report_silent(silent)
+        return [answered.get(span.peer_id, span) for span in spans]
+
+    def _report_silent(self, silent: Sequence[ServerSpan]) -> None:
+        """Tell the swarm peers we pulled tables from which servers did not answer (each checks
+        for itself before it believes it: :mod:`shoal.swarm.liveness`). Not awaited."""
+        peers = [s.peer_id for s in silent if s.ticket.swarm_id]
+        members = [t for t in self.tickets if t.swarm_id]
+        if peers and members:
+            task = asyncio.ensure_future(report_unreachable(self.node, members[:REPORT_TO], peers))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
 
     def start(self) -> None:
         if self._task is None and self.config.refresh_period > 0:
@@ -287,6 +330,9 @@ class ServerDirectory:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for report in list(self._reports):
+            report.cancel()
+        await asyncio.gather(*self._reports, return_exceptions=True)
 
     def usable(self) -> list[ServerSpan]:
         banned = self.banned
@@ -350,6 +396,21 @@ class ServerDirectory:
         offered = offering(meeting(self.spans, self.min_quality), needs, self.adapter)
         live = [s for s in offered if s.peer_id not in exclude and s.peer_id not in self.banned]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
+
+    async def wait_for_servers(
+        self, start: int, *, exclude: Collection[str], needs: Collection[str], timeout: float
+    ) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while missing := self.missing_blocks(start, exclude, needs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return missing
+            await asyncio.sleep(min(WAIT_POLL, left))
+            try:  # the swarm's tables and the given servers, asked again
+                await asyncio.wait_for(self.refresh(), max(deadline - time.monotonic(), 0.01))
+            except Exception as exc:  # a failed look is one more reason to keep waiting, not an error
+                log.debug("looking for servers again failed: %r", exc)
+        return []
 
     # ---- RouteFeedback (shoal.client.remote.feedback): what sessions report and expect ----------------
 

@@ -177,16 +177,18 @@ class ChainDriver:
         return self._step_id
 
     def leaving(self) -> int | None:
-        """Index of the first hop whose server said it is draining, if any."""
+        """Index of the first hop whose server said it is draining and is due a replacement, if any."""
+        now = time.monotonic()
         for index, hop in enumerate(self.hops):
-            if hop.draining:
+            if hop.draining and now >= hop.replace_after:
                 return index
         return None
 
-    def keep_serving(self, hop: Hop) -> None:
-        """No one can take over from draining ``hop`` yet: use it while it serves (its next reply
-        raises the flag again)."""
+    def keep_serving(self, hop: Hop, retry_after: float) -> None:
+        """No one can take over from draining ``hop`` yet: use it while it serves, and look for a
+        replacement again in ``retry_after`` seconds (its replies keep raising the flag)."""
         hop.draining = False
+        hop.replace_after = time.monotonic() + retry_after
 
     async def run(
         self,

@@ -79,5 +79,12 @@ class RoutePlanner(Protocol):
         """Blocks from ``start`` on that no known server outside ``exclude`` (announcing ``needs``) hosts."""
         ...
 
+    async def wait_for_servers(
+        self, start: int, *, exclude: Collection[str], needs: Collection[str], timeout: float
+    ) -> list[int]:
+        """Look again for servers of the blocks from ``start`` on until every one has a server
+        outside ``exclude``, or ``timeout`` seconds pass; returns the blocks still missing."""
+        ...
+
 
 __all__ = ["RouteFeedback", "RoutePlanner", "SpanKey"]

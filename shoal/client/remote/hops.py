@@ -22,9 +22,10 @@ class Hop:
     """The session on one server of the chain (compared by identity: two hops are never equal).
 
     ``draining``: the server's last step reply said it is leaving; only the step driver, which
-    reads those replies, sets it."""
+    reads those replies, sets it. ``replace_after``: while nobody could take over from it, the
+    monotonic time before which its replacement is not looked for again."""
 
-    __slots__ = ("__weakref__", "_pending", "draining", "push_hop", "session", "span", "stream")
+    __slots__ = ("__weakref__", "_pending", "draining", "push_hop", "replace_after", "session", "span", "stream")
 
     def __init__(self, span: ServerSpan, stream: MessageStream, reply: OpenReply):
         self.span = span
@@ -32,6 +33,7 @@ class Hop:
         self.session = reply.session
         self.push_hop = PushHop(ticket=str(span.ticket), session=reply.session, token=reply.token)  # where to push
         self.draining = False
+        self.replace_after = 0.0
         self._pending: asyncio.Task[Message] | None = None  # a recv still waiting (a late reply given more time)
 
     @classmethod

@@ -8,8 +8,12 @@ session to install.
 * every new server of the plan gets the history of its first block replayed (one step over all
   positions so far), so that it rebuilds its cache; a replacement that fails is banned and the
   plan drawn again;
-* a bounded number of attempts (``MAX_RECOVERIES``), then :class:`~shoal.routing.NoRouteError`
-  naming the blocks no live server covers.
+* when no live server is left for some blocks, one bounded wait (``route_wait`` seconds, the
+  client's setting) for a server to join with them, announced in one line; then
+  :class:`~shoal.routing.NoRouteError` naming those blocks. Otherwise a bounded number of attempts
+  (``MAX_RECOVERIES``) before it gives up;
+* a draining server nobody can replace yet keeps serving; its replacement is looked for again at
+  most every ``DRAIN_RETRY_SECONDS`` (one line the first time), not at every step.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ MAX_RECOVERIES = 8  # per step (and per session open)
 REPLAY_MS = 50.0  # routing price of a server that would need a replay (prefer those holding state)
 RECOVERY_TIMEOUT = 1.5  # opening a session on a replacement: a dead candidate must not stall recovery long
 DRAIN_BAN_SECONDS = 60.0
+DRAIN_RETRY_SECONDS = 1.0  # a draining server without a replacement: how often to look for one again
 
 #: Replays ``tensors`` (a step over positions ``[0, n)``) on a hop; returns its output.
 Replay = Callable[[Hop, list[Tensor], int], Awaitable[Tensor]]
@@ -67,12 +72,20 @@ class Rebuilt:
 
 
 def gave_up(
-    planner: RoutePlanner, failed: Collection[str], block: int, cause: BaseException, needs: Collection[str] = ()
+    planner: RoutePlanner,
+    failed: Collection[str],
+    block: int,
+    cause: BaseException,
+    needs: Collection[str] = (),
+    waited: float | None = None,
 ) -> NoRouteError:
-    """The error that ends the tries: which blocks have no live server (announcing ``needs``) left, if any."""
+    """The error that ends the tries: which blocks have no live server (announcing ``needs``) left,
+    if any (after ``waited`` seconds for one to join), else that every route failed."""
     missing = planner.missing_blocks(block, exclude=failed, needs=needs)
-    where = f"no live server left for blocks {format_blocks(missing)}" if missing else "every route failed"
-    return NoRouteError(f"gave up after {MAX_RECOVERIES} recoveries: {where} (last error: {cause})", missing)
+    if missing:
+        after = f" after waiting {waited:g} s for one to join" if waited else ""
+        return NoRouteError(f"no live server left for blocks {format_blocks(missing)}{after}", missing)
+    return NoRouteError(f"gave up after {MAX_RECOVERIES} recoveries: every route failed (last error: {cause})", [])
 
 
 class _RebuildFailed(Exception):
@@ -97,6 +110,7 @@ class ChainRecovery:
         *,
         push: bool,
         prompts: Tensor | None = None,
+        route_wait: float = 0.0,
     ):
         if request.prompts != (prompts is not None):
             raise ValueError("request.prompts says whether the session has deep prompts: pass them")
@@ -108,6 +122,8 @@ class ChainRecovery:
         self.prompts = prompts
         self.needs = (TRAIN,) if prompts is not None else ()
         self.cache_tokens = request.batch_size * request.max_length
+        self.route_wait = route_wait  # seconds to wait for a server to join when blocks have none left
+        self._drain_noted: set[str] = set()  # draining servers already reported without a replacement
 
     def open_hop(self, span: ServerSpan, timeout: float | None = None) -> Awaitable[Hop]:
         """A session on ``span``'s server as this policy opens them (a chain's hop, or an auditor)."""
@@ -174,16 +190,28 @@ class ChainRecovery:
         peer = broken.span.peer_id
         failed = {*failed, peer}
         self.feedback.failed(peer, DRAIN_BAN_SECONDS if drain else None)
-        log.warning("server %s failed (%s); re-routing blocks %d+", peer[:10], cause, broken.span.start)
+        quiet = drain and peer in self._drain_noted  # looked for its replacement before: say it once
+        (log.debug if quiet else log.warning)(
+            "server %s failed (%s); re-routing blocks %d+", peer[:10], cause, broken.span.start
+        )
         started = time.perf_counter()
+        waited: float | None = None
         for _attempt in range(MAX_RECOVERIES):
             try:
                 first, route = self._replan(hops, index, failed)
             except NoRouteError as exc:
                 if drain:
-                    log.warning("no replacement for draining server %s yet: %s", peer[:10], exc)
+                    if not quiet:
+                        log.warning("no replacement for draining server %s yet: %s", peer[:10], exc)
+                    self._drain_noted.add(peer)
                     return None
-                raise gave_up(self.planner, failed, broken.span.start, exc, self.needs) from exc
+                if waited is not None or self.route_wait <= 0:
+                    raise gave_up(self.planner, failed, broken.span.start, exc, self.needs, waited) from exc
+                waited = self.route_wait
+                missing = await self._wait_for_servers(broken.span.start, failed)
+                if missing:
+                    raise gave_up(self.planner, failed, broken.span.start, exc, self.needs, waited) from exc
+                continue
             reusable = {hop.key: hop for i, hop in enumerate(hops) if i >= first and i != index}
             try:
                 suffix, boundaries, replayed = await self._open_route(route, reusable, history, position, replay)
@@ -206,6 +234,17 @@ class ChainRecovery:
             )
             return Rebuilt(first, tuple(suffix), retired, boundaries, frozenset(failed), record)
         raise gave_up(self.planner, failed, broken.span.start, cause, self.needs)
+
+    async def _wait_for_servers(self, start: int, failed: Collection[str]) -> list[int]:
+        """One line, then up to ``route_wait`` seconds for servers of the blocks from ``start`` on
+        that none outside ``failed`` hosts; returns the blocks still missing."""
+        missing = self.planner.missing_blocks(start, exclude=failed, needs=self.needs)
+        log.warning(
+            "no live server left for blocks %s: waiting up to %g s for one to join",
+            format_blocks(missing),
+            self.route_wait,
+        )
+        return await self.planner.wait_for_servers(start, exclude=failed, needs=self.needs, timeout=self.route_wait)
 
     def _replan(self, hops: Sequence[Hop], index: int, failed: Collection[str]) -> tuple[int, list[ServerSpan]]:
         """(first hop replaced, new route from that hop's first block): from the failed hop if a

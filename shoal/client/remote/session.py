@@ -33,7 +33,7 @@ from shoal.client.remote.driver import ChainDriver, HopFailed
 from shoal.client.remote.history import SpanHistory, cat_serial
 from shoal.client.remote.hops import Hop, close_all
 from shoal.client.remote.pipeline import Chunk, chunk_bounds, positions, run_pipelined
-from shoal.client.remote.recovery import MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
+from shoal.client.remote.recovery import DRAIN_RETRY_SECONDS, MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
 from shoal.client.verification.audit import Conviction, LieDetected, Verification
 from shoal.client.verification.auditors import Audits
 from shoal.errors import BadRequest, ShoalError
@@ -70,7 +70,15 @@ class RemoteSession(SessionPositions):
         request = OpenRequest(
             max_length=max_length, batch_size=batch_size, prompts=prompts is not None, adapter=adapter, share=share
         )
-        self._recovery = ChainRecovery(sequence.node, directory, directory, request, push=config.push, prompts=prompts)
+        self._recovery = ChainRecovery(
+            sequence.node,
+            directory,
+            directory,
+            request,
+            push=config.push,
+            prompts=prompts,
+            route_wait=config.route_wait,
+        )
         self._history = SpanHistory(batch_size)
         self._chain: list[ServerSpan] = []  # the last chain installed (still readable once closed)
         self._closed = False
@@ -293,7 +301,7 @@ class RemoteSession(SessionPositions):
             drain=drain,
         )
         if rebuilt is None:  # draining, and nobody can take over yet
-            driver.keep_serving(driver.hops[index])
+            driver.keep_serving(driver.hops[index], DRAIN_RETRY_SECONDS)
             return index, failed | {driver.hops[index].span.peer_id}
         self._install(driver.hops[: rebuilt.first] + rebuilt.suffix)
         for block, output in rebuilt.boundaries.items():
