@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import math
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgpack
@@ -340,14 +343,31 @@ def sign(record: Record, secret_key: bytes) -> SignedRecord:
     return SignedRecord(record, data)
 
 
-@functools.lru_cache(maxsize=65536)
+MAX_VERIFIED = 65536  # signature checks remembered (about 10 MB: a digest each, not the record)
+_verified_memo: OrderedDict[bytes, bool] = OrderedDict()
+_verified_lock = threading.Lock()
+
+
 def _verified(signer: str, body: bytes, signature: bytes) -> bool:
-    """Signature check, memoised: gossip delivers the same record several times."""
+    """Signature check, memoised: gossip delivers the same record several times. Remembered by a
+    digest of what was checked, so that a flood of distinct records (each up to MAX_RECORD_BYTES)
+    does not stay in memory through this memo."""
+    memo = hashlib.blake2b(signature + body, digest_size=16, key=bytes.fromhex(signer)).digest()
+    with _verified_lock:
+        hit = _verified_memo.get(memo)
+        if hit is not None:
+            _verified_memo.move_to_end(memo)
+            return hit
     try:
         Ed25519PublicKey.from_public_bytes(bytes.fromhex(signer)).verify(signature, SIGNING_CONTEXT + body)
+        ok = True
     except (InvalidSignature, ValueError):
-        return False
-    return True
+        ok = False
+    with _verified_lock:
+        _verified_memo[memo] = ok
+        if len(_verified_memo) > MAX_VERIFIED:
+            _verified_memo.popitem(last=False)
+    return ok
 
 
 def decode(data: bytes) -> SignedRecord:
