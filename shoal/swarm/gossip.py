@@ -249,9 +249,10 @@ class Gossiper:
 
     def _merge_push(self, items: Iterable[bytes], sender: str) -> list[str]:
         """A push of ``sender``: the records we asked it for, and up to ``max_unasked_per_push`` others
-        its budget covers. Past those, the rest is dropped (counted ``unasked``; an honest sender's are
-        copies it pushed twice, by an offer and a sync): decoded only while it still has asks open,
-        each such decode taken from its budget, so a flood costs at most its budget's decodes."""
+        (records that do not decode among them) its budget covers. Past those, the rest is dropped
+        (counted ``unasked``; an honest sender's are copies it pushed twice, by an offer and a sync):
+        decoded only while it still has asks open, each such decode taken from its budget, so a flood
+        costs at most its budget's decodes and signature checks."""
         accepted, unasked, items = [], 0, list(items)
         cap = self.table.limits.max_unasked_per_push
         for i, data in enumerate(items):
@@ -260,8 +261,9 @@ class Gossiper:
                 break
             try:
                 signed = decode(data)
-            except RecordError as exc:
+            except RecordError as exc:  # not what we asked for: counts against the few unasked
                 self.table.rejected[exc.reason] += 1
+                unasked += 1
                 continue
             if not self.quota.asked_of(sender, self._id(signed.key)):
                 unasked += 1
