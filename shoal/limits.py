@@ -157,10 +157,12 @@ class RegistryLimits:
     #: starts again with a full budget: many senders are the table caps' business, not these).
     max_senders: int = 4096
     #: keys asked for and not yet pushed, of all senders together (8-byte ids, about 100 bytes
-    #: each held); an ask lapses after ``ask_timeout``.
+    #: each held); an ask lapses after ``ask_timeout``, and past this many the sender holding the
+    #: most open asks loses them.
     max_asked: int = 65536
-    #: seconds an ask stays open: a push answers an offer within a call's timeout (at most 60 s).
-    ask_timeout: float = 60.0
+    #: seconds an ask stays open: a push answers an offer within a round trip or two; a later push
+    #: counts as unasked (its records also come through other peers' offers and syncs).
+    ask_timeout: float = 15.0
 
     def __post_init__(self) -> None:
         for item in fields(self):

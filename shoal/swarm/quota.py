@@ -117,7 +117,7 @@ class Quota:
         room for open asks allow."""
         now = self.clock()
         sender = self._sender(peer, now)
-        room = min(int(sender.records.level(now)), self.limits.max_asked - self._asked)
+        room = min(int(sender.records.level(now)), self._room(now))
         out, new = [], 0
         until = now + self.limits.ask_timeout
         for kid in kids:
@@ -131,6 +131,19 @@ class Quota:
         sender.records.take(new, now)
         self._asked += new
         return out
+
+    def _room(self, now: float) -> int:
+        """Asks that may open now. With none left, lapsed asks are swept, and if that frees none,
+        the sender holding the most open asks loses them all (a sender that offers and never pushes
+        must not starve the others; an honest sender's lost asks only make its push unasked)."""
+        if self._asked >= self.limits.max_asked:
+            for sender in self._senders.values():
+                self._lapse(sender, now)
+        while self._asked >= self.limits.max_asked:
+            greediest = max(self._senders.values(), key=lambda s: len(s.asked))
+            self._asked -= len(greediest.asked)
+            greediest.asked = {}
+        return self.limits.max_asked - self._asked
 
     def asked_of(self, peer: str, kid: bytes) -> bool:
         """Whether we asked ``peer`` for ``kid`` (an ask is answered once: it is closed)."""

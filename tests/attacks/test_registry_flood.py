@@ -193,6 +193,23 @@ def test_many_senders_are_forgotten_past_the_cap():
     assert len(peer.gossiper.quota) == LIMITS.max_senders
 
 
+def test_senders_that_never_push_what_they_offered_do_not_starve_the_others():
+    """Offers whose records never come leave asks open; with the room for asks full, the sender
+    holding the most loses them, and an honest sender is still asked for its record."""
+    peer = Peer()
+    for h in range(LIMITS.max_asked // LIMITS.sender_records_burst):
+        digest = b"".join(ENTRY.pack(key_id(f"s:{h:032x}{i:032x}"), NOW) for i in range(LIMITS.sender_records_burst))
+        wanted = decode_payload(peer.handle("offer", OfferRequest(digest=digest), f"{h:064x}"), OfferReply).wanted
+        assert len(wanted) == 8 * LIMITS.sender_records_burst
+    assert peer.gossiper.quota.asked == LIMITS.max_asked
+    record = server(key())
+    offer = OfferRequest(digest=ENTRY.pack(key_id(record.key), record.timestamp))
+    assert decode_payload(peer.handle("offer", offer, "e" * 64), OfferReply).wanted == key_id(record.key)
+    peer.handle("push", PushRequest(records=[record.data]), "e" * 64)
+    assert peer.table.get(record.key) is not None
+    peer.check_bounded()
+
+
 def test_a_sender_past_its_byte_budget_is_told_busy_over_the_network():
     """Over loopback: the service answers a request past the sender's byte budget ``busy`` (the
     sender's ``BusyError`` says when to retry) and counts it; an honest sender beside it is served."""
