@@ -16,11 +16,11 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     ├── RemoteError                 the peer understood the request and answered with an error
     │   ├── BadRequest              wrong shape, dtype, unknown session, step past max_length ...
     │   │   ├── InvalidMessage      a well-framed message whose metadata does not validate [wire.messages]
-    │   │   └── UnknownAdapter      a LoRA adapter this span does not have [models.lora]
+    │   │   ├── UnknownAdapter      a LoRA adapter this span does not have [models.lora]
+    │   │   └── Forbidden           not a member of the peer's private swarm (or a serve-only one)
     │   ├── BusyError               no room: cache budget or per-peer session limit
     │   ├── NotFound                unknown session or resource
-    │   ├── Unavailable             the server is draining (leaving): use another one
-    │   └── Forbidden               not a member of the peer's private swarm (or only a server there)
+    │   └── Unavailable             the server is draining (leaving): use another one
     ├── NoRouteError                no chain of known servers covers every block [routing.chain]
     ├── LieDetected                 a server of the chain lied; generate repairs it [client.audit]
     ├── ReceiptError                a receipt does not vouch for the answer [verify.receipts]
@@ -154,8 +154,9 @@ class Unavailable(RemoteError):
     code = "unavailable"
 
 
-class Forbidden(RemoteError):
-    """The peer refuses us: its swarm is private and we are no member (or may only serve there)."""
+class Forbidden(BadRequest):
+    """The peer refuses us: its swarm is private and we are no member (or may only serve there).
+    A bad request: every other member would refuse it too."""
 
     code = "forbidden"
 

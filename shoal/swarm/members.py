@@ -128,6 +128,8 @@ def refusal(
     in ``swarm`` at ``now`` (``serving``: as a server; else as a client), or None if it may."""
     if swarm.owner is None:
         return None  # a public swarm: anyone
+    if _is_owner(peer, swarm):
+        return None  # the owner's own node (revoking, inspecting) needs no certificate
     where = f"private swarm {swarm}"
     if presented is None:
         return f"peer {peer[:10]} is not a member of {where}: it presented no certificate (see shoal swarm invite)"
@@ -146,6 +148,10 @@ def refusal(
     if not serving and cert.servers_only:
         return f"peer {peer[:10]} may only serve in {where}, not use it (its certificate is for servers only)"
     return None
+
+
+def _is_owner(peer: str, swarm: SwarmId) -> bool:
+    return _HEX64.fullmatch(peer) is not None and owner_tag(peer) == swarm.owner
 
 
 __all__ = [

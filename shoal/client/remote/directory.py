@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from shoal.client.config import ClientConfig
-from shoal.errors import ShoalError
+from shoal.errors import Forbidden, ShoalError
 from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
@@ -89,13 +89,18 @@ async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
         try:
             table.merge_many(decode_table(await fetch_table(node, ticket, timeout)))
             break
+        except Forbidden:  # a private swarm that does not admit this client: any member would say so
+            raise
         except ShoalError as exc:
             log.warning("could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc)
     else:
         raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(tickets)} tickets")
     names = sorted(m.name for m in table.models())
     if model is None or table.model(model) is None:
-        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
+        refused = "".join(f"; refused: {n} {why}" for why, n in table.rejected.items() if why == "model_pin")
+        raise ShoalError(
+            f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}{refused}"
+        )
     spans = []
     num_blocks = table.model(model).num_blocks
     liars = convicted(table, model)
