@@ -97,10 +97,10 @@ async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
         raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(tickets)} tickets")
     names = sorted(m.name for m in table.models())
     if model is None or table.model(model) is None:
-        refused = "".join(f"; refused: {n} {why}" for why, n in table.rejected.items() if why == "model_pin")
-        raise ShoalError(
-            f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}{refused}"
-        )
+        pinned = table.rejected["model_pin"]  # forged model records this table refused: say so
+        refused = f" ({pinned} model records refused: not the model the swarm is pinned to)" if pinned else ""
+        serves = ", ".join(names) or "nothing yet"
+        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {serves}{refused}")
     spans = []
     num_blocks = table.model(model).num_blocks
     liars = convicted(table, model)
