@@ -177,7 +177,7 @@ def add_swarm_commands(swarm_cmd, add_network) -> None:
     revoke.add_argument("--join", required=True, metavar="TICKET", help="ticket of any member of the swarm")
     revoke.add_argument(
         "--lifetime", type=positive_float, default=REVOCATION_DAYS * 86400, metavar="SECONDS",
-        help="how long the revocation stands (default: 365 days; make it outlive the member's certificate)",
+        help="how long the revocation stands (make it outlive the member's certificate)",
     )  # fmt: skip
     add_network(revoke)
     revoke.set_defaults(func=cmd_revoke, host="127.0.0.1")

@@ -79,7 +79,8 @@ class LoadingGate:
             request = await stream.recv(5.0)
             await stream.send(error_message(request.id, "busy", "server is still loading its blocks"))
             return
-        await server.handle(stream, peer_id, client_refusal=self.refusal(peer_id, serving=False))
+        serve_only = self.refusal(peer_id, serving=False)  # passed only when there is one: handle's usual call
+        await (server.handle(stream, peer_id) if serve_only is None else server.handle(stream, peer_id, serve_only))
 
     async def swarm(self, stream, peer_id: str) -> None:
         if (why := self.refusal(peer_id)) is not None:
