@@ -1,10 +1,11 @@
-"""``shoal swarm new|invite|revoke|peer-id``: run a private swarm (:mod:`shoal.swarm.members`), and
+"""``shoal swarm new|invite|revoke|peer-id|add-model``: run a private swarm (:mod:`shoal.swarm.members`), and
 the ``--identity`` / ``--member-cert`` flags with which its members' servers and clients take part.
 
     shoal swarm new --private --owner-key owner.key          # the owner key, once
     shoal swarm peer-id --identity alice.key                  # on the member's machine
     shoal swarm invite --owner-key owner.key --member PEER_ID [--expires 30d] [--servers-only]
     shoal swarm revoke --owner-key owner.key --member PEER_ID --join TICKET
+    shoal swarm add-model MODEL --owner-key owner.key --join TICKET   # a model beside the pinned one
 """
 
 from __future__ import annotations
@@ -112,42 +113,57 @@ def cmd_invite(args: argparse.Namespace) -> int:
 
 def cmd_revoke(args: argparse.Namespace) -> int:
     from shoal.swarm.members import MembershipError
-    from shoal.transport.loop import run as run_loop
+    from shoal.swarm.records import RevocationRecord
 
-    ticket = join_ticket(args.join)
-    if not ticket.swarm_id:
-        raise UsageError("this ticket names no swarm: use the ticket of a member of the private swarm")
     if not re.fullmatch(r"[0-9a-f]{64}", args.member):
         raise MembershipError(f"a member is a peer id (64 hex characters), got {args.member!r}")
-    key = _owner_key(args.owner_key)
-    transport = transport_config(args, f"{args.host}:{args.port}")
-    run_loop(_revoke(ticket, key, args.member, args.lifetime, transport))
+    _as_owner(args, lambda swarm, owner, now: RevocationRecord(swarm, owner, args.member, now, now + args.lifetime))
     print(f"revoked {args.member[:10]}: the revocation spreads through the swarm's gossip")
     return 0
 
 
-async def _revoke(ticket, key: bytes, member: str, lifetime: float, transport) -> None:
+def cmd_add_model(args: argparse.Namespace) -> int:
+    from shoal.checkpoints import model_fingerprints, model_name
+    from shoal.checkpoints.check import check_model
+    from shoal.swarm.records import ModelRecord
+
+    model = check_model(args.model)
+    prints = model_fingerprints(model.model_dir, model.hf_config)
+    if prints is None:
+        raise UsageError(f"{args.model}: every block's weights must be here to vouch for the model (fetch it first)")
+    fps = tuple(bytes.fromhex(p) for p in prints)
+    name = model_name(args.model)
+    _as_owner(args, lambda swarm, owner, now: ModelRecord(swarm, owner, name, len(fps), fps, now, now + args.lifetime))
+    print(f"added model {name} ({len(fps)} blocks): its servers may join with --join")
+    return 0
+
+
+def _as_owner(args: argparse.Namespace, make) -> None:
+    """Sign ``make(swarm id, owner, now)`` with the owner key and push it to the peer of ``--join``."""
     from shoal.swarm.members import public_key
-    from shoal.swarm.messages import PushRequest, encode_payload
-    from shoal.swarm.records import RevocationRecord, sign
-    from shoal.swarm.service import SWARM, blob
+    from shoal.swarm.records import sign
     from shoal.swarm.swarmid import owner_tag, parse_swarm_id
+    from shoal.transport.loop import run as run_loop
+
+    ticket = join_ticket(args.join)
+    key = _owner_key(args.owner_key)
+    owner = public_key(key)
+    if not ticket.swarm_id or parse_swarm_id(ticket.swarm_id).owner != owner_tag(owner):
+        raise UsageError("this ticket's swarm is not a private swarm of this owner key: use a member's ticket")
+    signed = sign(make(ticket.swarm_id, owner, time.time()), key)
+    run_loop(_push(ticket, key, signed.data, transport_config(args, f"{args.host}:{args.port}")))
+
+
+async def _push(ticket, key: bytes, record: bytes, transport) -> None:
+    from shoal.swarm.messages import PushRequest, encode_payload
+    from shoal.swarm.service import SWARM, blob
     from shoal.transport import Node
     from shoal.wire import Message
     from shoal.wire.schema import Gossip
 
-    owner, swarm = public_key(key), parse_swarm_id(ticket.swarm_id)
-    if swarm.owner != owner_tag(owner):
-        raise UsageError(
-            f"swarm {ticket.swarm_id} is not owned by this key ({'public' if not swarm.owner else 'another owner'})"
-        )
-    now = time.time()
-    signed = sign(RevocationRecord(ticket.swarm_id, owner, member, now, now + lifetime), key)
-    payload = blob(encode_payload(PushRequest(records=[signed.data])))
+    message = Message("gossip", 1, Gossip(op="push"), [blob(encode_payload(PushRequest(records=[record])))])
     async with await Node.start(transport, secret_key=key) as node:  # the owner's node: admitted as such
-        await node.request(
-            ticket, SWARM, Message("gossip", 1, Gossip(op="push"), [payload]), transport.deadlines.request
-        )
+        await node.request(ticket, SWARM, message, transport.deadlines.request)
 
 
 def add_swarm_commands(swarm_cmd, add_network) -> None:
@@ -181,3 +197,14 @@ def add_swarm_commands(swarm_cmd, add_network) -> None:
     )  # fmt: skip
     add_network(revoke)
     revoke.set_defaults(func=cmd_revoke, host="127.0.0.1")
+
+    add = swarm_cmd.add_parser("add-model", help="serve one more model in a private swarm (signed by its owner)")
+    add.add_argument("model", help="local Hugging Face directory, known model name or Hub id (all its weights here)")
+    add.add_argument("--owner-key", required=True, metavar="FILE", help="the swarm's owner key")
+    add.add_argument("--join", required=True, metavar="TICKET", help="ticket of any member of the swarm")
+    add.add_argument(
+        "--lifetime", type=positive_float, default=REVOCATION_DAYS * 86400, metavar="SECONDS",
+        help="how long the swarm serves the model (add it again before then)",
+    )  # fmt: skip
+    add_network(add)
+    add.set_defaults(func=cmd_add_model, host="127.0.0.1")

@@ -5,7 +5,8 @@ signature, swarm, expiry, clock skew, lifetime, newer-than-held, size, (for serv
 fingerprints that match the swarm's model record, and (for verdicts, on decoding) a receipt the
 accused signed. Verdicts are only held here; who they convict is :mod:`shoal.swarm.verdicts`.
 What the swarm id says is enforced here too (:mod:`shoal.swarm.swarmid`): a model record must match
-the model the swarm is pinned to (``model_pin``), and in a private swarm every record must carry its
+the model the swarm is pinned to (``model_pin``) unless the private swarm's owner signed it (a model it
+added; it lives as long as the owner says), and in a private swarm every record must carry its
 signer's valid member certificate (``not_member``) and a revocation must be the owner's
 (``not_owner``); a revocation admitted drops the revoked member's records.
 """
@@ -67,7 +68,8 @@ class RecordTable:
             raise RecordError("expired", record.key)
         if record.timestamp > now + self.max_skew:
             raise RecordError("future", f"{record.key} is dated {record.timestamp - now:.1f} s ahead")
-        lifetime = MAX_REVOCATION_LIFETIME if isinstance(record, RevocationRecord) else self.max_lifetime
+        owners = isinstance(record, RevocationRecord) or self._by_owner(record)  # live as long as the owner says
+        lifetime = MAX_REVOCATION_LIFETIME if owners else self.max_lifetime
         if record.expires - record.timestamp > lifetime:
             raise RecordError("lifetime", f"{record.key} claims to live {record.expires - record.timestamp:.0f} s")
         held = self._records.get(record.key)
@@ -89,9 +91,15 @@ class RecordTable:
             return
         if swarm.owner is not None and (why := refusal(signed.cert, record.signer, swarm, now, self.revoked)):
             raise RecordError("not_member", f"{record.key}: {why}")
-        if isinstance(record, ModelRecord) and (why := pin_refusal(swarm, record.name, record.num_blocks,
-                                                                    record.fingerprints)):  # fmt: skip
+        pinned = isinstance(record, ModelRecord) and not self._by_owner(record)
+        if pinned and (why := pin_refusal(swarm, record.name, record.num_blocks, record.fingerprints)):
             raise RecordError("model_pin", why)
+
+    def _by_owner(self, record) -> bool:
+        """A model record the private swarm's owner signed: a model it added beside the pinned one."""
+        return (
+            isinstance(record, ModelRecord) and self.id.owner is not None and owner_tag(record.signer) == self.id.owner
+        )
 
     def _check_server(self, record: ServerRecord) -> None:
         model = self.model(record.model)

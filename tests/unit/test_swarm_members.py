@@ -5,6 +5,7 @@ decision over them (shoal.swarm.members), and what a table of a pinned or privat
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -174,3 +175,20 @@ def test_only_the_owner_revokes_and_a_revocation_drops_the_members_records():
     assert t.servers() == [] and bob in t.revoked
     assert not t.merge(sign(server_record(PRIVATE, BOB, at=NOW + 0.5), BOB, cert(BOB)).data)
     assert "revoked" in refusal(cert(BOB), bob, t.id, NOW, t.revoked)
+
+
+def test_in_a_private_swarm_the_owner_adds_models_beside_the_pinned_one():
+    t = table(PRIVATE)
+    other = tuple(bytes([9 - i]) * 32 for i in range(6))
+    by_member = ModelRecord(PRIVATE, public_key(BOB), "second", 6, other, NOW, NOW + 60)
+    assert not t.merge(sign(by_member, BOB, cert(BOB)).data) and t.rejected["model_pin"] == 1
+    long_lived = ModelRecord(PRIVATE, public_key(OWNER), "second", 6, other, NOW, NOW + 86400 * 90)
+    assert t.merge(sign(long_lived, OWNER).data)  # the owner's: no pin, no certificate, a long life
+    second = replace(server_record(PRIVATE, BOB, fps=other[:2]), model="second")
+    assert t.merge(sign(second, BOB, cert(BOB)).data)  # checked against the owner's record
+    wrong = replace(server_record(PRIVATE, ALICE, fps=FPS[:2]), model="second")
+    assert not t.merge(sign(wrong, ALICE, cert(ALICE)).data) and t.rejected["fingerprint_mismatch"] == 1
+    assert [(r.model, r.peer) for r in t.servers()] == [("second", public_key(BOB))]
+    public = str(SwarmId("pub", pin=PIN))
+    assert not table(public).merge(sign(ModelRecord(public, public_key(OWNER), "second", 6, other, NOW, NOW + 60),
+                                        OWNER).data)  # fmt: skip
