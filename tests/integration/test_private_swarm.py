@@ -27,7 +27,7 @@ from shoal.launch.inprocess import LocalServer
 from shoal.protocols import BLOCKS
 from shoal.swarm.members import certificate_text, issue, public_key
 from shoal.swarm.messages import PushRequest, encode_payload
-from shoal.swarm.records import RevocationRecord, State, sign
+from shoal.swarm.records import ModelRecord, RevocationRecord, State, sign
 from shoal.swarm.service import SWARM, blob
 from shoal.swarm.swarmid import model_digest, new_swarm_id, owner_tag
 from shoal.transport.identity import generate_key
@@ -59,6 +59,11 @@ def expected(model_dir) -> torch.Tensor:
     return tokens
 
 
+@pytest.fixture(scope="module")
+def second_dir(tmp_path_factory) -> Path:
+    return tiny_checkpoint(tmp_path_factory.mktemp("private") / "tiny2", "llama", 2, tokenizer=char_tokenizer())
+
+
 def invite(key: bytes, **kwargs) -> bytes:
     return issue(OWNER, public_key(key), now=time.time(), **kwargs)
 
@@ -80,9 +85,9 @@ class Private:
         path, key = self.keyfile(name)
         return self.swarm.add(span, identity_file=path, member_cert=invite(key, **cert))
 
-    def client(self, key: bytes | None = None, cert: bytes | None = None, **kwargs):
+    def client(self, key: bytes | None = None, cert: bytes | None = None, model_dir: Path | None = None, **kwargs):
         return AutoDistributedModelForCausalLM.from_pretrained(
-            str(self.swarm.model_dir), initial_peers=[self.low.ticket], transport=self.swarm.transport,
+            str(model_dir or self.swarm.model_dir), initial_peers=[self.low.ticket], transport=self.swarm.transport,
             start_node=self.swarm.start_node, refresh_period=0, identity=key,
             member_cert=certificate_text(cert) if cert is not None else None, **kwargs,
         )  # fmt: skip
@@ -104,10 +109,10 @@ class Private:
         payload = blob(encode_payload(PushRequest(records=records)))
         return self.request(key, server, SWARM, Message("gossip", 1, Gossip(op="push"), [payload]), credential)
 
-    def online(self, n: int) -> bool:
-        """Whether every table holds the model and ``n`` online servers."""
+    def online(self, n: int, model: str = "tiny") -> bool:
+        """Whether every table holds ``model`` and ``n`` online servers of it."""
         return all(
-            t.model("tiny") and sum(r.state is State.ONLINE for r in t.servers("tiny")) == n for t in self.tables()
+            t.model(model) and sum(r.state is State.ONLINE for r in t.servers(model)) == n for t in self.tables()
         )
 
     def tables(self):
@@ -194,3 +199,22 @@ def test_the_owner_revokes_a_member_and_its_records_leave_every_table(private, e
     with private.client(key, invite(key)) as model:  # the others serve on
         assert torch.equal(generate(model), expected)
         assert third.node.id not in {s.peer_id for s in model.blocks.chain}
+
+
+def test_the_owner_adds_a_second_model_that_members_serve_and_use(private, second_dir):
+    reference = AutoModelForCausalLM.from_pretrained(str(second_dir), dtype=torch.float32).eval()
+    expected, gap = greedy_with_gap(reference, PROMPT, max_new_tokens=NEW_TOKENS)
+    assert gap > 1e-3
+    fps = tuple(bytes.fromhex(f) for f in model_fingerprints(second_dir))
+    now = time.time()
+    added = ModelRecord(private.swarm.swarm_id, public_key(OWNER), "tiny2", len(fps), fps, now, now + 86400)
+    private.gossip_push(OWNER, private.low, [sign(added, OWNER).data])
+    wait_until(lambda: all(t.model("tiny2") for t in private.tables()), 10.0, what="the added model in every table")
+    with InProcessSwarm(second_dir, [], swarm=private.swarm.swarm_id, start_node=private.swarm.start_node) as second:
+        for span, name in ((LOW, "second-low"), (HIGH, "second-high")):
+            path, key = private.keyfile(name)
+            second.add(span, join=(private.low.ticket,), identity_file=path, member_cert=invite(key))
+        wait_until(lambda: private.online(2, "tiny2") and private.online(2), 10.0, what="both models served")
+        key = generate_key()
+        with private.client(key, invite(key), model_dir=second_dir) as model:
+            assert torch.equal(generate(model), expected)
