@@ -1,8 +1,8 @@
 """A private swarm run with the real commands, as docs/swarm.md shows them: ``shoal swarm new
 --private``, ``shoal swarm peer-id``, ``shoal swarm invite``, ``shoal serve --new-swarm
 --member-cert``, ``shoal swarm status`` (a member reads the table; a stranger is told why not),
-``shoal serve --join`` without a certificate (one line, before any weight loads), and
-``shoal swarm revoke``.
+``shoal serve --join`` without a certificate (one line, before any weight loads),
+``shoal swarm add-model`` and ``shoal swarm revoke``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,15 @@ def test_a_private_swarm_with_the_real_commands(tiny_dir: Path, tmp_path: Path):
         assert_one_line_error(stranger, RUNTIME, "forbidden", "presented no certificate")
         intruder = shoal("serve", str(tiny_dir), "--join", str(ticket), "--host", "127.0.0.1")
         assert_one_line_error(intruder, USAGE, "cannot take part", "presented no certificate")
+        other = tiny_checkpoint(tmp_path / "other", "llama", seed=3, tokenizer=char_tokenizer())
+        added = shoal("swarm", "add-model", str(other), "--owner-key", str(owner), "--join", str(ticket))
+        assert added.status == 0, added.stderr
+
+        def both_models() -> bool:
+            outcome = shoal("swarm", "status", "--join", str(ticket), "--json", *member)
+            return outcome.status == 0 and '"other"' in outcome.stdout and '"tiny"' in outcome.stdout
+
+        wait_until(both_models, 30.0, what="the added model in the table")
         revoked = shoal("swarm", "revoke", "--owner-key", str(owner), "--member", peer_id(reader_key),
                         "--join", str(ticket))  # fmt: skip
         assert revoked.status == 0, revoked.stderr
