@@ -210,7 +210,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     options = GatewayOptions(
         join=(ticket,),
         api_key=_api_key(args),
-        client=ClientConfig(transport=transport_config(args, args.bind)),
+        client=ClientConfig(transport=transport_config(args, args.bind), **member_settings(args)),
         **_http_options(args),
     )
     return serve_gateway(options)
@@ -256,6 +256,7 @@ def add_commands(sub) -> None:
         "dials for it (default: $SHOAL_API_KEY; none: only this swarm)",
     )
     _client_network(dashboard, several=False)
+    add_member_flags(dashboard)
     dashboard.set_defaults(func=cmd_dashboard)
 
     chat = sub.add_parser("chat", help="chat in the terminal with a model served by a swarm (one session)")
