@@ -53,17 +53,22 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.cli.swarm import read_member_cert
     from shoal.devices import check_device
+    from shoal.swarm.service import check_join
+    from shoal.transport.loop import run as run_loop
+
+    check_device(args.device)  # before a model is fetched or read: a CPU-only torch cannot use cuda
+    join = tuple(join_ticket(t) for t in args.join)
+    if join and not args.join_anyway and not args.new_swarm:  # a dead ticket fails before transformers loads
+        run_loop(check_join(join, transport_config(args, f"{args.host}:0")))
+
     from shoal.heap import freeze_startup_heap
     from shoal.quantization import parse_quantization
     from shoal.server.app import serve
     from shoal.server.config import ServerConfig, parse_adapter, parse_blocks, parse_dtype
     from shoal.server.preflight import check_blocks, check_model, check_quantization
     from shoal.swarm.gossip import GossipConfig
-    from shoal.transport.loop import run as run_loop
 
-    check_device(args.device)  # before a model is fetched or read: a CPU-only torch cannot use cuda
     blocks = parse_blocks(args.blocks) if args.blocks else None
-    join = tuple(join_ticket(t) for t in args.join)
     model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
     check_blocks(blocks, model)
     quant = check_quantization(parse_quantization(args.quant), model)  # e.g. a missing library, before anything starts

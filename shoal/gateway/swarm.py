@@ -28,7 +28,7 @@ from shoal.gateway.history import LoadHistory, Reading
 from shoal.gateway.views import with_load
 from shoal.protocols import BLOCKS
 from shoal.swarm.records import State
-from shoal.swarm.service import decode_table, fetch_table
+from shoal.swarm.service import adopt_reach, decode_table, fetch_table
 from shoal.swarm.status import summarize
 from shoal.swarm.table import RecordTable
 from shoal.transport import Node, Ticket, TransportConfig
@@ -128,6 +128,7 @@ class SwarmWatcher:
             try:
                 payload = await fetch_table(self._node, ticket, min(timeout, 5.0))
                 self.table.merge_many(decode_table(payload))
+                adopt_reach(self.table, payload)  # that member's word on which servers answer
                 via = self._via = ticket.peer_id
                 rejected = dict(payload.rejected)  # what that member refused (forged records, verdicts)
                 break

@@ -30,7 +30,7 @@ from shoal.server.preflight import CheckedServer
 from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
 from shoal.swarm.members import refusal
 from shoal.swarm.records import State
-from shoal.swarm.service import SWARM, SwarmService, fetch_table, reach_any
+from shoal.swarm.service import SWARM, SwarmService, fetch_table, join_failure, reach_any
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import VerdictKeeper
 from shoal.transport import BaseNode, Handler, Protocol, Ticket
@@ -145,15 +145,7 @@ class Presence:
         except RefusedError:
             raise  # it answered, and refused: its own error says why
         except TransportError as exc:
-            silence = (
-                "the --join peer did not answer"
-                if len(peers) == 1
-                else f"none of the {len(peers)} --join peers answered"
-            )
-            raise ShoalError(
-                f"cannot join the swarm: {silence} within {timeout:g} s (is it running, and is the "
-                "ticket current? To start anyway, alone until a peer answers: --join-anyway)"
-            ) from exc
+            raise join_failure(peers, timeout) from exc
 
     def own_records(self) -> list:
         """Due for (re)publication: the server's records, and its verdicts until it leaves."""

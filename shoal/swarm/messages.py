@@ -12,7 +12,9 @@ signed records inside stay opaque bytes here: :func:`shoal.swarm.records.decode`
     offer   OfferRequest(digest)        OfferReply(wanted)
     push    PushRequest(records)        PushReply()
     sync    SyncRequest(digest)         SyncReply(records, wanted)
-    table   (empty payload)             TableReply(records, rejected)
+    table   (empty payload)             TableReply(records, rejected, unreachable, unprobed)
+    ping    (empty payload)             (empty payload)              "do you answer?" (liveness)
+    suspect SuspectRequest(peers)       SuspectReply()               "these did not answer me"
 
 A digest is one bytes string of 16-byte entries (:data:`ENTRY`: a key id, the first
 :data:`ID_BYTES` bytes of blake2b of the record's key, and the record's timestamp as a big-endian
@@ -27,6 +29,7 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
+from shoal.swarm.liveness import MAX_REPORTED
 from shoal.swarm.records import MAX_FIELD_LEN, RecordError
 
 ENTRY = struct.Struct(">8sd")  # key id, timestamp
@@ -58,6 +61,9 @@ SyncWanted = (
 RecordData = Annotated[bytes, msgspec.Meta(max_length=MAX_RECORD_WIRE)]
 PushRecords = Annotated[tuple[RecordData, ...], msgspec.Meta(max_length=MAX_PUSH)]
 SyncRecords = Annotated[tuple[RecordData, ...], msgspec.Meta(max_length=MAX_SYNC)]
+PeerIdText = Annotated[str, msgspec.Meta(max_length=MAX_FIELD_LEN)]
+Reported = Annotated[tuple[PeerIdText, ...], msgspec.Meta(max_length=MAX_REPORTED)]
+PeerList = Annotated[tuple[PeerIdText, ...], msgspec.Meta(max_length=MAX_SYNC)]
 Rejected = Annotated[
     dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[int, msgspec.Meta(ge=0)]],
     msgspec.Meta(max_length=MAX_REASONS),
@@ -122,10 +128,23 @@ class SyncReply(Payload):
 
 
 class TableReply(Payload):
-    """A peer's whole table, for clients and status tools (both fields always encoded)."""
+    """A peer's whole table, for clients and status tools: its records, its rejection counts, and the
+    servers (peer ids) it found ``unreachable`` or has not reached yet (``unprobed``)."""
 
     records: SyncRecords
     rejected: Rejected
+    unreachable: PeerList = ()
+    unprobed: PeerList = ()
+
+
+class SuspectRequest(Payload):
+    """Servers that did not answer the sender (see :mod:`shoal.swarm.liveness`)."""
+
+    peers: Reported
+
+
+class SuspectReply(Payload):
+    pass
 
 
 P = TypeVar("P", bound=Payload)

@@ -1,9 +1,11 @@
-"""Runs a :class:`~shoal.swarm.gossip.Gossiper` over the network (protocol ``shoal/swarm/2``).
+"""Runs a :class:`~shoal.swarm.gossip.Gossiper` and the peer's :class:`~shoal.swarm.liveness.Liveness`
+over the network (protocol ``shoal/swarm/2``).
 
 Every gossip exchange is one request on a fresh stream of the pooled connection: a ``gossip``
 message with metadata ``Gossip(op=...)`` and the payload (a :mod:`shoal.swarm.messages` struct as
 msgpack) as one u8 tensor (payloads can exceed the header size limit). ``table`` answers a peer's
-whole table (:class:`~shoal.swarm.messages.TableReply`), for clients and status tools.
+whole table (:class:`~shoal.swarm.messages.TableReply`), for clients and status tools, with the
+servers it found unreachable or has not reached yet; ``ping`` and ``suspect`` are liveness's.
 """
 
 from __future__ import annotations
@@ -12,22 +14,34 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
-from shoal.errors import RemoteError, ShoalError
+from shoal.errors import RefusedError, RemoteError, ShoalError, TransportError
 from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing
-from shoal.swarm.messages import PushRequest, TableReply, decode_payload, encode_payload
-from shoal.swarm.records import RecordError, SignedRecord, decode
+from shoal.swarm.liveness import MAX_REPORTED, PROBE_TIMEOUT_S, Liveness, Probe, Reach
+from shoal.swarm.messages import (
+    PushRequest,
+    SuspectReply,
+    SuspectRequest,
+    TableReply,
+    decode_payload,
+    encode_payload,
+)
+from shoal.swarm.records import RecordError, ServerRecord, SignedRecord, decode
 from shoal.swarm.table import RecordTable
-from shoal.transport import BaseNode, MessageStream, Node, Protocol, Ticket
+from shoal.transport import BaseNode, MessageStream, Node, Protocol, Ticket, TransportConfig
 from shoal.wire import InvalidMessage, Message, error_message
 from shoal.wire.schema import Gossip
 
 log = logging.getLogger(__name__)
 SWARM = Protocol("swarm", 2)
 MAX_FOLLOW_UPS = 4
+MIN_WATCH_PERIOD = 0.5  # seconds: fast in-process gossip must not turn into a ping storm
+SMALL_SWARM = 16  # up to this many gossip peers, a server found unreachable is reported to all
 
 
 def blob(payload: bytes) -> torch.Tensor:
@@ -45,6 +59,40 @@ async def fetch_table(node: Node, ticket: Ticket, timeout: float) -> TableReply:
     :class:`RecordError` if the answer does not validate."""
     reply = await node.request(ticket, SWARM, Message("gossip", 1, Gossip(op="table"), [blob(b"")]), timeout)
     return decode_payload(blob_bytes(reply), TableReply)
+
+
+async def report_unreachable(node: BaseNode, tickets: Sequence[Ticket], peers: Sequence[str]) -> None:
+    """Tell the swarm members of ``tickets`` that ``peers`` did not answer us (best effort: a member
+    that does not answer is skipped)."""
+    payload = encode_payload(SuspectRequest(peers=tuple(peers[:MAX_REPORTED])))
+
+    async def one(ticket: Ticket) -> None:
+        message = Message("gossip", 1, Gossip(op="suspect"), [blob(payload)])
+        with contextlib.suppress(ShoalError, RemoteError):
+            await node.request(ticket, SWARM, message, PROBE_TIMEOUT_S)
+
+    await asyncio.gather(*(one(t) for t in tickets))
+
+
+def table_from_reply(swarm: str, reply: TableReply) -> RecordTable:
+    """A table of the records of ``reply`` that verify, with what its peer knows of whether their
+    servers answer (:func:`adopt_reach`)."""
+    table = RecordTable(swarm)
+    table.merge_many(decode_table(reply))
+    adopt_reach(table, reply)
+    return table
+
+
+def adopt_reach(table: RecordTable, reply: TableReply) -> None:
+    """Take the answering peer's view of which servers of ``table`` answer: those it found
+    unreachable are then left out of ``table.servers()``, as they are on that peer."""
+    liveness = Liveness(self_id="")
+    unreachable, unprobed = set(reply.unreachable), set(reply.unprobed)
+    for record in table.servers(include_offline=True, include_unreachable=True):
+        if record.peer not in unprobed:
+            ok = record.peer not in unreachable
+            liveness.probes[record.peer] = Probe(tuple(record.addrs), record.timestamp, ok, 0.0)
+    table.liveness = liveness
 
 
 async def reach_any(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -> Ticket:
@@ -70,6 +118,38 @@ async def reach_any(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -
         await asyncio.gather(*dials, return_exceptions=True)
 
 
+def join_failure(peers: Sequence[Ticket], timeout: float) -> ShoalError:
+    """The one line a server whose ``--join`` peers did not answer within ``timeout`` exits with."""
+    silence = "the --join peer did not answer" if len(peers) == 1 else f"none of the {len(peers)} --join peers answered"
+    return ShoalError(
+        f"cannot join the swarm: {silence} within {timeout:g} s (is it running, and is the "
+        "ticket current? To start anyway, alone until a peer answers: --join-anyway)"
+    )
+
+
+async def check_join(tickets: Sequence[Ticket], transport: TransportConfig) -> None:
+    """Before a server loads anything: does a peer of its ``--join`` tickets answer? Dialled from a
+    throwaway endpoint (the server's own starts later), closed without lingering: a dead ticket
+    fails in about the connect deadline. :func:`join_failure`'s error if none answers; a peer that
+    answers and refuses raises its own error."""
+    from shoal.transport import Node
+
+    node = await Node.start(replace(transport, bind_addr=_any_port(transport.bind_addr)))
+    try:
+        await reach_any(node, tickets, transport.deadlines.connect)
+    except RefusedError:
+        raise
+    except TransportError as exc:
+        raise join_failure(tickets, transport.deadlines.connect) from exc
+    finally:
+        await node.close(linger=0.2)
+
+
+def _any_port(bind_addr: str) -> str:
+    host = bind_addr.rsplit(":", 1)[0] if ":" in bind_addr else bind_addr
+    return f"{host}:0"
+
+
 class SwarmService:
     """A peer's participation in a swarm: serve gossip, run rounds, refresh own records."""
 
@@ -86,6 +166,10 @@ class SwarmService:
         self.table = table
         self.config = config
         self.gossiper = Gossiper(table, node.id, config, rng)
+        self.liveness = table.liveness = Liveness(node.id)
+        self._look = asyncio.Event()  # a report came: probe without waiting for the round
+        # watched servers are probed twice a gossip round: a crash shows within two rounds
+        self.watch_period = max(config.period / 2, MIN_WATCH_PERIOD)
         self.bootstrap = {t.peer_id: t for t in bootstrap if t.peer_id != node.id}
         self.gossiper.extra_peers.update(self.bootstrap)
         self.own_records = own_records
@@ -112,8 +196,11 @@ class SwarmService:
                 op = request.meta.op
                 self.table.expire()  # never hand out records that have lapsed
                 if op == "table":
-                    records = [s.data for s in self.table.records()]
-                    reply = encode_payload(TableReply(records=records, rejected=dict(self.table.rejected)))
+                    reply = encode_payload(self._table_reply())
+                elif op == "ping":
+                    reply = b""
+                elif op == "suspect":
+                    reply = self._suspect(decode_payload(blob_bytes(request), SuspectRequest), peer_id)
                 else:
                     reply = self.gossiper.handle(op, blob_bytes(request))
                     self._wake()
@@ -122,6 +209,65 @@ class SwarmService:
                 await stream.send(error_message(request.id, "bad_request", str(exc)))
                 continue
             await stream.send(Message("result", request.id, tensors=[blob(reply)]))
+
+    def _table_reply(self) -> TableReply:
+        servers = self.table.servers(include_offline=True, include_unreachable=True)
+        reach = {r.peer: self.table.reach(r) for r in servers}
+        return TableReply(
+            records=[s.data for s in self.table.records()],
+            rejected=dict(self.table.rejected),
+            unreachable=tuple(p for p, state in reach.items() if state is Reach.UNREACHABLE),
+            unprobed=tuple(p for p, state in reach.items() if state is Reach.UNPROBED),
+        )
+
+    def _suspect(self, request: SuspectRequest, reporter: str) -> bytes:
+        """``reporter`` says ``request.peers`` did not answer it: its word counts at once if this
+        peer has reached it as a server, else it only makes this peer look (see :mod:`~shoal.swarm.liveness`)."""
+        records = {r.peer: r for r in self.table.servers(include_offline=False, include_unreachable=True)}
+        known = records.get(reporter)
+        admitted = known is not None and self.table.reach(known) is Reach.REACHABLE
+        self.liveness.reported(request.peers, reporter, admitted, records, time.monotonic())
+        self._look.set()
+        return encode_payload(SuspectReply())
+
+    # ---- liveness ---------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Probe what :meth:`Liveness.due` says, every round or at once after a report."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._look.wait(), self.watch_period * random.uniform(0.8, 1.2))
+            self._look.clear()
+            records = {r.peer: r for r in self.table.servers(include_offline=False, include_unreachable=True)}
+            self.liveness.forget([p for p in list(self.liveness.probes) if p not in records])
+            due = self.liveness.due(list(records.values()), time.monotonic())
+            found = await asyncio.gather(*(self._probe(records[p]) for p in due))
+            gone = [p for p, newly in zip(due, found, strict=True) if newly]
+            if gone:
+                log.info("servers not answering: %s", ", ".join(p[:10] for p in gone))
+                self._tell_others(gone)
+
+    async def _probe(self, record: ServerRecord) -> bool:
+        """Ping ``record``'s server; True when it newly found it unreachable."""
+        ticket = Ticket(record.peer, record.addrs, record.relay, self.table.swarm)
+        ok = False
+        try:
+            message = Message("gossip", 1, Gossip(op="ping"), [blob(b"")])
+            await asyncio.wait_for(self.node.request(ticket, SWARM, message, PROBE_TIMEOUT_S), PROBE_TIMEOUT_S)
+            ok = True
+        except (ShoalError, RemoteError, TimeoutError) as exc:
+            log.debug("probe of %s failed: %s", record.peer[:10], exc)
+            if isinstance(exc, RemoteError):
+                ok = True  # it answered, if only with an error: it is there
+        return self.liveness.probed(record, ok, time.monotonic())
+
+    def _tell_others(self, gone: list[str]) -> None:
+        """Report ``gone`` to the gossip peers (all of a small swarm, else a few)."""
+        peers = [p for p in self.gossiper.peers() if p not in gone]
+        if len(peers) > SMALL_SWARM:
+            peers = random.sample(peers, 2 * self.config.fanout)
+        payload = encode_payload(SuspectRequest(peers=tuple(gone[:MAX_REPORTED])))
+        for peer in peers:
+            self._spawn_call(Outgoing(peer, "suspect", payload))
 
     # ---- calling --------------------------------------------------------------------------------
     def ticket_for(self, peer: str) -> Ticket | None:
@@ -138,6 +284,8 @@ class SwarmService:
         try:
             message = Message("gossip", 1, Gossip(op=out.op), [blob(out.payload)])
             reply = await self.node.request(ticket, SWARM, message, self.call_timeout)
+            if out.op == "suspect":
+                return
             follow_ups = self.gossiper.on_reply(out, blob_bytes(reply))
         except (ShoalError, RemoteError) as exc:
             log.debug("gossip %s to %s failed: %s", out.op, out.peer[:10], exc)
@@ -162,7 +310,11 @@ class SwarmService:
             self.publish(signed)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._rounds()), asyncio.create_task(self._offers())]
+        self._tasks = [
+            asyncio.create_task(self._rounds()),
+            asyncio.create_task(self._offers()),
+            asyncio.create_task(self._watch()),
+        ]
 
     async def _rounds(self) -> None:
         while True:

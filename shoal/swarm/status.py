@@ -8,8 +8,9 @@ import json
 import time
 
 from shoal.errors import UsageError
+from shoal.swarm.liveness import Reach
 from shoal.swarm.records import ServerRecord, State
-from shoal.swarm.service import decode_table, fetch_table, reach_any
+from shoal.swarm.service import fetch_table, reach_any, table_from_reply
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import tally
 from shoal.transport import Node, Ticket, TransportConfig
@@ -29,17 +30,20 @@ async def swarm_status(
         node.credential = member_cert
         await reach_any(node, [ticket], transport.deadlines.connect)  # a dead peer fails in --connect-timeout
         payload = await fetch_table(node, ticket, transport.deadlines.request)
-    table = RecordTable(ticket.swarm_id)
-    table.merge_many(decode_table(payload))
+    table = table_from_reply(ticket.swarm_id, payload)
     return summarize(table, time.time(), rejected=payload.rejected)
 
 
-def _server(record: ServerRecord, now: float) -> dict:
+def _server(record: ServerRecord, now: float, reach: Reach) -> dict:
+    """One server's line: ``state`` is ``unreachable`` (whatever its record says) when the peer
+    asked found it so; ``reach`` says whether that peer has reached it yet."""
+    unreachable = reach is Reach.UNREACHABLE and record.state is not State.OFFLINE
     return {
         "peer": record.peer,
         "start": record.start,
         "end": record.end,
-        "state": str(record.state),
+        "state": "unreachable" if unreachable else str(record.state),
+        "reach": reach.value,
         "throughput": record.throughput,
         "cache_tokens_free": record.cache_tokens_free,
         "rtts_ms": dict(record.rtts),
@@ -57,10 +61,10 @@ def summarize(table: RecordTable, now: float, rejected: dict[str, int] | None = 
     liars = {(t.model, t.accused) for t in verdicts if t.convicts}
     models = []
     for model in sorted(table.models(), key=lambda m: m.name):
-        servers = table.servers(model.name, include_offline=True)
+        servers = table.servers(model.name, include_offline=True, include_unreachable=True)
         coverage = [0] * model.num_blocks
         for record in servers:
-            if record.state is State.ONLINE:
+            if record.state is State.ONLINE and table.reach(record) is not Reach.UNREACHABLE:
                 for block in range(record.start, min(record.end, model.num_blocks)):
                     coverage[block] += 1
         models.append(
@@ -69,11 +73,14 @@ def summarize(table: RecordTable, now: float, rejected: dict[str, int] | None = 
                 "num_blocks": model.num_blocks,
                 "coverage": coverage,
                 "uncovered": [i for i, n in enumerate(coverage) if n == 0],
-                "servers": [{**_server(r, now), "convicted": (model.name, r.peer) in liars} for r in servers],
+                "servers": [
+                    {**_server(r, now, table.reach(r)), "convicted": (model.name, r.peer) in liars} for r in servers
+                ],
             }
         )
     listed = {s["peer"] for m in models for s in m["servers"]}
-    orphans = [_server(r, now) for r in table.servers(include_offline=True) if r.peer not in listed]
+    everyone = table.servers(include_offline=True, include_unreachable=True)
+    orphans = [_server(r, now, table.reach(r)) for r in everyone if r.peer not in listed]
     return {
         "swarm": table.swarm,
         "models": models,
@@ -94,7 +101,7 @@ def render(status: dict) -> str:
             lines.append(f"  uncovered blocks: {model['uncovered']}")
         for s in model["servers"]:
             lines.append(
-                f"  {s['peer'][:12]}  [{s['start']:>3}:{s['end']:<3})  {s['state']:<8} "
+                f"  {s['peer'][:12]}  [{s['start']:>3}:{s['end']:<3})  {s['state']:<11} "
                 f"throughput {s['throughput']:<7.3g} free cache {s['cache_tokens_free']:<7} age {s['age_s']:.1f}s"
             )
     for s in status["unverified_servers"]:

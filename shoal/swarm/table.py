@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from shoal.swarm.liveness import Liveness, Reach
 from shoal.swarm.members import refusal
 from shoal.swarm.records import (
     ModelRecord,
@@ -52,6 +53,7 @@ class RecordTable:
         self._records: dict[str, SignedRecord] = {}
         self.rejected: Counter[str] = Counter()
         self.accepted = 0
+        self.liveness: Liveness | None = None  # whether servers answer (None: every record counts as reached)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -184,8 +186,15 @@ class RecordTable:
     def models(self) -> list[ModelRecord]:
         return [s.record for s in self._records.values() if isinstance(s.record, ModelRecord)]
 
-    def servers(self, model: str | None = None, include_offline: bool = False) -> list[ServerRecord]:
-        """Server records (of ``model``), verified against its model record when there is one."""
+    def reach(self, record: ServerRecord) -> Reach:
+        """Whether this peer has reached ``record``'s server (:mod:`shoal.swarm.liveness`)."""
+        return Reach.REACHABLE if self.liveness is None else self.liveness.reach(record)
+
+    def servers(
+        self, model: str | None = None, include_offline: bool = False, include_unreachable: bool = False
+    ) -> list[ServerRecord]:
+        """Server records (of ``model``), verified against its model record when there is one;
+        without those a probe found unreachable unless ``include_unreachable``."""
         out = []
         for signed in self._records.values():
             record = signed.record
@@ -193,8 +202,15 @@ class RecordTable:
                 continue
             if record.state is State.OFFLINE and not include_offline:
                 continue
+            if not include_unreachable and self.reach(record) is Reach.UNREACHABLE:
+                continue
             out.append(record)
         return sorted(out, key=lambda r: (r.model, r.start, r.peer))
+
+    def admitted(self, model: str | None = None) -> list[ServerRecord]:
+        """Server records (of ``model``) whose servers this peer has reached: the ones that may
+        audit, judge or vote."""
+        return [r for r in self.servers(model) if self.reach(r) is Reach.REACHABLE]
 
     def verdicts(self, model: str | None = None) -> list[VerdictRecord]:
         """Verdicts held (against servers of ``model``), by accused then judge."""

@@ -108,7 +108,8 @@ def overlaps(record: ServerRecord, blocks: BlockRange) -> bool:
 def tally(table: RecordTable, model: str, now: float | None = None) -> list[Tally]:
     """Every (accused, blocks) that verdicts of ``model`` name, weighed (see the module docstring)."""
     now = table.clock() if now is None else now
-    online = [r for r in table.servers(model) if r.state is State.ONLINE and r.expires > now]
+    # only servers this peer has reached may judge or vote (a record alone is free to make)
+    online = [r for r in table.admitted(model) if r.state is State.ONLINE and r.expires > now]
     grouped: dict[tuple[str, BlockRange], set[str]] = {}
     for verdict in table.verdicts(model):
         if verdict.expires > now:

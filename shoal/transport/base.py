@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 MAX_CREDENTIALS = 4096  # peers whose presented credential a node keeps (least recently presented go first)
 
 
+CLOSE_LINGER_S = 3.0  # seconds an endpoint may take to close gracefully
+
+
 @dataclass(frozen=True)
 class Protocol:
     name: str
@@ -99,8 +102,9 @@ class BaseNode:
     async def _dial(self, ticket: Ticket, protocol: Protocol, timeout: float | None) -> Connection:
         raise NotImplementedError
 
-    async def _release(self) -> None:
-        """Stop accepting and close what the pool does not hold (incoming connections)."""
+    async def _release(self, linger: float) -> None:
+        """Stop accepting and close what the pool does not hold (incoming connections), waiting at
+        most ``linger`` seconds for the peers to take the close."""
         raise NotImplementedError
 
     # ---- serving ---------------------------------------------------------------------------
@@ -252,14 +256,17 @@ class BaseNode:
         for key in [k for k in self._conns if k[0] == peer_id]:
             self._conns.pop(key).close("dropped")
 
-    async def close(self) -> None:
+    async def close(self, linger: float = CLOSE_LINGER_S) -> None:
+        """Close every connection and stop. ``linger``: at most this long for the endpoint to close
+        gracefully (after a dial that timed out, iroh's close waits this long for it: a node that
+        only checked whether a peer answers may pass less)."""
         if self.closed:
             return
         self.closed = True
         for conn in self._conns.values():
             conn.close("bye")
         self._conns.clear()
-        await self._release()
+        await self._release(linger)
         for task in list(self._tasks):
             task.cancel()
 
