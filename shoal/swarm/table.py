@@ -4,6 +4,11 @@ Merging is the only way in, so gossip, clients and tests all go through the same
 signature, swarm, expiry, clock skew, lifetime, newer-than-held, size, (for server records)
 fingerprints that match the swarm's model record, and (for verdicts, on decoding) a receipt the
 accused signed. Verdicts are only held here; who they convict is :mod:`shoal.swarm.verdicts`.
+What the swarm id says is enforced here too (:mod:`shoal.swarm.swarmid`): a model record must match
+the model the swarm is pinned to (``model_pin``) unless the private swarm's owner signed it (a model it
+added; it lives as long as the owner says), and in a private swarm every record must carry its
+signer's valid member certificate (``not_member``) and a revocation must be the owner's
+(``not_owner``); a revocation admitted drops the revoked member's records.
 """
 
 from __future__ import annotations
@@ -14,9 +19,21 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from shoal.swarm.liveness import Liveness, Reach
-from shoal.swarm.records import ModelRecord, RecordError, ServerRecord, SignedRecord, State, VerdictRecord, decode
+from shoal.swarm.members import refusal
+from shoal.swarm.records import (
+    ModelRecord,
+    RecordError,
+    RevocationRecord,
+    ServerRecord,
+    SignedRecord,
+    State,
+    VerdictRecord,
+    decode,
+)
+from shoal.swarm.swarmid import owner_tag, parse_swarm_id, pin_refusal
 
 log = logging.getLogger(__name__)
+MAX_REVOCATION_LIFETIME = 400 * 86400.0  # a revocation must outlive the certificate it revokes
 
 
 class RecordTable:
@@ -29,6 +46,7 @@ class RecordTable:
         max_lifetime: float = 3600.0,
     ):
         self.swarm = swarm
+        self.id = parse_swarm_id(swarm)  # its pin and owner, if any
         self.clock = clock
         self.max_skew = max_skew
         self.max_lifetime = max_lifetime
@@ -52,7 +70,9 @@ class RecordTable:
             raise RecordError("expired", record.key)
         if record.timestamp > now + self.max_skew:
             raise RecordError("future", f"{record.key} is dated {record.timestamp - now:.1f} s ahead")
-        if record.expires - record.timestamp > self.max_lifetime:
+        owners = isinstance(record, RevocationRecord) or self._by_owner(record)  # live as long as the owner says
+        lifetime = MAX_REVOCATION_LIFETIME if owners else self.max_lifetime
+        if record.expires - record.timestamp > lifetime:
             raise RecordError("lifetime", f"{record.key} claims to live {record.expires - record.timestamp:.0f} s")
         held = self._records.get(record.key)
         # a conflicting model definition is a forgery whatever its age: say so rather than "stale"
@@ -60,8 +80,28 @@ class RecordTable:
             raise RecordError("fingerprint_mismatch", f"model {record.name} is already defined with other weights")
         if held is not None and record.timestamp <= held.timestamp:
             raise RecordError("stale", f"{record.key} is not newer than the one held")
+        self._check_admitted(signed, now)
         if isinstance(record, ServerRecord):
             self._check_server(record)
+
+    def _check_admitted(self, signed: SignedRecord, now: float) -> None:
+        """What the swarm id demands: the pinned model, the private swarm's owner and members."""
+        record, swarm = signed.record, self.id
+        if isinstance(record, RevocationRecord):
+            if swarm.owner is None or owner_tag(record.owner) != swarm.owner:
+                raise RecordError("not_owner", f"{record.key} is not signed by the owner of swarm {self.swarm}")
+            return
+        if swarm.owner is not None and (why := refusal(signed.cert, record.signer, swarm, now, self.revoked)):
+            raise RecordError("not_member", f"{record.key}: {why}")
+        pinned = isinstance(record, ModelRecord) and not self._by_owner(record)
+        if pinned and (why := pin_refusal(swarm, record.name, record.num_blocks, record.fingerprints)):
+            raise RecordError("model_pin", why)
+
+    def _by_owner(self, record) -> bool:
+        """A model record the private swarm's owner signed: a model it added beside the pinned one."""
+        return (
+            isinstance(record, ModelRecord) and self.id.owner is not None and owner_tag(record.signer) == self.id.owner
+        )
 
     def _check_server(self, record: ServerRecord) -> None:
         model = self.model(record.model)
@@ -84,6 +124,8 @@ class RecordTable:
         self.accepted += 1
         if isinstance(signed.record, ModelRecord):
             self._purge_mismatching(signed.record)
+        elif isinstance(signed.record, RevocationRecord):
+            self._purge_revoked(signed.record.member)
         return True
 
     def merge_many(self, items: Iterable[bytes | SignedRecord]) -> list[str]:
@@ -98,6 +140,17 @@ class RecordTable:
                 except RecordError as exc:
                     del self._records[key]
                     self.rejected[exc.reason] += 1
+
+    def _purge_revoked(self, member: str) -> None:
+        for key, signed in list(self._records.items()):
+            if not isinstance(signed.record, RevocationRecord) and signed.record.signer == member:
+                del self._records[key]
+                self.rejected["not_member"] += 1
+
+    @property
+    def revoked(self) -> _Revoked:
+        """The members whose revocation this table holds (``peer in table.revoked``)."""
+        return _Revoked(self._records)
 
     def expire(self, now: float | None = None) -> list[str]:
         now = self.clock() if now is None else now
@@ -167,3 +220,11 @@ class RecordTable:
             if isinstance(s.record, VerdictRecord) and (model is None or s.record.model == model)
         ]
         return sorted(out, key=lambda v: (v.model, v.accused, v.judge))
+
+
+class _Revoked:
+    def __init__(self, records: dict[str, SignedRecord]):
+        self._records = records
+
+    def __contains__(self, peer: object) -> bool:
+        return f"r:{peer}" in self._records

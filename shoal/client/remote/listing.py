@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from shoal.errors import ShoalError
+from shoal.errors import Forbidden, ShoalError
 from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.routing import NoRouteError, RouteInfo, ServerSpan, block_runs, format_blocks, uncovered_blocks
@@ -73,6 +73,8 @@ async def pull_table(node: BaseNode, tickets: Sequence[Ticket], timeout: float, 
     merged = RecordTable(swarm)
     for _, view in views:
         merged.merge_many(view.records())
+    # forged model records the views refused (against the swarm's pin): the client says so if it finds no model
+    merged.rejected["model_pin"] = max(view.rejected["model_pin"] for _, view in views)
     servers = merged.servers(include_unreachable=True)
     liveness = Liveness(self_id="")
     for record in servers:
@@ -102,6 +104,8 @@ async def _views(
     async def one(ticket: Ticket) -> tuple[Ticket, RecordTable] | None:
         try:
             return ticket, table_from_reply(swarm, await fetch_table(node, ticket, timeout))
+        except Forbidden:  # a private swarm that does not admit this client: any member would say so
+            raise
         except ShoalError as exc:
             (log.debug if quiet else log.warning)(
                 "could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc
@@ -120,7 +124,10 @@ async def swarm_spans(
     swarm = table.swarm
     names = sorted(m.name for m in table.models())
     if model is None or table.model(model) is None:
-        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
+        pinned = table.rejected["model_pin"]
+        refused = f" ({pinned} model records refused: not the model the swarm is pinned to)" if pinned else ""
+        serves = ", ".join(names) or "nothing yet"
+        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {serves}{refused}")
     spans = []
     num_blocks = table.model(model).num_blocks
     liars = convicted(table, model)
