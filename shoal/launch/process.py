@@ -202,7 +202,7 @@ def wait_converged(model_dir: str | Path, servers: Sequence[ServerProcess], time
     import asyncio
 
     from shoal.checkpoints import model_name
-    from shoal.client.remote.directory import swarm_spans
+    from shoal.client.remote.listing import swarm_spans
     from shoal.transport import Node, TransportConfig
 
     model = model_name(str(model_dir))

@@ -84,6 +84,7 @@ class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)  # its limits bound peers (shoal.limits)
     new_swarm: bool = False  # create a swarm (its id goes into this server's ticket)
     join: tuple[Ticket, ...] = ()  # tickets of peers of the swarm to join
+    member_cert: bytes | None = None  # a private swarm's member certificate for this node (shoal.swarm.members)
     join_anyway: bool = False  # start even when no peer of ``join`` answers (else: fail, see Presence.join)
     throughput: float | None = None  # tokens/s per block to announce; None: measure (see shoal.server.throughput)
     num_blocks: int | None = None  # blocks to host when placed automatically; None: as many as memory allows

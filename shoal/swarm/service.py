@@ -16,10 +16,11 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
-from shoal.errors import RemoteError, ShoalError
+from shoal.errors import RefusedError, RemoteError, ShoalError, TransportError
 from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing
 from shoal.swarm.liveness import MAX_REPORTED, PROBE_TIMEOUT_S, Liveness, Probe, Reach
 from shoal.swarm.messages import (
@@ -32,7 +33,7 @@ from shoal.swarm.messages import (
 )
 from shoal.swarm.records import RecordError, ServerRecord, SignedRecord, decode
 from shoal.swarm.table import RecordTable
-from shoal.transport import BaseNode, MessageStream, Node, Protocol, Ticket
+from shoal.transport import BaseNode, MessageStream, Node, Protocol, Ticket, TransportConfig
 from shoal.wire import InvalidMessage, Message, error_message
 from shoal.wire.schema import Gossip
 
@@ -115,6 +116,38 @@ async def reach_any(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -
         for task in dials:
             task.cancel()
         await asyncio.gather(*dials, return_exceptions=True)
+
+
+def join_failure(peers: Sequence[Ticket], timeout: float) -> ShoalError:
+    """The one line a server whose ``--join`` peers did not answer within ``timeout`` exits with."""
+    silence = "the --join peer did not answer" if len(peers) == 1 else f"none of the {len(peers)} --join peers answered"
+    return ShoalError(
+        f"cannot join the swarm: {silence} within {timeout:g} s (is it running, and is the "
+        "ticket current? To start anyway, alone until a peer answers: --join-anyway)"
+    )
+
+
+async def check_join(tickets: Sequence[Ticket], transport: TransportConfig) -> None:
+    """Before a server loads anything: does a peer of its ``--join`` tickets answer? Dialled from a
+    throwaway endpoint (the server's own starts later), closed without lingering: a dead ticket
+    fails in about the connect deadline. :func:`join_failure`'s error if none answers; a peer that
+    answers and refuses raises its own error."""
+    from shoal.transport import Node
+
+    node = await Node.start(replace(transport, bind_addr=_any_port(transport.bind_addr)))
+    try:
+        await reach_any(node, tickets, transport.deadlines.connect)
+    except RefusedError:
+        raise
+    except TransportError as exc:
+        raise join_failure(tickets, transport.deadlines.connect) from exc
+    finally:
+        await node.close(linger=0.2)
+
+
+def _any_port(bind_addr: str) -> str:
+    host = bind_addr.rsplit(":", 1)[0] if ":" in bind_addr else bind_addr
+    return f"{host}:0"
 
 
 class SwarmService:

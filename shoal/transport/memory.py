@@ -318,7 +318,7 @@ class MemoryNode(BaseNode):
             raise ClosedError("node is closed")
         return _Link(self, peer, protocol.alpn)
 
-    async def _release(self) -> None:
+    async def _release(self, linger: float) -> None:
         self.network._unbind(self)
         for link in list(self._links):
             link.close("peer closed")

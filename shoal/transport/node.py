@@ -228,11 +228,11 @@ class Node(BaseNode):
                 raise ProtocolMismatch(str(protocol), await self._remote_protocols(ticket, timeout)) from None
             raise error from None
 
-    async def _release(self) -> None:
+    async def _release(self, linger: float) -> None:
         # close the endpoint first (its incoming connections with it): it ends the pending
         # accept_next; cancelling that call instead leaves iroh's close waiting for it
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._ep.close(), 3.0)
+            await asyncio.wait_for(self._ep.close(), linger)
         if self._accept_task is not None:
             self._accept_task.cancel()
         binding.release_deferred()

@@ -1,7 +1,7 @@
 """``shoal api`` and ``shoal chat`` over standalone servers: two ``shoal serve --blocks`` processes
 started without ``--new-swarm`` or ``--join`` (each a swarm of none), whose tickets are given with
-``--join`` twice. The gateway's greedy answer equals plain transformers'; given only the first
-ticket, ``shoal chat`` exits 1 with one line that names the missing blocks and how to add them. The
+``--join`` twice. The gateway's and ``shoal chat``'s greedy answers equal plain transformers'; given
+only the first ticket, ``shoal chat`` exits 1 with one line that names the missing blocks and how to add them. The
 dashboard shows a swarm's table, so ``shoal dashboard`` refuses a ticket that names none.
 """
 
@@ -49,6 +49,23 @@ def test_api_with_two_standalone_tickets_answers_as_transformers(chat_model, sta
         client = openai.OpenAI(base_url=f"{api.url}/v1", api_key="none", max_retries=0, timeout=60)
         reply = client.chat.completions.create(model=model_dir.name, messages=MESSAGES, temperature=0, max_tokens=NEW)
     assert reply.choices[0].message.content == expected
+
+
+def test_chat_with_two_standalone_tickets_answers_as_transformers(chat_model, standalone: LocalSwarm):
+    model_dir, reference, tokenizer = chat_model
+    first, second = standalone.tickets
+    expected, _ = reference_answer(reference, tokenizer, MESSAGES, NEW)
+    args = [sys.executable, "-m", "shoal.cli.main", "chat", str(model_dir), "--join", str(first), "--join", str(second)]
+    done = subprocess.run(
+        [*args, "--bind", "127.0.0.1:0", "--num-threads", "1", "--max-new-tokens", str(NEW)],
+        input=MESSAGES[0]["content"] + "\n",  # one turn, then end of input ends the chat
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **ENV},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"assistant: {expected}\n"
 
 
 def test_chat_missing_blocks_is_one_line_saying_how_to_add_them(chat_model, standalone: LocalSwarm):

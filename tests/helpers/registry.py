@@ -352,7 +352,7 @@ def client_main(model_dir: str, ticket: str, new_tokens: int) -> None:
 
     from shoal.checkpoints import model_name
     from shoal.client import AutoDistributedModelForCausalLM
-    from shoal.client.remote.directory import swarm_spans
+    from shoal.client.remote.listing import swarm_spans
 
     torch.set_num_threads(1)
     model = AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=[ticket], transport=LOOPBACK)

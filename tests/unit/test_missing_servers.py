@@ -3,7 +3,7 @@ naming the blocks and how to add a server for them, in a swarm or over standalon
 
 from __future__ import annotations
 
-from shoal.client.remote.directory import missing_servers
+from shoal.client.remote.listing import missing_servers
 from shoal.ids import BlockRange
 from shoal.routing import NoRouteError, block_runs
 

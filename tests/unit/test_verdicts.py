@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from shoal.client.remote.directory import swarm_spans
+from shoal.client.remote.listing import swarm_spans
 from shoal.ids import BlockRange
 from shoal.server.announce import Announcement
 from shoal.swarm.gossip import GossipConfig, Gossiper

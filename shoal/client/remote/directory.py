@@ -1,9 +1,7 @@
 """The client's view of the servers it can route over, and what it has measured about them.
 
-Servers come from each swarm's table (tickets with a swarm id; servers the swarm convicted of lying
-are left out, :func:`shoal.swarm.verdicts.convicted`) and from asking each other given peer (plain
-tickets: standalone servers, started without ``--new-swarm``/``--join``), the two together.
-Round-trip times are measured with a blocks-protocol ``info`` request (so a server that is slow to
+Servers come from the tickets (:mod:`shoal.client.remote.listing`: each swarm's table, each plain
+ticket's own answer). Round-trip times are measured with a blocks-protocol ``info`` request (so a server that is slow to
 answer looks slow), once at start and then in the background every ``refresh_period`` seconds
 together with a fresh pull of the table: never on a step's path.
 """
@@ -12,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import random
 import time
@@ -20,6 +17,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from shoal.client.config import ClientConfig
+from shoal.client.remote.listing import check_consistent, known_spans, missing_servers
 from shoal.errors import ShoalError
 from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
@@ -29,19 +27,14 @@ from shoal.routing import (
     BanList,
     LatencyModel,
     NoRouteError,
-    RouteInfo,
     ServerSpan,
-    block_runs,
-    format_blocks,
     forward_cost,
     meeting,
     offering,
     route_with_bans,
     uncovered_blocks,
 )
-from shoal.swarm.records import State
-from shoal.swarm.service import fetch_table, report_unreachable, table_from_reply
-from shoal.swarm.verdicts import convicted
+from shoal.swarm.service import report_unreachable
 from shoal.transport import BaseNode, Ticket
 from shoal.wire import Message
 from shoal.wire.schema import InfoReply
@@ -51,125 +44,10 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT = 0.75  # a live server answers a ping within this, however busy its compute thread is
 MEASURE_TIMEOUT = 2.0
 WAIT_POLL = 1.0  # seconds between looks for a newcomer while blocks have no server
-SILENT_GRACE = 0.25  # seconds a listed server may answer after the others cover every block
+SILENT_GRACE = 0.5  # seconds a listed server may answer after the others cover every block
+SILENT_AFTER = 1.0  # ... and never less than this after the measurement began (a busy live one answers)
 SILENT_BAN = 10.0  # at least this long out of routes for a listed server that did not answer
 REPORT_TO = 2  # swarm members told which listed servers did not answer
-
-
-async def fetch_infos(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -> list[ServerSpan]:
-    """Ask every given peer what it hosts; peers that fail to answer are skipped (and logged)."""
-
-    async def one(ticket: Ticket) -> ServerSpan | None:
-        try:
-            reply = (await node.request(ticket, BLOCKS, Message("info", 1), timeout=timeout)).reply(InfoReply)
-        except ShoalError as exc:
-            log.warning("peer %s did not answer info: %s", ticket.peer_id[:10], exc)
-            return None
-        span = reply.span
-        info = RouteInfo(
-            num_blocks=span.num_blocks,
-            hidden_size=span.hidden_size,
-            fingerprints=tuple(span.fingerprints),
-            free_cache_tokens=reply.free_cache_tokens,
-            draining=reply.draining,
-            capabilities=span.capabilities,
-            quantization=span.quantization,
-            adapters=tuple(sorted((a.name, a.digest) for a in span.adapters)),
-            dtype=span.dtype,
-        )
-        return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
-
-    return [span for span in await asyncio.gather(*(one(t) for t in tickets)) if span is not None]
-
-
-async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
-    """Pull the swarm's table through the first ticket that answers; the online servers of ``model``
-    that its verdicts do not convict."""
-    swarm = next(t.swarm_id for t in tickets if t.swarm_id)
-    for ticket in tickets:
-        try:
-            table = table_from_reply(swarm, await fetch_table(node, ticket, timeout))  # its unreachable ones left out
-            break
-        except ShoalError as exc:
-            log.warning("could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc)
-    else:
-        raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(tickets)} tickets")
-    names = sorted(m.name for m in table.models())
-    if model is None or table.model(model) is None:
-        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
-    spans = []
-    num_blocks = table.model(model).num_blocks
-    liars = convicted(table, model)
-    if liars:
-        log.info("the swarm convicted %s of lying: not routed over", ", ".join(p[:10] for p in sorted(liars)))
-    for record in table.servers(model):
-        if record.state is State.ONLINE and record.peer not in liars:
-            ticket = Ticket(record.peer, record.addrs, record.relay, swarm)
-            info = RouteInfo(
-                num_blocks=num_blocks,
-                throughput=record.throughput or 1.0,
-                step_ms=record.step_ms,
-                rtts=dict(record.rtts),
-                free_cache_tokens=record.cache_tokens_free,
-                capabilities=frozenset(record.capabilities),
-                quantization=record.quantization,
-                adapters=tuple(record.adapters),
-            )
-            spans.append(ServerSpan(PeerId(record.peer), record.blocks, ticket, info))
-    return spans
-
-
-async def known_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
-    """The servers ``tickets`` lead to, each once: every swarm's (:func:`swarm_spans`, through that
-    swarm's tickets) and each plain ticket's own (:func:`fetch_infos`)."""
-    by_swarm: dict[str, list[Ticket]] = {}
-    for ticket in tickets:
-        if ticket.swarm_id:
-            by_swarm.setdefault(ticket.swarm_id, []).append(ticket)
-    plain = [t for t in tickets if not t.swarm_id]
-    found = await asyncio.gather(
-        *(swarm_spans(node, members, model, timeout) for members in by_swarm.values()),
-        fetch_infos(node, plain, timeout),
-    )
-    unique: dict[PeerId, ServerSpan] = {}
-    for span in itertools.chain.from_iterable(found):
-        unique.setdefault(span.peer_id, span)
-    return list(unique.values())
-
-
-def missing_servers(missing: Sequence[int], *, swarm: bool, silent: int = 0) -> NoRouteError:
-    """The error of a client whose servers leave ``missing`` blocks unhosted, in one line that says
-    how to add them: a server for each gap that joins the swarm (``swarm``: some ticket names one),
-    or one more ticket. ``silent``: given peers that did not answer (they may host those blocks)."""
-    first, *rest = block_runs(missing)
-    more = f" (and one with {', '.join(f'--blocks {g}' for g in rest)})" if rest else ""
-    unanswered = f" ({silent} of the given peers did not answer)" if silent else ""
-    if swarm:
-        how = f"`shoal serve MODEL --blocks {first} --join TICKET`{more}, or pass the ticket of a server hosting them"
-    else:
-        how = f"`shoal serve MODEL --blocks {first}`{more} and pass its ticket"
-    return NoRouteError(
-        f"no server hosts blocks {format_blocks(list(missing))}{unanswered}: start one with {how} with another --join",
-        list(missing),
-    )
-
-
-def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: int) -> None:
-    """Servers must agree with the client's config and with each other on every block's weights."""
-    seen: dict[int, tuple[str, str]] = {}
-    for span in spans:
-        info = span.info
-        if info.num_blocks != num_blocks or info.hidden_size not in (hidden_size, None):
-            raise ShoalError(
-                f"server {span.peer_id[:10]} serves a model with {info.num_blocks} blocks of size "
-                f"{info.hidden_size}, the client's config has {num_blocks} of size {hidden_size}"
-            )
-        for block, fingerprint in zip(span.blocks.blocks(), info.fingerprints, strict=False):
-            other = seen.setdefault(block, (fingerprint, span.peer_id))
-            if other[0] != fingerprint:
-                raise ShoalError(
-                    f"servers {other[1][:10]} and {span.peer_id[:10]} hold different weights for block {block}"
-                )
 
 
 def replicas(spans: Sequence[ServerSpan], like: ServerSpan) -> list[ServerSpan]:
@@ -186,6 +64,13 @@ def replicas(spans: Sequence[ServerSpan], like: ServerSpan) -> list[ServerSpan]:
         and s.info.adapters == like.info.adapters
         and s.info.dtype == like.info.dtype
     ]
+
+
+def _answer(task: asyncio.Future) -> ServerSpan | None:
+    """A finished measurement's fresh span; None if it failed in any way."""
+    if task.cancelled() or task.exception() is not None:
+        return None
+    return task.result()
 
 
 class ServerDirectory:
@@ -217,6 +102,7 @@ class ServerDirectory:
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
         self._task: asyncio.Task | None = None
         self._reports: set[asyncio.Future] = set()  # reports of silent servers on their way
+        self._looked = False  # whether the server list was pulled before
 
     @property
     def min_quality(self) -> Quantization:
@@ -234,7 +120,10 @@ class ServerDirectory:
 
     async def refresh(self) -> None:
         """Pull the server list again (tables and infos), then measure round trips to each server."""
-        spans = await known_spans(self.node, self.tickets, self.model, self.config.listing_timeout)
+        # the first look (the client starting) asks only the given members; later ones more of them too
+        more, self._looked = self._looked, True
+        timeout = self.config.listing_timeout
+        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
 
@@ -250,10 +139,12 @@ class ServerDirectory:
     async def _measure(self, spans: list[ServerSpan]) -> list[ServerSpan]:
         """Time an ``info`` request to every server (in parallel); fresh free-cache and drain state
         from the answers. Once the servers that answered cover every block, the others get
-        ``SILENT_GRACE`` (or 3 of the slowest answer's round trips) more, then count as silent:
-        they stay listed (the table says they exist) but are banned from routes for a while (a ban is
-        advice: a route that needs one still takes it) and reported to the swarm, so that a dead
-        server listed until its record expires costs a new client no wait."""
+        ``SILENT_GRACE`` (or 3 of the slowest answer's round trips) more, ``SILENT_AFTER`` in all at
+        least; then they are banned from routes (a ban is advice: a route that needs one still takes
+        it) while their answers are awaited in the background up to ``MEASURE_TIMEOUT``: one that
+        answers is routable again, the rest stay listed (the table says they exist), banned for a
+        while and reported to the swarm. A dead server listed until its record expires costs a new
+        client about a second, not a connect timeout."""
 
         async def one(span: ServerSpan) -> ServerSpan | None:
             started = time.perf_counter()
@@ -276,31 +167,50 @@ class ServerDirectory:
 
         tasks = {asyncio.ensure_future(one(span)): span for span in spans}
         answered: dict[PeerId, ServerSpan] = {}
-        deadline = time.monotonic() + MEASURE_TIMEOUT
+        began = time.monotonic()
+        full = deadline = began + MEASURE_TIMEOUT
         pending = set(tasks)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(
-                    pending, timeout=max(deadline - time.monotonic(), 0), return_when=asyncio.FIRST_COMPLETED
-                )
-                if not done:
-                    break
-                for task in done:
-                    if (fresh := task.result()) is not None:
-                        answered[fresh.peer_id] = fresh
-                if pending and not uncovered_blocks(list(answered.values()), self.num_blocks):
-                    slowest = max(self.latency.client_rtt_ms.get(p, 0.0) for p in answered) / 1e3
-                    deadline = min(deadline, time.monotonic() + max(SILENT_GRACE, 3 * slowest))
-        finally:
+        while pending:
+            done, pending = await asyncio.wait(
+                pending, timeout=max(deadline - time.monotonic(), 0), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
+            for task in done:
+                if (fresh := _answer(task)) is not None:
+                    answered[fresh.peer_id] = fresh
+            if pending and deadline == full and not uncovered_blocks(list(answered.values()), self.num_blocks):
+                slowest = max(self.latency.client_rtt_ms.get(p, 0.0) for p in answered) / 1e3
+                deadline = max(began + SILENT_AFTER, time.monotonic() + max(SILENT_GRACE, 3 * slowest))
+        if pending:  # not waited for: out of routes until they answer (if they do before the deadline)
             for task in pending:
-                task.cancel()
-        silent = [span for span in spans if span.peer_id not in answered]
+                self.bans.ban(tasks[task].peer_id, max(self.config.refresh_period, SILENT_BAN))
+            late = asyncio.ensure_future(self._stragglers({t: tasks[t] for t in pending}, full))
+            self._reports.add(late)
+            late.add_done_callback(self._reports.discard)
+        silent = [span for task, span in tasks.items() if task.done() and _answer(task) is None]
+        self._silent(silent)
+        return [answered.get(span.peer_id, span) for span in spans]
+
+    async def _stragglers(self, pending: dict[asyncio.Future, ServerSpan], deadline: float) -> None:
+        """Measurements still under way after a refresh stopped waiting: one that answers before
+        ``deadline`` is routable again, with its fresh state; the rest are silent."""
+        done, still = await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0))
+        for task in still:
+            task.cancel()
+        for task in done:
+            if (fresh := _answer(task)) is not None:
+                self.bans.lift(fresh.peer_id)
+                self.spans = [fresh if s.peer_id == fresh.peer_id else s for s in self.spans]
+        self._silent([pending[t] for t in still] + [pending[t] for t in done if _answer(t) is None])
+
+    def _silent(self, silent: list[ServerSpan]) -> None:
+        """Listed servers that did not answer: out of routes for a while, and reported."""
         for span in silent:
             self.bans.ban(span.peer_id, max(self.config.refresh_period, SILENT_BAN))
         if silent:
             log.info("%d listed servers did not answer: %s", len(silent), ", ".join(s.peer_id[:10] for s in silent))
             self._report_silent(silent)
-        return [answered.get(span.peer_id, span) for span in spans]
 
     def _report_silent(self, silent: Sequence[ServerSpan]) -> None:
         """Tell the swarm peers we pulled tables from which servers did not answer (each checks

@@ -1,0 +1,233 @@
+"""Which servers a client's tickets lead to: each swarm's table (through any member that answers;
+servers the swarm convicted of lying or found unreachable left out) and each plain ticket's own
+``info`` (standalone servers, started without ``--new-swarm``/``--join``), the two together; and the
+errors that say what is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from shoal.errors import Forbidden, ShoalError
+from shoal.ids import PeerId
+from shoal.protocols import BLOCKS
+from shoal.routing import NoRouteError, RouteInfo, ServerSpan, block_runs, format_blocks, uncovered_blocks
+from shoal.swarm.liveness import Liveness, Probe, Reach
+from shoal.swarm.records import State
+from shoal.swarm.service import fetch_table, table_from_reply
+from shoal.swarm.table import RecordTable
+from shoal.swarm.verdicts import convicted
+from shoal.transport import BaseNode, Ticket
+from shoal.wire import Message
+from shoal.wire.schema import InfoReply
+
+log = logging.getLogger(__name__)
+
+LISTING_GRACE = 1.0  # seconds a plain ticket's peer may answer after the others cover every block
+MAX_PULLS = 4  # swarm members a client pulls the table from at once (the tickets it was given)
+EXTRA_PULLS = 2  # more members asked when only one ticket was given (one member cannot eclipse the swarm)
+EXTRA_PULL_TIMEOUT = 1.0  # seconds those may take (each dial, then answer): a dead one must not hold up the start
+
+
+async def fetch_info(node: BaseNode, ticket: Ticket, timeout: float) -> ServerSpan | None:
+    """What the peer of a plain ticket hosts; None (logged) if it does not answer."""
+    try:
+        reply = (await node.request(ticket, BLOCKS, Message("info", 1), timeout=timeout)).reply(InfoReply)
+    except ShoalError as exc:
+        log.warning("peer %s did not answer info: %s", ticket.peer_id[:10], exc)
+        return None
+    span = reply.span
+    info = RouteInfo(
+        num_blocks=span.num_blocks,
+        hidden_size=span.hidden_size,
+        fingerprints=tuple(span.fingerprints),
+        free_cache_tokens=reply.free_cache_tokens,
+        draining=reply.draining,
+        capabilities=span.capabilities,
+        quantization=span.quantization,
+        adapters=tuple(sorted((a.name, a.digest) for a in span.adapters)),
+        dtype=span.dtype,
+    )
+    return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
+
+
+async def pull_table(node: BaseNode, tickets: Sequence[Ticket], timeout: float, more: bool = True) -> RecordTable:
+    """The swarm's table as several members see it, merged: the given tickets' peers (at most
+    ``MAX_PULLS``) and, when only one was given and ``more``, ``EXTRA_PULLS`` more members it
+    lists (given ``EXTRA_PULL_TIMEOUT``: a check, not a wait). Only records
+    that verify are merged (the newest of each), so one member cannot make a client believe a short
+    or doctored table: one that lists far fewer servers than the others is named in a warning. A
+    server counts as reached if any member has reached it."""
+    swarm = next(t.swarm_id for t in tickets if t.swarm_id)
+    asked = list(tickets[:MAX_PULLS])
+    views = await _views(node, asked, swarm, timeout)
+    if not views:
+        raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(asked)} tickets")
+    if len(tickets) == 1 and more:
+        seen = {t.peer_id for t in asked}
+        members = [r for r in views[0][1].servers() if r.peer not in seen and r.state is State.ONLINE]
+        more = [Ticket(r.peer, r.addrs, r.relay, swarm) for r in members[:EXTRA_PULLS]]
+        views += await _views(node, more, swarm, min(timeout, EXTRA_PULL_TIMEOUT), quiet=True)
+    merged = RecordTable(swarm)
+    for _, view in views:
+        merged.merge_many(view.records())
+    # forged model records the views refused (against the swarm's pin): the client says so if it finds no model
+    merged.rejected["model_pin"] = max(view.rejected["model_pin"] for _, view in views)
+    servers = merged.servers(include_unreachable=True)
+    liveness = Liveness(self_id="")
+    for record in servers:
+        states = {view.reach(held.record) for _, view in views if (held := view.get(record.key)) is not None}
+        if states & {Reach.REACHABLE, Reach.UNREACHABLE}:
+            ok = Reach.REACHABLE in states
+            liveness.probes[record.peer] = Probe(tuple(record.addrs), record.timestamp, ok, 0.0)
+    merged.liveness = liveness
+    for ticket, view in views:
+        held = sum(view.get(r.key) is not None for r in servers)
+        if len(servers) >= 4 and held < 0.75 * len(servers):
+            log.warning(
+                "swarm member %s listed %d of the %d servers the others know: it may be hiding the swarm; "
+                "using every valid record",
+                ticket.peer_id[:10],
+                held,
+                len(servers),
+            )
+    return merged
+
+
+async def _views(
+    node: BaseNode, tickets: Sequence[Ticket], swarm: str, timeout: float, quiet: bool = False
+) -> list[tuple[Ticket, RecordTable]]:
+    """Each answering ticket's table (as its peer sees it), in the order given."""
+
+    async def one(ticket: Ticket) -> tuple[Ticket, RecordTable] | None:
+        try:
+            return ticket, table_from_reply(swarm, await fetch_table(node, ticket, timeout))
+        except Forbidden:  # a private swarm that does not admit this client: any member would say so
+            raise
+        except ShoalError as exc:
+            (log.debug if quiet else log.warning)(
+                "could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc
+            )
+            return None
+
+    return [view for view in await asyncio.gather(*(one(t) for t in tickets)) if view is not None]
+
+
+async def swarm_spans(
+    node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float, more: bool = True
+) -> list[ServerSpan]:
+    """The online servers of ``model`` in the swarm's table (:func:`pull_table`, ``more``: with
+    other members' views too) that its verdicts do not convict and no member found unreachable."""
+    table = await pull_table(node, tickets, timeout, more)
+    swarm = table.swarm
+    names = sorted(m.name for m in table.models())
+    if model is None or table.model(model) is None:
+        pinned = table.rejected["model_pin"]
+        refused = f" ({pinned} model records refused: not the model the swarm is pinned to)" if pinned else ""
+        serves = ", ".join(names) or "nothing yet"
+        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {serves}{refused}")
+    spans = []
+    num_blocks = table.model(model).num_blocks
+    liars = convicted(table, model)
+    if liars:
+        log.info("the swarm convicted %s of lying: not routed over", ", ".join(p[:10] for p in sorted(liars)))
+    for record in table.servers(model):
+        if record.state is State.ONLINE and record.peer not in liars:
+            ticket = Ticket(record.peer, record.addrs, record.relay, swarm)
+            info = RouteInfo(
+                num_blocks=num_blocks,
+                throughput=record.throughput or 1.0,
+                step_ms=record.step_ms,
+                rtts=dict(record.rtts),
+                free_cache_tokens=record.cache_tokens_free,
+                capabilities=frozenset(record.capabilities),
+                quantization=record.quantization,
+                adapters=tuple(record.adapters),
+            )
+            spans.append(ServerSpan(PeerId(record.peer), record.blocks, ticket, info))
+    return spans
+
+
+async def known_spans(
+    node: BaseNode,
+    tickets: Sequence[Ticket],
+    model: str | None,
+    timeout: float,
+    num_blocks: int | None = None,
+    more: bool = True,
+) -> list[ServerSpan]:
+    """The servers ``tickets`` lead to, each once: every swarm's (:func:`swarm_spans`, through that
+    swarm's tickets) and each plain ticket's own (:func:`fetch_info`). Given ``num_blocks``, once
+    the answers cover every block the rest get ``LISTING_GRACE`` more: a dead plain ticket does not
+    hold up a client whose other servers are enough (a late one is listed at the next refresh)."""
+    by_swarm: dict[str, list[Ticket]] = {}
+    for ticket in tickets:
+        if ticket.swarm_id:
+            by_swarm.setdefault(ticket.swarm_id, []).append(ticket)
+    asks = [swarm_spans(node, members, model, timeout, more) for members in by_swarm.values()]
+    asks += [_listed(fetch_info(node, t, timeout)) for t in tickets if not t.swarm_id]
+    pending = {asyncio.ensure_future(ask) for ask in asks}
+    found: list[ServerSpan] = []
+    deadline: float | None = None
+    try:
+        while pending:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+            for task in done:
+                found.extend(task.result())  # a swarm none of whose tickets answered raises here
+            if deadline is None and num_blocks is not None and not uncovered_blocks(found, num_blocks):
+                deadline = time.monotonic() + LISTING_GRACE
+    finally:
+        for task in pending:
+            task.cancel()
+    unique: dict[PeerId, ServerSpan] = {}
+    for span in found:
+        unique.setdefault(span.peer_id, span)
+    return list(unique.values())
+
+
+async def _listed(ask) -> list[ServerSpan]:
+    span = await ask
+    return [] if span is None else [span]
+
+
+def missing_servers(missing: Sequence[int], *, swarm: bool, silent: int = 0) -> NoRouteError:
+    """The error of a client whose servers leave ``missing`` blocks unhosted, in one line that says
+    how to add them: a server for each gap that joins the swarm (``swarm``: some ticket names one),
+    or one more ticket. ``silent``: given peers that did not answer (they may host those blocks)."""
+    first, *rest = block_runs(missing)
+    more = f" (and one with {', '.join(f'--blocks {g}' for g in rest)})" if rest else ""
+    unanswered = f" ({silent} of the given peers did not answer)" if silent else ""
+    if swarm:
+        how = f"`shoal serve MODEL --blocks {first} --join TICKET`{more}, or pass the ticket of a server hosting them"
+    else:
+        how = f"`shoal serve MODEL --blocks {first}`{more} and pass its ticket"
+    return NoRouteError(
+        f"no server hosts blocks {format_blocks(list(missing))}{unanswered}: start one with {how} with another --join",
+        list(missing),
+    )
+
+
+def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: int) -> None:
+    """Servers must agree with the client's config and with each other on every block's weights."""
+    seen: dict[int, tuple[str, str]] = {}
+    for span in spans:
+        info = span.info
+        if info.num_blocks != num_blocks or info.hidden_size not in (hidden_size, None):
+            raise ShoalError(
+                f"server {span.peer_id[:10]} serves a model with {info.num_blocks} blocks of size "
+                f"{info.hidden_size}, the client's config has {num_blocks} of size {hidden_size}"
+            )
+        for block, fingerprint in zip(span.blocks.blocks(), info.fingerprints, strict=False):
+            other = seen.setdefault(block, (fingerprint, span.peer_id))
+            if other[0] != fingerprint:
+                raise ShoalError(
+                    f"servers {other[1][:10]} and {span.peer_id[:10]} hold different weights for block {block}"
+                )
+
+
+__all__ = ["check_consistent", "fetch_info", "known_spans", "missing_servers", "pull_table", "swarm_spans"]
