@@ -9,7 +9,8 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     │   ├── RequestTimeout          a request, step or stream read missed its deadline (also a TimeoutError)
     │   ├── RefusedError            the peer refused the connection
     │   │   └── ProtocolMismatch    ... because it speaks none of our protocol versions
-    │   └── ClosedError             the connection or stream ended (peer vanished, endpoint closed)
+    │   ├── ClosedError             the connection or stream ended (peer vanished, endpoint closed)
+    │   └── ServerGone              a server answered neither a session open nor a probe [client.remote.recovery]
     ├── WireError                   a frame or message violates the wire format (see shoal.wire)
     │   ├── MessageTooLarge         ... in particular, it exceeds a size limit
     │   └── OverLimit               the peer holds its share of this node (streams, bytes) [transport.guard]
