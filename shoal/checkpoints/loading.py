@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from shoal.errors import ShoalError
 from shoal.models import BlockSpan, ClientHead, get_family
 from shoal.quantization import Quantization, parse_quantization
 from shoal.quantization.weights import block_quantizer
+
+log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,6 +149,12 @@ def load_span(
     quantization = parse_quantization(quantization)
     quantize = block_quantizer(quantization)  # a missing library fails before any read
     config = config if config is not None else load_config(model_dir)
+    if quantization is Quantization.GGUF:  # the file's own quantised tensors, as they are
+        from shoal.checkpoints.gguf import describe, find_gguf, load_gguf_span
+
+        span, prints, served = load_gguf_span(find_gguf(model_dir), start, end, dtype, device, config, progress)
+        log.info("GGUF tensors of blocks %d:%d served as: %s", start, end, describe(served))
+        return span, prints
     family = get_family(config)
     if not 0 <= start < end <= family.num_blocks(config):
         raise ValueError(f"bad block range [{start}, {end}) for {family.num_blocks(config)} blocks")

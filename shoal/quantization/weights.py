@@ -60,6 +60,11 @@ def linear_layers(block: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]
 def check_quantizable(block: nn.Module, quantization: Quantization) -> None:
     """Refuse a format that cannot hold some weight of ``block`` (shapes suffice: a meta block will do)."""
     experts = [name for _, name, _ in expert_parameters(block)]
+    if quantization is Quantization.GGUF and experts:
+        raise UsageError(
+            f"--quant gguf cannot hold MoE expert tensors yet ({', '.join(sorted(set(experts)))}); "
+            "serve the dequantised checkpoint (--quant none) or --quant int8"
+        )
     if quantization is Quantization.NF4 and experts:
         raise UsageError(
             f"--quant nf4 cannot hold MoE expert tensors ({', '.join(sorted(set(experts)))}: 3-D, and "
@@ -75,7 +80,24 @@ def block_quantizer(quantization: Quantization) -> Quantizer:
         return _int8_block
     if quantization is Quantization.NF4:
         return _nf4_block
+    if quantization is Quantization.GGUF:
+        return _int4_block
     return lambda block: block
+
+
+@torch.no_grad()
+def _int4_block(block: nn.Module) -> nn.Module:
+    """Every ``nn.Linear`` as an :class:`~shoal.quantization.gguf.Int4Linear` of its weight rounded
+    to an asymmetric 4-bit grid per group of 32 (what Q4_1 stores). A GGUF server reads its codes
+    from the file instead; this serves blocks made up without one: timing a block
+    (:mod:`shoal.server.throughput`) and tests."""
+    from shoal.quantization.gguf import GROUP, Int4Linear, int4_grid
+
+    check_quantizable(block, Quantization.GGUF)
+    for parent, name, layer in list(linear_layers(block)):
+        if layer.in_features % GROUP == 0:
+            setattr(parent, name, Int4Linear(int4_grid(layer.weight), layer.bias))
+    return block
 
 
 @torch.no_grad()
@@ -184,6 +206,8 @@ def quantized_weight_bytes(shape: torch.Size | tuple[int, ...], quantization: Qu
     numel, rows = _numel(shape), _numel(shape[:-1])
     if quantization is Quantization.INT8:
         return numel + rows * INT8_ROW_BYTES
+    if quantization is Quantization.GGUF:  # at most two int4 planes, a bf16 scale and zero per 32 each
+        return numel + -(-numel // 32) * 8
     if quantization is Quantization.NF4:
         scale = NF4_CPU_SCALE_BYTES if device == "cpu" else NF4_SCALE_BYTES
         return (numel + 1) // 2 + -(-numel // NF4_BLOCK) * scale + NF4_STATE_BYTES
@@ -198,7 +222,7 @@ def planned_bytes(block: nn.Module, dtype: torch.dtype, quantization: Quantizati
     if quantization is not Quantization.NONE:
         check_quantizable(block, quantization)
         quantized = {id(layer.weight): layer.weight.shape for _, _, layer in linear_layers(block)}
-        if quantization is Quantization.INT8:
+        if quantization is not Quantization.NF4:
             quantized.update({id(p): p.shape for _, _, p in expert_parameters(block)})
     total = 0
     for tensor in [*block.parameters(), *block.buffers()]:
