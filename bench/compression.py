@@ -59,8 +59,24 @@ FORMATS = {  # name -> (serving dtype, weight format)
     "int8": (torch.float32, Quantization.INT8),
     "nf4": (torch.float32, Quantization.NF4),
     "gguf": (torch.float32, Quantization.GGUF),  # the GGUF file's own tensors (the wheels' file, kept on fetch)
+    # int8 per group of 32 (two int4 planes, shoal.quantization.gguf.int8_groups), to compare with
+    # --quant int8's per-row scales: made here from an fp32 server's span, it announces full precision
+    "int8g32": (torch.float32, Quantization.NONE),
 }
-QUANTISED = ("int8", "nf4", "gguf")
+QUANTISED = ("int8", "nf4", "gguf", "int8g32")
+COMPARED = ("bf16", *QUANTISED)  # greedy tokens compared with fp32's
+
+
+def int8_per_group(server):
+    """``server`` with every ``nn.Linear`` of its span as int8 per group of 32 (bench only)."""
+    from shoal.quantization.gguf import Int4Linear, int8_groups
+    from shoal.quantization.weights import linear_layers
+
+    for parent, name, layer in list(linear_layers(server.backend.span)):
+        setattr(parent, name, Int4Linear(int8_groups(layer.weight, 32), layer.bias))
+    return server
+
+
 CODECS = (Codec.RAW, Codec.BF16, Codec.FP16, Codec.Q8)
 #: Questions for the instruct models, asked through their chat templates (greedy answers compared)
 GREEDY_PROMPTS = (
@@ -82,7 +98,7 @@ def swarm_of(model_dir: Path, fmt: str) -> InProcessSwarm:
     swarm = InProcessSwarm(model_dir, [], cache_tokens=2048)
     try:
         for span in spans_of(model_dir):
-            swarm.add(span, dtype=dtype, quant=quant)
+            swarm.add(span, int8_per_group if fmt == "int8g32" else None, dtype=dtype, quant=quant)
     except BaseException:
         swarm.close()
         raise
@@ -143,7 +159,7 @@ def weights_rows(model_dir: Path, tokens: int, window: int, formats: list[str]) 
             ids = licence_tokens(tokenizer, tokens)
             row = {"span_bytes": span_bytes(swarm), "perplexity": perplexity(model, ids, window)}
             row["decode_tokens_per_s"] = round(decode_rate(model, tokenizer), 2)
-            if fmt == "fp32" or fmt in QUANTISED:
+            if fmt == "fp32" or fmt in COMPARED:
                 outs = [greedy(model, tokenizer, prompt, 64) for prompt in GREEDY_PROMPTS]
                 if fmt == "fp32":
                     reference = outs
@@ -283,13 +299,14 @@ def main() -> None:
         result["ttft"] = ttft_rows(dirs[first])
         result["ttft_ratio_act8_20mbit"] = round(result["ttft"]["raw"]["ttft_s"] / result["ttft"]["q8"]["ttft_s"], 3)
     if not args.no_memory:
-        memory = memory_rows(args.memory_model, [*formats, *(["bf16"] if "bf16" not in formats else [])])
+        measured = [f for f in formats if f != "int8g32"]  # made by the bench, not a server's format
+        memory = memory_rows(args.memory_model, [*measured, *(["bf16"] if "bf16" not in measured else [])])
         result["memory"] = memory
         for fmt in QUANTISED:
             if fmt in memory:
                 result[f"mem_ratio_{fmt}"] = round(memory[fmt]["uss_gain"] / memory["bf16"]["uss_gain"], 3)
     weights = result["weights"][first]
-    for fmt in QUANTISED:
+    for fmt in COMPARED:
         if fmt in weights:
             result[f"ppl_delta_{fmt}"] = weights[fmt]["ppl_delta"]
             result[f"greedy_match_{fmt}"] = {name: result["weights"][name][fmt]["greedy_match"] for name in names}

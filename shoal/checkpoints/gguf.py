@@ -24,7 +24,7 @@ from torch import nn
 
 from shoal.checkpoints.loading import CheckpointError, block_fingerprint, progress_bar, release_freed_memory
 from shoal.models import BlockSpan, get_family
-from shoal.quantization.gguf import PACKED_TYPES, Int4Linear, affine_codes
+from shoal.quantization.gguf import KERNEL_DTYPE, PACKED_TYPES, Bf16Linear, Int4Linear, affine_codes
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def load_gguf_span(
     """Blocks ``[start, end)`` from the GGUF file ``path``, their fingerprints (of the tensors as
     stored), and how each GGUF type present is served (``int4`` planes, or ``dequantised``). One
     block at a time: the quantised matrices become :class:`Int4Linear` layers, the rest (norms,
-    biases, Q6_K matrices) is dequantised to ``dtype``."""
+    biases) is dequantised to ``dtype``, other quantised matrices (Q6_K) to bf16 at most."""
     if device != "cpu":
         raise CheckpointError(f"GGUF weights are served with torch's CPU int4 kernel; --device {device} cannot")
     source = GGUFSource(path, config)
@@ -125,7 +125,7 @@ def load_gguf_span(
 
 
 def _gguf_block(source: GGUFSource, family, config, index: int, prefix: str, stored, dtype, device):
-    packed, tensors, raw, kinds = {}, {}, {}, {}
+    packed, tensors, raw, kinds, dequantised = {}, {}, {}, {}, {}
     for name, tensor in stored.items():
         rows, type_name = source.read(tensor)
         raw[f"{name}@{type_name}"] = torch.from_numpy(np.array(rows).reshape(-1))  # a copy, for the fingerprint
@@ -135,16 +135,22 @@ def _gguf_block(source: GGUFSource, family, config, index: int, prefix: str, sto
             tensors[name[len(prefix) :]] = torch.empty((rows.shape[0], cols))  # a placeholder, replaced below
         else:
             tensors[name[len(prefix) :]] = source.dequantized(tensor)
-            if len(tensor.shape) == 2:
-                kinds[type_name] = "dequantised"
+            if len(tensor.shape) == 2 and type_name not in ("F32", "F16", "BF16"):
+                dequantised[name[len(prefix) :]] = type_name
     block = family.build_block(config, index, tensors, dtype, device)
     del tensors
     for parent, child, qualified in list(_linears(block)):
         entry = packed.pop(f"{qualified}.weight", None)
+        layer = getattr(parent, child)
         if entry is None:
+            type_name = dequantised.get(f"{qualified}.weight")
+            if type_name is not None and layer.weight.dtype.itemsize > KERNEL_DTYPE.itemsize:
+                setattr(parent, child, Bf16Linear(layer.weight, layer.bias))
+                kinds[type_name] = "bf16 (dequantised)"
+            elif type_name is not None:
+                kinds[type_name] = f"{str(dtype).removeprefix('torch.')} (dequantised)"
             continue
         rows, type_name, cols = entry
-        layer = getattr(parent, child)
         setattr(parent, child, Int4Linear(affine_codes(rows, type_name, cols), layer.bias))
         kinds[type_name] = "int4" if PACKED_TYPES[type_name] == 4 else "int4 x2 (low and high nibbles)"
     if packed:  # a matrix the block does not hold as an nn.Linear of the same name: dequantise it instead

@@ -15,8 +15,9 @@ activations but 6.9 ms on fp32 and 11 ms on fp16 ones (no vector path); ``_weigh
 server's dtype: the codes are the GGUF's own, the group's scale and zero are rounded to bf16
 (relative 2^-9), and each product's output is rounded to bf16 before it returns to the server's
 dtype (relative error of one matmul about 0.3% against fp32, measured on random inputs). Q6_K and
-Q2_K/Q3_K/Q5_K have groups of 16 or codes the kernel cannot split this way and are dequantised to
-the server's dtype (exactly, in fp32).
+Q2_K/Q3_K/Q5_K have groups of 16 or codes the kernel cannot split this way: their matrices are
+dequantised and held in bf16 on a wider server (:class:`Bf16Linear`, the same precision as the
+kernel's, half fp32's bytes), as they are on a bf16 one; norms and biases stay in the server's dtype.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ class AffineCodes:
     """A matrix ``[rows, cols]`` as ``w = scale * codes + offset``, one scale and offset per 32 columns."""
 
     codes: np.ndarray  # uint8 [rows, cols]
-    scale: np.ndarray  # float32 [rows, cols / 32]
-    offset: np.ndarray  # float32 [rows, cols / 32]
+    scale: np.ndarray  # float32 [rows, cols / group]
+    offset: np.ndarray  # float32 [rows, cols / group]
     bits: int
+    group: int = GROUP  # 32, 64, 128 or 256: what the kernel takes
 
     def dequantize(self) -> np.ndarray:
         rows, cols = self.codes.shape
-        w = self.codes.reshape(rows, -1, GROUP).astype(np.float32) * self.scale[..., None] + self.offset[..., None]
+        w = self.codes.reshape(rows, -1, self.group).astype(np.float32) * self.scale[..., None] + self.offset[..., None]
         return w.reshape(rows, cols)
 
 
@@ -109,6 +111,36 @@ def int4_grid(weight: torch.Tensor) -> AffineCodes:
     return AffineCodes(codes.reshape(rows, cols).numpy(), scale.numpy(), low.numpy(), 4)
 
 
+def int8_groups(weight: torch.Tensor, group: int) -> AffineCodes:
+    """``weight`` ``[out, in]`` as symmetric int8 with one scale per ``group`` weights (Q8_0's grid
+    when ``group`` is 32), each scale rounded up to bf16 first so the codes are exact for it."""
+    rows, cols = weight.shape
+    groups = weight.detach().float().reshape(rows, cols // group, group)
+    scale = groups.abs().amax(-1).clamp_min(1e-12) / 127
+    rounded = scale.to(torch.bfloat16)
+    up = torch.nextafter(rounded, torch.tensor(float("inf"), dtype=torch.bfloat16))
+    scale = torch.where(rounded.float() < scale, up, rounded).float()
+    codes = torch.round(groups / scale[..., None]).clamp(-127, 127) + 128
+    codes = codes.to(torch.uint8).reshape(rows, cols).numpy()
+    return AffineCodes(codes, scale.numpy(), (-128 * scale).numpy(), 8, group)
+
+
+class Bf16Linear(nn.Module):
+    """A linear layer holding its weight in bf16 and computing on bf16 activations (output and bias
+    in the server's dtype): a GGUF matrix whose type has no int4 form (Q6_K: groups of 16) on a
+    server of a wider dtype, at the precision of the int4 kernel beside it and half fp32's bytes."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().to(KERNEL_DTYPE).contiguous())
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x.to(KERNEL_DTYPE), self.weight).to(x.dtype)
+        return out + self.bias if self.bias is not None else out
+
+
 class Int4Linear(nn.Module):
     """A linear layer whose weight is int4 codes in planes side by side along the input (1 plane:
     4-bit codes; 2: low and high nibbles of wider ones), through ``_weight_int4pack_mm_for_cpu`` on
@@ -124,7 +156,7 @@ class Int4Linear(nn.Module):
             high_zero = 0 * codes.scale if codes.bits == 8 else 128 * codes.scale
             planes = [(codes.codes & 0x0F, codes.scale, codes.offset + 136 * codes.scale - high_zero),
                       (codes.codes >> 4, 16 * codes.scale, high_zero)]  # fmt: skip
-        self.planes = len(planes)
+        self.planes, self.group = len(planes), codes.group
         packed = np.concatenate([c for c, _, _ in planes], axis=1)  # [rows, planes * cols]
         scale = np.concatenate([s for _, s, _ in planes], axis=1)  # [rows, planes * groups]
         zero = np.concatenate([z for _, _, z in planes], axis=1)
@@ -138,7 +170,9 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         if self.planes > 1:
             flat = flat.repeat(1, self.planes)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scales_and_zeros)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat.contiguous(), self.packed, self.group, self.scales_and_zeros
+        )
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out + self.bias if self.bias is not None else out
 
@@ -146,7 +180,9 @@ class Int4Linear(nn.Module):
         """The weight ``[out, in]`` as served (bf16 scales), in fp32: for tests and audits."""
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         flat = eye.repeat(1, self.planes)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros).float().t()
+        return (
+            torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros).float().t()
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, planes={self.planes}"

@@ -89,5 +89,6 @@ def test_greedy_tokens_through_gguf_servers_follow_the_fp32_checkpoints(model):
     if not is_fetched(model) or not list(model_dir.glob("*.gguf")):
         pytest.skip(f"{model} or its GGUF is not fetched (shoal models fetch {model})")
     reference, served = _greedy(model_dir, Quantization.NONE), _greedy(model_dir, Quantization.GGUF)
-    matches = [next((i for i, (a, b) in enumerate(zip(r, s)) if a != b), 64) for r, s in zip(reference, served)]
+    pairs = zip(reference, served, strict=True)
+    matches = [next((i for i, (a, b) in enumerate(zip(r, s, strict=True)) if a != b), 64) for r, s in pairs]
     assert min(matches) >= 16 and sum(m == 64 for m in matches) >= 4, matches
