@@ -177,6 +177,25 @@ def describe(served: dict[str, str]) -> str:
     return ", ".join(f"{t}: {how}" for t, how in sorted(served.items()))
 
 
+def known_model_of(path: str | Path) -> str:
+    """The known model whose GGUF file ``path`` is (by its name): ``shoal serve FILE.gguf`` serves
+    its blocks in that model's swarm, whose clients read the head from the model's checkpoint."""
+    from shoal.checkpoints.fetch import KNOWN_MODELS
+    from shoal.errors import UsageError
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UsageError(f"{path}: no such GGUF file")
+    for name, spec in KNOWN_MODELS.items():
+        if spec.gguf_name == path.name:
+            return name
+    files = ", ".join(f"{spec.gguf_name} ({name})" for name, spec in sorted(KNOWN_MODELS.items()))
+    raise UsageError(
+        f"{path.name}: `shoal serve FILE.gguf` knows the GGUF files of the known models: {files}; for "
+        "another model, put its GGUF file in its Hugging Face checkpoint directory and serve that with --quant gguf"
+    )
+
+
 def find_gguf(model_dir: str | Path) -> Path:
     """The one GGUF file in ``model_dir`` (a known model keeps its file there once fetched)."""
     model_dir = Path(model_dir)
@@ -192,4 +211,4 @@ def find_gguf(model_dir: str | Path) -> Path:
     raise CheckpointError(f"{model_dir}: --quant gguf needs the model's GGUF file beside it, and it has {what}")
 
 
-__all__ = ["GGUFSource", "describe", "find_gguf", "load_gguf_span"]
+__all__ = ["GGUFSource", "describe", "find_gguf", "known_model_of", "load_gguf_span"]

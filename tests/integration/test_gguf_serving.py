@@ -92,3 +92,33 @@ def test_greedy_tokens_through_gguf_servers_follow_the_fp32_checkpoints(model):
     pairs = zip(reference, served, strict=True)
     matches = [next((i for i, (a, b) in enumerate(zip(r, s, strict=True)) if a != b), 64) for r, s in pairs]
     assert min(matches) >= 16 and sum(m == 64 for m in matches) >= 4, matches
+
+
+@pytest.mark.slow
+def test_shoal_serve_a_known_models_gguf_file_serves_it_as_stored():
+    """``shoal serve FILE.gguf --blocks 0:2``: the known model's swarm, gguf in its ``info``, the
+    file's fingerprints, and the forward the GGUF span computes here."""
+    from shoal.checkpoints.fetch import is_fetched, model_cache_dir
+    from shoal.transport import Node
+    from tests.helpers.aio import run
+    from tests.helpers.servers import CLIENT_CONFIG, forward, info, inputs, local_forward, start_server, stop_server
+
+    model_dir = model_cache_dir("smollm2")
+    files = list(model_dir.glob("*.gguf"))
+    if not is_fetched("smollm2") or not files:
+        pytest.skip("smollm2 or its GGUF is not fetched (shoal models fetch smollm2)")
+    process = start_server(files[0], "0:2")
+    try:
+        x = inputs(576, 5)
+
+        async def ask():
+            async with await Node.start(CLIENT_CONFIG) as node:
+                return (await info(node, process.ticket)).span, await forward(node, process.ticket, x)
+
+        served, output = run(ask(), timeout=120)
+    finally:
+        stop_server(process)
+    span, prints = load_span(model_dir, 0, 2, quantization=Quantization.GGUF)
+    assert served.quantization is Quantization.GGUF and served.model == "smollm2"
+    assert served.fingerprints == [prints[0], prints[1]]
+    torch.testing.assert_close(output, local_forward(span, x), rtol=0, atol=1e-4)
