@@ -140,6 +140,9 @@ class Bf16Linear(nn.Module):
         out = torch.nn.functional.linear(x.to(KERNEL_DTYPE), self.weight).to(x.dtype)
         return out + self.bias if self.bias is not None else out
 
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
 
 class Int4Linear(nn.Module):
     """A linear layer whose weight is int4 codes in planes side by side along the input (1 plane:
