@@ -24,7 +24,7 @@ from torch import nn
 
 from shoal.checkpoints.loading import CheckpointError, block_fingerprint, progress_bar, release_freed_memory
 from shoal.models import BlockSpan, get_family
-from shoal.quantization.gguf import KERNEL_DTYPE, PACKED_TYPES, Bf16Linear, Int4Linear, affine_codes
+from shoal.quantization.gguf import PACKED_TYPES, Int4Linear, affine_codes
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def load_gguf_span(
     """Blocks ``[start, end)`` from the GGUF file ``path``, their fingerprints (of the tensors as
     stored), and how each GGUF type present is served (``int4`` planes, or ``dequantised``). One
     block at a time: the quantised matrices become :class:`Int4Linear` layers, the rest (norms,
-    biases) is dequantised to ``dtype``, other quantised matrices (Q6_K) to bf16 at most."""
+    biases, matrices of types without an int4 form such as Q6_K) is dequantised to ``dtype``."""
     if device != "cpu":
         raise CheckpointError(f"GGUF weights are served with torch's CPU int4 kernel; --device {device} cannot")
     source = GGUFSource(path, config)
@@ -144,10 +144,7 @@ def _gguf_block(source: GGUFSource, family, config, index: int, prefix: str, sto
         layer = getattr(parent, child)
         if entry is None:
             type_name = dequantised.get(f"{qualified}.weight")
-            if type_name is not None and layer.weight.dtype.itemsize > KERNEL_DTYPE.itemsize:
-                setattr(parent, child, Bf16Linear(layer.weight, layer.bias))
-                kinds[type_name] = "bf16 (dequantised)"
-            elif type_name is not None:
+            if type_name is not None:
                 kinds[type_name] = f"{str(dtype).removeprefix('torch.')} (dequantised)"
             continue
         rows, type_name, cols = entry

@@ -3,9 +3,9 @@
 Full precision (the serving dtype, fp32, bf16 or fp16, as loaded) ranks above gguf (a GGUF
 file's own quantised tensors, served as they are: the checkpoint *is* that grid, so nothing is
 re-quantised; its kernel rounds activations to bf16), which ranks above int8, above nf4. A server
-announces its format in its swarm record and its ``info`` next to the
-fingerprints of the checkpoint tensors it quantised (gguf: of the file's tensors as stored), so
-replicas of a block agree on *what* they serve and say *how*; a client routes only over servers at or above its ``min_quality``
+announces its format in its swarm record and its ``info`` next to the fingerprints of the checkpoint
+tensors it quantised (gguf: of the file's tensors as stored), so replicas of a block agree on *what*
+they serve and say *how*; a client routes only over servers at or above its ``min_quality``
 (:data:`DEFAULT_MIN_QUALITY`: int8 and better). Pure: no torch, no quantisation library.
 """
 
