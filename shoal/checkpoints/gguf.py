@@ -14,6 +14,7 @@ another format as well).
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,18 @@ class GGUFSource:
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
         self.path = Path(path)
-        self.reader = GGUFReader(self.path)
-        self.architecture = read_field(self.reader, "general.architecture")[0]
-        self.file_type = _file_type(self.reader)
+        reader = GGUFReader(self.path)
+        self.architecture = read_field(reader, "general.architecture")[0]
+        self.file_type = _file_type(reader)
+        self.tensors = {t.name: t for t in reader.tensors}  # views of the file's mapping
+        # the reader parsed every field into small numpy arrays (a tokenizer's vocabulary: 166 MB for
+        # smollm2's): let them go before any block is built, or the heap keeps their pages between
+        # the blocks' tensors (84 MB more unique memory on Qwen's 24 blocks)
+        del reader
+        gc.collect()
+        release_freed_memory()
         self.processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=hf_config.to_dict())
         self.to_hf = _name_map(hf_config, self.processor)
-        self.tensors = {t.name: t for t in self.reader.tensors}
 
     def block_tensors(self, prefix: str) -> dict[str, Any]:
         """The file's tensors of one block, by checkpoint name (those starting with ``prefix``)."""
@@ -120,7 +127,7 @@ def load_gguf_span(
         blocks.append(block)
         del raw
         release_freed_memory()
-    source.reader = None  # drop the file's mapping: nothing served refers to it
+    source.tensors = {}  # drop the file's mapping: nothing served refers to it
     return family.assemble_span(config, start, end, blocks, dtype, device), prints, served
 
 
