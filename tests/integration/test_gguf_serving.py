@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.checkpoints import load_client_head, load_span
+from shoal.checkpoints import load_client_head, load_config, load_span
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.quantization import Quantization
@@ -60,7 +60,7 @@ PROMPTS = (
 
 def _greedy(model_dir, quant: Quantization) -> list[list[int]]:
     with InProcessSwarm(model_dir, [], cache_tokens=1024) as swarm:
-        num_blocks = swarm.connect().config.num_hidden_layers
+        num_blocks = load_config(model_dir).num_hidden_layers
         for span in (BlockRange(0, num_blocks // 2), BlockRange(num_blocks // 2, num_blocks)):
             swarm.add(span, quant=quant)
         model = swarm.connect()
