@@ -69,6 +69,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.server.preflight import check_blocks, check_model, check_quantization
     from shoal.swarm.gossip import GossipConfig
 
+    gguf = None
+    if args.model.endswith(".gguf"):  # a known model's GGUF file: its blocks, served as they are stored
+        from shoal.checkpoints.gguf import known_model_of
+        from shoal.errors import UsageError
+
+        if args.quant not in ("none", "gguf"):
+            raise UsageError(f"a GGUF file is served as it is stored: --quant {args.quant} does not apply")
+        gguf, args.model, args.quant = Path(args.model).expanduser().resolve(), known_model_of(args.model), "gguf"
     blocks = parse_blocks(args.blocks) if args.blocks else None
     model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
     check_blocks(blocks, model)
@@ -79,6 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=parse_dtype(args.dtype),
         device=args.device,
         quant=quant,
+        gguf=gguf,
         cache_tokens=args.cache_tokens,
         page_size=args.page_size,
         kv_overcommit=args.kv_overcommit,
@@ -159,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="host a span of a model's blocks", description=SERVE_DESCRIPTION)
-    serve.add_argument("model", help="local Hugging Face directory, known model name (smollm2) or Hub id")
+    serve.add_argument(
+        "model",
+        help="local Hugging Face directory, known model name (smollm2), Hub id, or a known model's GGUF file "
+        "(served as stored: --quant gguf)",
+    )
     serve.add_argument(
         "--blocks", metavar="START:END", help="START:END, half-open (e.g. 0:10); omit it to be placed automatically"
     )
@@ -174,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--quant",
         default="none",
-        choices=["none", "int8", "nf4"],
-        help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients route over "
+        choices=["none", "gguf", "int8", "nf4"],
+        help="hold the blocks' weight matrices quantised: gguf serves the model's GGUF file's own tensors "
+        "(known models keep theirs), int8 and nf4 quantise (pip install shoal[quant]); clients route over "
         "int8 and better unless they ask for more or accept less",
     )
     serve.add_argument(

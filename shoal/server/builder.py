@@ -192,7 +192,9 @@ def load_block_server(
     check_blocks(span, model)
     model_dir = resolve_model(config.model, blocks=span, config=model.hf_config)  # from the Hub: the span's shards
     hf_config, start, end = model.hf_config, span.start, span.end
-    built, prints = load_span(model_dir, start, end, config.dtype, config.device, config.quant, config=hf_config)
+    built, prints = load_span(
+        model_dir, start, end, config.dtype, config.device, config.quant, config=hf_config, gguf=config.gguf
+    )
     fingerprints = [prints[i] for i in range(start, end)]
     if on_fingerprints is not None:
         on_fingerprints(fingerprints)

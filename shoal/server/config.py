@@ -70,6 +70,7 @@ class ServerConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     quant: Quantization = Quantization.NONE  # how the span's weight matrices are held (shoal.quantization)
+    gguf: Path | None = None  # --quant gguf: the GGUF file served (None: the one beside the checkpoint)
     cache_tokens: int = 8192  # KV cache budget per hosted block, in tokens (all sessions together)
     page_size: int = DEFAULT_PAGE_SIZE  # positions per KV page (the cache is taken and shared in pages)
     kv_overcommit: float = 1.0  # admit sessions whose max_lengths commit up to this many times the pages
