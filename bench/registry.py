@@ -1,7 +1,12 @@
 """Swarm registry at scale: the real record, table and gossip code over a simulated network.
 
-    python -m bench.registry          # 1,000 peers, 5 s rounds, 60 s refresh: ~1.5 min on 2 busy cores
+    python -m bench.registry          # 1,000 peers, 5 s rounds, 60 s refresh: ~2.5 min on 2 busy cores
     python -m bench.registry --peers 200 --period 2 --refresh 20 [--fanout F --push-delay S --sync-every R]
+    python -m bench.registry --peers 10000   # sampled mode (bench/registry_scale.py): ~30 s, ~400 MB
+
+Past ``FULL_MAX_PEERS`` (2,000) peers, or with ``--sampled``, the run is :mod:`bench.registry_scale`:
+every peer simulated, full tables only at a sample of observers (this mode's N^2 tables take 24 GB
+at 10,000 peers). What follows describes the full mode.
 
 One process, a virtual clock, no sockets. Every peer has its own :class:`RecordTable` (whose clock
 is the virtual clock) and :class:`Gossiper`, driven the way :class:`shoal.swarm.service.SwarmService`
@@ -27,7 +32,10 @@ would take ~20 minutes here); ``--per-peer-decode`` turns that off. Table checks
 run per peer.
 
 Prints JSON: convergence after joins, clean leaves and a crash, and steady-state traffic per peer
-against the floor ``N * record_bytes * 60 / refresh``, with ``targets_met``.
+against the floor ``N * record_bytes * 60 / refresh``, with ``targets_met``; in both modes a summary
+of ``join_convergence_s`` and ``leave_convergence_s`` (the worst trial), ``bytes_ratio`` and
+``peak_rss_mb``. Tables run with the default :class:`~shoal.limits.RegistryLimits` (caps, and
+senders' budgets: ``rejected_records`` counts what they refused of honest traffic).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import itertools
 import json
 import math
 import random
+import resource
 import statistics
 import sys
 import time
@@ -61,6 +70,8 @@ EPOCH = 1.75e9  # virtual time 0 on the records' clock
 SWARM = "bench-swarm"
 MODEL = "bench/model-32"
 RELAY = "https://euw1-1.relay.iroh.network./"
+OUTSIDER = "0" * 64  # the sender of requests from outside the swarm (Sim.inject)
+FULL_MAX_PEERS = 2000  # past this the full simulation's N^2 tables do not fit: sampled mode
 TARGET_CONVERGENCE_S = 30.0
 TARGET_BYTES_RATIO = 2.0
 
@@ -286,7 +297,7 @@ class SimPeer:
             return
         try:
             self.table.expire()  # SwarmService.handle: never hand out records that have lapsed
-            reply = self.gossiper.handle(out.op, out.payload)
+            reply = self.gossiper.handle(out.op, out.payload, caller.id if caller is not None else OUTSIDER)
             self._wake()
         except RecordError as exc:
             self.table.rejected[exc.reason] += 1
@@ -668,9 +679,26 @@ def _run(config: SimConfig, window: float, trials: int, shared: SharedDecode | N
             "record_decodes_per_peer_per_second": round(decodes / n / (minutes * 60), 2) if shared else None,
             "decode_us_per_record": round(_decode_us(sim), 1),
             "failed_calls_total": sim.failed_calls,
+            # every table's refusals over the run but stale copies (normal in gossip): honest
+            # traffic under the registry's caps and senders' budgets (shoal.limits.RegistryLimits)
+            "rejected_records": {
+                reason: n
+                for reason, n in sum((p.table.rejected for p in sim.peers), start=Counter()).items()
+                if reason != "stale"
+            },
         },
         "targets": {"convergence_s": TARGET_CONVERGENCE_S, "bytes_ratio": TARGET_BYTES_RATIO},
     }
+    out["mode"] = "full"
+    return finish(out, join, leave, ratio, sim.now, started)
+
+
+def finish(out: dict, join: dict, leave: dict, ratio: float, virtual: float, started: float) -> dict:
+    """The summary keys every mode prints, and whether the targets are met."""
+    out["join_convergence_s"] = join["max_s"]
+    out["leave_convergence_s"] = leave["max_s"]
+    out["bytes_ratio"] = round(ratio, 3)
+    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     out["targets_met"] = bool(
         join["max_s"] is not None
         and join["max_s"] < TARGET_CONVERGENCE_S
@@ -678,7 +706,7 @@ def _run(config: SimConfig, window: float, trials: int, shared: SharedDecode | N
         and leave["max_s"] < TARGET_CONVERGENCE_S
         and ratio <= TARGET_BYTES_RATIO
     )
-    out["virtual_s"] = round(sim.now, 1)
+    out["virtual_s"] = round(virtual, 1)
     out["wall_s"] = round(time.perf_counter() - started, 1)
     return out
 
@@ -701,6 +729,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--per-peer-decode", action="store_true", help="every peer decodes every copy (slow: minutes for 200 peers)"
     )
+    parser.add_argument(
+        "--sampled",
+        action="store_true",
+        help=f"every peer simulated, full tables only at observers (bench/registry_scale.py; "
+        f"the default above {FULL_MAX_PEERS} peers)",
+    )
+    parser.add_argument("--observers", type=int, default=16, help="sampled: peers that hold a real table")
+    parser.add_argument("--sample-rate", type=float, default=1.0, help="sampled: refreshes per second spread as gossip")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = parser.parse_args(argv)
     base = GossipConfig()
@@ -714,7 +750,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else None
     config = SimConfig(peers=args.peers, gossip=gossip, seed=args.seed, dead_timeout=args.dead_timeout)
-    result = run(config, window=args.window, trials=args.trials, per_peer_decode=args.per_peer_decode, log=log)
+    if args.sampled or args.peers > FULL_MAX_PEERS:
+        from bench import registry_scale  # it imports this module
+
+        say = log or (lambda *_: None)
+        result = registry_scale.run(config, args.window, args.trials, args.observers, args.sample_rate, say)
+    else:
+        result = run(config, window=args.window, trials=args.trials, per_peer_decode=args.per_peer_decode, log=log)
     print(json.dumps(result, indent=2))
 
 

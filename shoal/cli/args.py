@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from shoal.limits import Limits, flag_of, limit_fields
+from shoal.limits import Limits, RegistryLimits, flag_of, limit_fields
 
 if TYPE_CHECKING:
     from shoal.transport import Ticket, TransportConfig
@@ -91,6 +91,17 @@ def non_negative_float(text: str) -> float:
 
 
 non_negative_float.__name__ = "non-negative number"
+
+
+def record_lifetime(text: str) -> float:
+    """Seconds a server's records live (``--expiry``): positive, and no longer than tables accept."""
+    value = float(text)
+    if not 0 < value <= RegistryLimits().max_announce_lifetime:
+        raise ValueError(text)
+    return value
+
+
+record_lifetime.__name__ = f"lifetime in (0, {RegistryLimits().max_announce_lifetime:g}] seconds"
 
 
 def probability(text: str) -> float:

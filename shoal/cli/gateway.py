@@ -20,6 +20,7 @@ from shoal.cli.args import (
     probability,
     transport_config,
 )
+from shoal.cli.swarm import add_member_flags, member_settings
 
 #: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it).
 VERIFY_CHOICES = ("off", "audit", "redundant")
@@ -112,6 +113,7 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
     add_speculation(parser)
     add_verification(parser)
     _client_network(parser)
+    add_member_flags(parser)
     parser.add_argument(
         "--route-wait",
         type=non_negative_float,
@@ -135,6 +137,7 @@ def _client_settings(args: argparse.Namespace) -> dict:
         verify=args.verify,
         audit_every=args.audit_every,
         route_wait=args.route_wait,
+        **member_settings(args),
     )  # checked when made: a mode this client cannot run is a usage error before anything starts
     return dict(
         join=join,
@@ -207,7 +210,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     options = GatewayOptions(
         join=(ticket,),
         api_key=_api_key(args),
-        client=ClientConfig(transport=transport_config(args, args.bind)),
+        client=ClientConfig(transport=transport_config(args, args.bind), **member_settings(args)),
         **_http_options(args),
     )
     return serve_gateway(options)
@@ -253,6 +256,7 @@ def add_commands(sub) -> None:
         "dials for it (default: $SHOAL_API_KEY; none: only this swarm)",
     )
     _client_network(dashboard, several=False)
+    add_member_flags(dashboard)
     dashboard.set_defaults(func=cmd_dashboard)
 
     chat = sub.add_parser("chat", help="chat in the terminal with a model served by a swarm (one session)")

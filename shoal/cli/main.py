@@ -26,8 +26,10 @@ from shoal.cli.args import (
     port_number,
     positive_float,
     positive_int,
+    record_lifetime,
     transport_config,
 )
+from shoal.cli.swarm import add_member_flags, add_swarm_commands
 
 DESCRIPTION = """\
 Run large language models across machines that belong to different people: servers host spans of a
@@ -50,6 +52,7 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from shoal.cli.swarm import read_member_cert
     from shoal.devices import check_device
     from shoal.swarm.service import check_join
     from shoal.transport.loop import run as run_loop
@@ -66,6 +69,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.server.preflight import check_blocks, check_model, check_quantization
     from shoal.swarm.gossip import GossipConfig
 
+    gguf = None
+    if args.model.endswith(".gguf"):  # a known model's GGUF file: its blocks, served as they are stored
+        from shoal.checkpoints.gguf import known_model_of
+        from shoal.errors import UsageError
+
+        if args.quant not in ("none", "gguf"):
+            raise UsageError(f"a GGUF file is served as it is stored: --quant {args.quant} does not apply")
+        gguf, args.model, args.quant = Path(args.model).expanduser().resolve(), known_model_of(args.model), "gguf"
     blocks = parse_blocks(args.blocks) if args.blocks else None
     model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
     check_blocks(blocks, model)
@@ -76,6 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=parse_dtype(args.dtype),
         device=args.device,
         quant=quant,
+        gguf=gguf,
         cache_tokens=args.cache_tokens,
         page_size=args.page_size,
         kv_overcommit=args.kv_overcommit,
@@ -91,6 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         new_swarm=args.new_swarm,
         join=join,
         join_anyway=args.join_anyway,
+        member_cert=read_member_cert(args.member_cert),
         throughput=args.throughput,
         num_blocks=args.num_blocks,
         rebalance=not args.no_rebalance,
@@ -108,10 +121,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_swarm_status(args: argparse.Namespace) -> int:
+    from shoal.cli.swarm import member_settings
     from shoal.swarm.status import render, swarm_status, to_json
     from shoal.transport.loop import run as run_loop
 
-    status = run_loop(swarm_status(join_ticket(args.join), transport_config(args, f"{args.host}:{args.port}")))
+    transport = transport_config(args, f"{args.host}:{args.port}")
+    status = run_loop(swarm_status(join_ticket(args.join), transport, **member_settings(args)))
     print(to_json(status) if args.json else render(status))
     return 0
 
@@ -153,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="host a span of a model's blocks", description=SERVE_DESCRIPTION)
-    serve.add_argument("model", help="local Hugging Face directory, known model name (smollm2) or Hub id")
+    serve.add_argument(
+        "model",
+        help="local Hugging Face directory, known model name (smollm2), Hub id, or a known model's GGUF file "
+        "(served as stored: --quant gguf)",
+    )
     serve.add_argument(
         "--blocks", metavar="START:END", help="START:END, half-open (e.g. 0:10); omit it to be placed automatically"
     )
@@ -168,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--quant",
         default="none",
-        choices=["none", "int8", "nf4"],
-        help="hold the blocks' weight matrices quantised (needs pip install shoal[quant]); clients route over "
+        choices=["none", "gguf", "int8", "nf4"],
+        help="hold the blocks' weight matrices quantised: gguf serves the model's GGUF file's own tensors "
+        "(known models keep theirs), int8 and nf4 quantise (pip install shoal[quant]); clients route over "
         "int8 and better unless they ask for more or accept less",
     )
     serve.add_argument(
@@ -242,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--join-anyway", action="store_true",
         help="with --join: start even when no peer of the tickets answers (alone in their swarm until one does)",
     )  # fmt: skip
+    swarm.add_argument(
+        "--member-cert", metavar="FILE",
+        help="member certificate of a private swarm for the --identity key (shoal swarm invite); with --new-swarm: "
+        "the new swarm is private, owned by the certificate's owner",
+    )  # fmt: skip
     swarm.add_argument("--throughput", type=float, help="tokens/s per block to announce (default: measure, cached)")
     swarm.add_argument(
         "--balance-period", type=positive_float, default=120.0, help="seconds between placement re-checks"
@@ -250,7 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--drain-timeout", type=float, default=5.0, help="seconds sessions get to move on at exit")
     swarm.add_argument("--gossip-period", type=positive_float, default=5.0, help="seconds between gossip rounds")
     swarm.add_argument("--refresh-period", type=positive_float, default=60.0, help="seconds between record refreshes")
-    swarm.add_argument("--expiry", type=positive_float, default=180.0, help="seconds a record stays valid")
+    swarm.add_argument(
+        "--expiry",
+        type=record_lifetime,
+        default=180.0,
+        help="seconds a record stays valid (at most 600: tables refuse longer)",
+    )
     _add_network(serve)
     add_limit_flags(serve, "node")
     add_limit_flags(serve, "server")
@@ -267,14 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("-q", "--quiet", action="store_true", help="no progress bars or messages")
     fetch.set_defaults(func=cmd_models_fetch)
 
-    swarm_cmd = sub.add_parser("swarm", help="inspect a swarm: models, block coverage, servers").add_subparsers(
+    swarm_cmd = sub.add_parser("swarm", help="inspect a swarm; run a private one").add_subparsers(
         dest="swarm_command", required=True, metavar="COMMAND"
     )
     status = swarm_cmd.add_parser("status", help="models, block coverage and servers of a swarm")
     status.add_argument("--join", required=True, metavar="TICKET", help="ticket of any swarm member")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_member_flags(status)
     _add_network(status)
     status.set_defaults(func=cmd_swarm_status, host="127.0.0.1")
+    add_swarm_commands(swarm_cmd, _add_network)
 
     demo = sub.add_parser("demo", help="a local swarm on loopback answering a chat prompt")
     demo.add_argument(

@@ -21,6 +21,7 @@ from shoal.errors import UsageError
 from shoal.models import get_family
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization, parse_min_quality
 from shoal.routing import AdapterChoice
+from shoal.swarm.members import parse_certificate
 from shoal.transport import Node, StartNode, Ticket, TransportConfig
 from shoal.wire import Codec
 
@@ -50,6 +51,8 @@ class AutoDistributedModelForCausalLM:
         audit_every: int | None = None,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         route_wait: float = 10.0,
+        identity: bytes | None = None,
+        member_cert: bytes | str | None = None,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
@@ -83,6 +86,8 @@ class AutoDistributedModelForCausalLM:
         positions (a long prompt) travels the chain in chunks of this many, pipelined: the second
         server computes chunk 1 while the first computes chunk 2 (same tokens; None or 0: off; see
         :mod:`shoal.client.remote.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on.
+        ``identity``: the client node's 32-byte secret key (default: a new one), and ``member_cert``
+        a private swarm's member certificate issued for it (``shoal swarm invite``; its text or bytes).
         Every setting but ``start_node`` lands, checked before anything is loaded, on one frozen
         :class:`~shoal.client.config.ClientConfig` (``model.blocks.config``) that the client runs from."""
         client_config = ClientConfig(
@@ -102,6 +107,8 @@ class AutoDistributedModelForCausalLM:
             route_wait=route_wait,
             tuning_mode=tuning_mode,
             pre_seq_len=pre_seq_len,
+            identity=identity,
+            member_cert=parse_certificate(member_cert) if isinstance(member_cert, str) else member_cert,
         )
         return AutoDistributedModelForCausalLM.from_client_config(
             model, initial_peers, client_config, start_node=start_node

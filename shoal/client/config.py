@@ -19,6 +19,7 @@ from shoal.devices import check_device
 from shoal.errors import UsageError
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import AdapterChoice
+from shoal.swarm.members import public_key, read_certificate
 from shoal.transport import TransportConfig
 from shoal.wire import Codec
 
@@ -39,6 +40,8 @@ class ClientConfig:
     revision: str | None = None  # Hub revision of the checkpoint (None: the default branch)
     # transport
     transport: TransportConfig = field(default_factory=TransportConfig)  # deadlines, bind address, network profile
+    identity: bytes | None = field(default=None, repr=False)  # the node's secret key (None: a new one each start)
+    member_cert: bytes | None = None  # a private swarm's member certificate for ``identity`` (shoal swarm invite)
     compression: Codec = Codec.RAW  # hidden states to and from the servers that announced it (others: raw float32)
     # routing
     push: bool = True  # a session's servers hand a step's output straight to the next (else the client drives hops)
@@ -57,6 +60,13 @@ class ClientConfig:
     pre_seq_len: int = 0  # trainable prompt positions before every sequence (with a tuning_mode)
 
     def __post_init__(self) -> None:
+        if self.member_cert is not None:
+            if self.identity is None:
+                raise UsageError("a member certificate names a peer id: give the identity key it was issued for")
+            cert = read_certificate(self.member_cert)
+            if cert.member != public_key(self.identity):
+                raise UsageError(f"the member certificate is for peer {cert.member[:10]}, not this identity's "
+                                 f"{public_key(self.identity)[:10]}")  # fmt: skip
         check_device(self.device, "device")
         check_verify(self.verify, self.audit_every)
         if self.prefill_chunk is not None and self.prefill_chunk < 0:

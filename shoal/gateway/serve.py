@@ -122,7 +122,11 @@ def serve_gateway(options: GatewayOptions) -> int:
             engine = Engine(model, model_name(options.model), options.default_max_tokens, speculation)
         app = build_app(
             engine,
-            Watchers(options.client.transport, shown_swarm(options.join)),
+            Watchers(
+                options.client.transport,
+                shown_swarm(options.join),
+                member=(options.client.identity, options.client.member_cert),
+            ),
             options.api_key,
             options.max_concurrency,
             allowed_hosts=allowed_hosts(options.host, options.allowed_hosts),

@@ -46,12 +46,18 @@ TABLE_MAX_AGE = 5.0  # seconds: older than this, sampling pulls the table itself
 
 class SwarmWatcher:
     def __init__(
-        self, ticket: Ticket, transport: TransportConfig, runtime: LoopThread | None = None, min_interval: float = 0.5
+        self,
+        ticket: Ticket,
+        transport: TransportConfig,
+        runtime: LoopThread | None = None,
+        min_interval: float = 0.5,
+        member: tuple[bytes | None, bytes | None] = (None, None),  # key and certificate (private swarms)
     ):
         if not ticket.swarm_id:
             raise ValueError("this ticket names no swarm (printed by a server started without --new-swarm/--join)")
         self.first = ticket
         self.transport = transport
+        self.member = member
         self.runtime = runtime or shared_loop()
         self.min_interval = min_interval  # pulls closer together than this share one answer
         self.table = RecordTable(ticket.swarm_id)
@@ -113,7 +119,9 @@ class SwarmWatcher:
 
     async def _pull(self) -> dict:
         if self._node is None:
-            self._node = await Node.start(self.transport)
+            identity, cert = self.member
+            self._node = await Node.start(self.transport, secret_key=identity)
+            self._node.credential = cert  # presented to a private swarm's members
         timeout = self.transport.deadlines.connect + self.transport.deadlines.request
         via, errors, rejected = None, [], None
         for ticket in self._candidates():
@@ -189,8 +197,15 @@ class Watchers:
     """One watcher per swarm: the gateway's own, plus those the dashboard's ``?ticket=`` names; each
     samples its swarm's load from its creation on."""
 
-    def __init__(self, transport: TransportConfig, default: Ticket | None = None, limit: int = 8):
+    def __init__(
+        self,
+        transport: TransportConfig,
+        default: Ticket | None = None,
+        limit: int = 8,
+        member: tuple[bytes | None, bytes | None] = (None, None),  # key and certificate (private swarms)
+    ):
         self.transport = transport
+        self.member = member
         self.default = default
         self.limit = limit
         self._by_swarm: dict[str, SwarmWatcher] = {}
@@ -204,7 +219,7 @@ class Watchers:
         if watcher is None:
             if len(self._by_swarm) >= self.limit:
                 raise ValueError(f"this dashboard already watches {self.limit} swarms")
-            watcher = self._by_swarm[parsed.swarm_id or ""] = SwarmWatcher(parsed, self.transport)
+            watcher = self._by_swarm[parsed.swarm_id or ""] = SwarmWatcher(parsed, self.transport, member=self.member)
             watcher.start_sampling()
         return watcher
 

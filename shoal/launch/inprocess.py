@@ -29,7 +29,15 @@ from shoal.client.runtime import LoopThread, shared_loop
 from shoal.ids import BlockRange
 from shoal.limits import limit_fields
 from shoal.server.backend import compute_thread
-from shoal.server.builder import Prepare, come_online, make_presence, node_key, span_loader, start_endpoint
+from shoal.server.builder import (
+    Prepare,
+    check_member,
+    come_online,
+    make_presence,
+    node_key,
+    span_loader,
+    start_endpoint,
+)
 from shoal.server.config import ServerConfig
 from shoal.server.handler import BlockServer
 from shoal.server.preflight import check_model, check_server
@@ -118,6 +126,7 @@ class InProcessSwarm:
         checked = check_server(config, self.model)
         compute = compute_thread(config.num_threads)
         key = node_key(config)  # the node's, and the one its receipts are signed with
+        check_member(config, self.swarm_id, key)
         run, presence = self.runtime.run, None
         try:
             node, gate = run(start_endpoint(config, key, self.start_node, swarm=self.swarm_id is not None))

@@ -325,10 +325,12 @@ def _frozen(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> t
 
 
 def _refuse_quantised(span: BlockSpan) -> None:
-    """A quantised layer (an ``nn.Linear`` subclass such as bitsandbytes', or a weight that is a tensor
-    subclass such as torchao's) has no plain matrix for peft's computation to run beside."""
+    """A quantised layer (an ``nn.Linear`` subclass such as bitsandbytes', one of shoal's kernel layers,
+    which have ``dequantized``, or a weight that is a tensor subclass such as torchao's) has no plain
+    matrix for peft's computation to run beside."""
     for name, module in span.layers.named_modules():
-        quantised_layer = isinstance(module, nn.Linear) and type(module) is not nn.Linear
+        shoal_kernel = callable(getattr(module, "dequantized", None))  # shoal.quantization: Int8Linear, Int4Linear
+        quantised_layer = (isinstance(module, nn.Linear) and type(module) is not nn.Linear) or shoal_kernel
         odd = [n for n, p in module.named_parameters(recurse=False) if type(p) not in (torch.Tensor, nn.Parameter)]
         if quantised_layer or odd:
             what = type(module).__name__ if quantised_layer else f"{type(module).__name__}.{odd[0]}"

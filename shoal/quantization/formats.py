@@ -1,9 +1,11 @@
 """The formats a server may hold its blocks' weights in, and the quality order clients choose by.
 
-Full precision (the serving dtype, fp32, bf16 or fp16, as loaded) ranks above int8, which ranks
-above nf4. A server announces its format in its swarm record and its ``info`` next to the
-fingerprints of the checkpoint tensors it quantised, so replicas of a block agree on *what* they
-serve and say *how*; a client routes only over servers at or above its ``min_quality``
+Full precision (the serving dtype, fp32, bf16 or fp16, as loaded) ranks above gguf (a GGUF
+file's own quantised tensors, served as they are: the checkpoint *is* that grid, so nothing is
+re-quantised; its kernel rounds activations to bf16), which ranks above int8, above nf4. A server
+announces its format in its swarm record and its ``info`` next to the fingerprints of the checkpoint
+tensors it quantised (gguf: of the file's tensors as stored), so replicas of a block agree on *what*
+they serve and say *how*; a client routes only over servers at or above its ``min_quality``
 (:data:`DEFAULT_MIN_QUALITY`: int8 and better). Pure: no torch, no quantisation library.
 """
 
@@ -19,6 +21,7 @@ class Quantization(enum.StrEnum):
     the serving dtype)."""
 
     NONE = "none"  # full precision: the serving dtype (fp32 = bf16 = fp16 in quality)
+    GGUF = "gguf"  # a GGUF file's quantised tensors as stored (shoal.quantization.gguf)
     INT8 = "int8"  # 8-bit integers, one scale per output row
     NF4 = "nf4"  # 4-bit NormalFloat, one scale per block of 64 weights
 
@@ -32,9 +35,9 @@ class Quantization(enum.StrEnum):
         return self.quality >= minimum.quality
 
 
-_QUALITY = {Quantization.NONE: 2, Quantization.INT8: 1, Quantization.NF4: 0}
+_QUALITY = {Quantization.NONE: 3, Quantization.GGUF: 2, Quantization.INT8: 1, Quantization.NF4: 0}
 
-#: What a client accepts unless told otherwise: int8 and better (never 4-bit weights).
+#: What a client accepts unless told otherwise: int8 and better (never nf4's re-quantised 4 bits).
 DEFAULT_MIN_QUALITY = Quantization.INT8
 
 #: Names ``min_quality`` takes for full precision (the serving dtypes rank equal).
@@ -42,7 +45,7 @@ _FULL_PRECISION = ("none", "full", "fp32", "float32", "bf16", "bfloat16", "fp16"
 
 
 def parse_quantization(name: str | Quantization) -> Quantization:
-    """A server's format (``--quant``): ``none``, ``int8`` or ``nf4``."""
+    """A server's format (``--quant``): ``none``, ``gguf``, ``int8`` or ``nf4``."""
     try:
         return Quantization(str(name).lower())
     except ValueError:

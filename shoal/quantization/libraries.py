@@ -21,6 +21,7 @@ LIBRARIES: dict[Quantization, tuple[str, tuple[str, ...]]] = {
         ("torchao.quantization", "torchao.quantization.quantize_.workflows.int8.int8_tensor"),
     ),
     Quantization.NF4: ("bitsandbytes", ("bitsandbytes",)),
+    Quantization.GGUF: ("gguf", ("gguf",)),
 }
 
 #: Loggers that warn when the libraries import about what a CPU build of torch lacks (torchao's

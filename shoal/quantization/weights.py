@@ -3,11 +3,16 @@
 Two libraries, one per format, chosen by measurement on CPU with torch 2.13 (a ``[1, 576] x
 [576, 1536]`` decode matmul, one thread; fp32 takes 78 us at 4 bytes per weight):
 
-* ``int8``: torchao's ``Int8Tensor``, what its ``Int8WeightOnlyConfig`` makes (symmetric, one fp32
-  scale per output row; 1.009 bytes per weight, 145 us, relative error 0.4%). It also holds the 3-D
-  expert parameters of transformers' MoE layers, which then run transformers' eager experts loop
-  (one expert's matrix at a time; grouped and batched matmuls have no kernel for it). bitsandbytes'
-  LLM.int8 was slower here (182 to 208 us) and twice as far off (0.9%: it quantises activations too).
+* ``int8``: :class:`Int8Linear`, symmetric with one bf16 scale per output row, through torch's
+  ``_weight_int8pack_mm`` on bf16 activations (1.002 bytes per weight; on ``[1, 896] x [896, 4864]``
+  265 to 350 us against fp32's 630 to 750, relative error 0.4-0.5%). torchao's ``Int8Tensor`` (one fp32
+  scale per row) dequantised the whole matrix on every fp32 call (1.9 ms there): int8 decoded at
+  0.64x of fp32 on the Qwen span. It still holds the 3-D expert parameters of transformers' MoE
+  layers, which then run transformers' eager experts loop (one expert's matrix at a time; grouped
+  and batched matmuls have no kernel for it). bitsandbytes' LLM.int8 was slower (182 to 208 us on
+  ``[1, 576] x [576, 1536]``) and twice as far off (0.9%: it quantises activations too).
+* ``gguf``: a GGUF file's own codes (:mod:`shoal.quantization.gguf`), or, on a block made up
+  without one (timing it), the weights rounded to Q4_1's grid.
 * ``nf4``: bitsandbytes' ``Linear4bit`` (NormalFloat4, one scale per 64 weights; 0.53 bytes per
   weight once packed for its AVX512-bf16 kernel, 0.56 on CUDA; 77 to 90 us, relative error 9.4%),
   which has CPU and CUDA kernels. torchao's NF4Tensor is 60 times slower on CPU (4.6 ms), and
@@ -35,7 +40,8 @@ NF4_BLOCK = 64  # weights per nf4 scale
 NF4_SCALE_BYTES = 4  # fp32 per block of 64 (bf16 once bitsandbytes packs them for its CPU kernel)
 NF4_CPU_SCALE_BYTES = 2
 NF4_STATE_BYTES = 64  # per matrix: the 16-value fp32 code
-INT8_ROW_BYTES = 5  # an fp32 scale and an int8 zero point (always 0: symmetric) per output row
+INT8_ROW_BYTES = 5  # torchao (experts): an fp32 scale and an int8 zero point (always 0) per output row
+INT8_LINEAR_ROW_BYTES = 2  # Int8Linear: a bf16 scale per output row
 QUANT_CHUNK = 1 << 18  # weights quantised at a time (bounds the full-precision temporaries)
 
 Quantizer = Callable[[nn.Module], nn.Module]
@@ -60,6 +66,11 @@ def linear_layers(block: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]
 def check_quantizable(block: nn.Module, quantization: Quantization) -> None:
     """Refuse a format that cannot hold some weight of ``block`` (shapes suffice: a meta block will do)."""
     experts = [name for _, name, _ in expert_parameters(block)]
+    if quantization is Quantization.GGUF and experts:
+        raise UsageError(
+            f"--quant gguf cannot hold MoE expert tensors yet ({', '.join(sorted(set(experts)))}); "
+            "serve the dequantised checkpoint (--quant none) or --quant int8"
+        )
     if quantization is Quantization.NF4 and experts:
         raise UsageError(
             f"--quant nf4 cannot hold MoE expert tensors ({', '.join(sorted(set(experts)))}: 3-D, and "
@@ -75,15 +86,73 @@ def block_quantizer(quantization: Quantization) -> Quantizer:
         return _int8_block
     if quantization is Quantization.NF4:
         return _nf4_block
+    if quantization is Quantization.GGUF:
+        return _int4_block
     return lambda block: block
 
 
 @torch.no_grad()
+def _int4_block(block: nn.Module) -> nn.Module:
+    """Every ``nn.Linear`` as an :class:`~shoal.quantization.gguf.Int4Linear` of its weight rounded
+    to an asymmetric 4-bit grid per group of 32 (what Q4_1 stores). A GGUF server reads its codes
+    from the file instead; this serves blocks made up without one: timing a block
+    (:mod:`shoal.server.throughput`) and tests."""
+    from shoal.quantization.gguf import GROUP, Int4Linear, int4_grid
+
+    check_quantizable(block, Quantization.GGUF)
+    for parent, name, layer in list(linear_layers(block)):
+        if layer.in_features % GROUP == 0:
+            setattr(parent, name, Int4Linear(int4_grid(layer.weight), layer.bias))
+    return block
+
+
+class Int8Linear(nn.Module):
+    """A linear layer holding int8 weights and one bf16 scale per output row (symmetric; the scale
+    rounded *up* to bf16 first, so the codes are exact for the scale held), run by torch's
+    ``_weight_int8pack_mm`` on bf16 activations: 265 us for a ``[1, 896] x [896, 4864]`` matmul
+    where fp32 takes 630 us (on fp32 activations the kernel takes 2.7 ms, and torchao's
+    ``Int8Tensor`` dequantises the whole matrix on every call, 1.9 ms: why int8 decoded slower
+    than fp32). The bias and the output stay in the server's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        qdata = torch.empty(weight.shape, dtype=torch.int8)
+        scale = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+        step = max(1, QUANT_CHUNK // weight.shape[1])
+        for i in range(0, weight.shape[0], step):  # a chunk at a time: bounded fp32 temporaries
+            rows = weight[i : i + step].detach().float()
+            s = _bf16_up(rows.abs().amax(dim=1).clamp_min(1e-12) / 127)
+            qdata[i : i + step] = torch.round(rows / s.float()[:, None]).clamp(-127, 127).to(torch.int8)
+            scale[i : i + step] = s
+        self.register_buffer("qdata", qdata)
+        self.register_buffer("scale", scale)
+        self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.qdata, self.scale)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out + self.bias if self.bias is not None else out
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qdata.float() * self.scale.float()[:, None]
+
+
+def _bf16_up(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (positive fp32) rounded up to bf16."""
+    rounded = values.to(torch.bfloat16)
+    low = rounded.float() < values
+    return torch.where(low, torch.nextafter(rounded, torch.tensor(float("inf"), dtype=torch.bfloat16)), rounded)
+
+
+@torch.no_grad()
 def _int8_block(block: nn.Module) -> nn.Module:
-    """Every ``nn.Linear`` weight and 3-D expert parameter as torchao's ``Int8Tensor`` (what its
-    ``Int8WeightOnlyConfig`` makes of a weight: symmetric, one scale per output row)."""
-    for _, _, layer in list(linear_layers(block)):
-        layer.weight = nn.Parameter(int8_rows(layer.weight), requires_grad=False)
+    """Every ``nn.Linear`` as an :class:`Int8Linear`, and every 3-D expert parameter as torchao's
+    ``Int8Tensor`` (what its ``Int8WeightOnlyConfig`` makes of a weight: symmetric, one scale per
+    output row; MoE experts run one matrix at a time, and torch's kernel takes 2-D weights only)."""
+    for parent, name, layer in list(linear_layers(block)):
+        setattr(parent, name, Int8Linear(layer.weight, layer.bias))
     experts = list(expert_parameters(block))
     for module, name, parameter in experts:
         setattr(module, name, nn.Parameter(int8_rows(parameter), requires_grad=False))
@@ -149,8 +218,23 @@ def _nf4_block(block: nn.Module) -> nn.Module:
         quantized.bias = layer.bias
         # the CPU kernel's packing needs whole 32-row tiles and whole scale blocks per row (else: dequantise)
         quantized.support_avx512bf16_for_cpu &= layer.out_features % 32 == 0 and layer.in_features % NF4_BLOCK == 0
+        if quantized.support_avx512bf16_for_cpu and data.device.type == "cpu":
+            _pack_for_cpu(quantized)
         setattr(parent, name, quantized.eval())
     return block
+
+
+def _pack_for_cpu(layer) -> None:
+    """Repack ``layer`` (bitsandbytes' ``Linear4bit``) for its AVX512-bf16 kernel now, as its first
+    forward would. That repacking makes an int32 copy of every code (8 times the packed bytes) and
+    new scales: done for the whole span at its first step, the freed temporaries stayed resident
+    between the repacked tensors (glibc keeps them in its heap), and nf4 took 360 MB of unique
+    memory for 190 MB of tensors on the Qwen span. Here, it happens block by block while loading,
+    each block's temporaries handed back by :func:`~shoal.checkpoints.loading.release_freed_memory`."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    layer.weight.data, state = _convert_weight_packed_for_cpu(layer.weight.data, layer.weight.quant_state)
+    layer.weight.quant_state = layer.quant_state = state
 
 
 def nf4_rows(weight: torch.Tensor):
@@ -182,8 +266,10 @@ def quantized_weight_bytes(shape: torch.Size | tuple[int, ...], quantization: Qu
     """Bytes a weight matrix (or a stack of them) of ``shape`` takes quantised on ``device`` (nf4 on
     CPU: once its first step packed it for the kernel)."""
     numel, rows = _numel(shape), _numel(shape[:-1])
-    if quantization is Quantization.INT8:
-        return numel + rows * INT8_ROW_BYTES
+    if quantization is Quantization.INT8:  # Int8Linear: a bf16 scale per row; experts: torchao's
+        return numel + rows * (INT8_LINEAR_ROW_BYTES if len(shape) == 2 else INT8_ROW_BYTES)
+    if quantization is Quantization.GGUF:  # at most two int4 planes, a bf16 scale and zero per 32 each
+        return numel + -(-numel // 32) * 8
     if quantization is Quantization.NF4:
         scale = NF4_CPU_SCALE_BYTES if device == "cpu" else NF4_SCALE_BYTES
         return (numel + 1) // 2 + -(-numel // NF4_BLOCK) * scale + NF4_STATE_BYTES
@@ -198,7 +284,7 @@ def planned_bytes(block: nn.Module, dtype: torch.dtype, quantization: Quantizati
     if quantization is not Quantization.NONE:
         check_quantizable(block, quantization)
         quantized = {id(layer.weight): layer.weight.shape for _, _, layer in linear_layers(block)}
-        if quantization is Quantization.INT8:
+        if quantization is not Quantization.NF4:
             quantized.update({id(p): p.shape for _, _, p in expert_parameters(block)})
     total = 0
     for tensor in [*block.parameters(), *block.buffers()]:

@@ -26,6 +26,10 @@ class BanList:
         self._until[peer] = max(self._until.get(peer, 0.0), self.clock() + length)
         return length
 
+    def lift(self, peer: str) -> None:
+        """End ``peer``'s ban now (what it was banned for no longer holds); its failure count stays."""
+        self._until.pop(peer, None)
+
     def succeeded(self, peer: str) -> None:
         self._failures.pop(peer, None)
 

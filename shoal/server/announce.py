@@ -41,6 +41,7 @@ class Announcement:
     quantization: Quantization = Quantization.NONE  # how the span's weights are held
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters the span runs with: (name, digest), by name
     service: SwarmService | None = None
+    cert: bytes | None = None  # the server's member certificate, carried by its records (private swarms)
     _signed: SignedRecord | None = None
     _rtts: dict[str, float] | None = None
     _tried: set[str] = field(default_factory=set)  # next hops pinged since the last full measurement
@@ -67,7 +68,7 @@ class Announcement:
             quantization=self.quantization,
             adapters=tuple(sorted(self.adapters)),
         )
-        self._signed = sign(record, self.secret_key)
+        self._signed = sign(record, self.secret_key, self.cert)
         return self._signed
 
     def records(self, force: bool = False) -> list[SignedRecord]:
@@ -87,7 +88,7 @@ class Announcement:
                     self.swarm, self.node.id, self.model, len(self.model_fingerprints),
                     tuple(bytes.fromhex(f) for f in self.model_fingerprints), now, now + self.gossip.expiry,
                 )  # fmt: skip
-                out.append(sign(model, self.secret_key))
+                out.append(sign(model, self.secret_key, self.cert))
         return out
 
     def set_state(self, state: State) -> SignedRecord:

@@ -20,6 +20,7 @@ import torch
 from shoal.server.announce import keep_measuring
 from shoal.server.backend import compute_thread
 from shoal.server.builder import (
+    check_member,
     come_online,
     make_presence,
     node_key,
@@ -54,7 +55,8 @@ async def serve(
     for signum in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signum, stop.set)
-    swarm_id = swarm_id_of(config)  # the config requires --blocks outside a swarm
+    swarm_id = swarm_id_of(config, checked)  # the config requires --blocks outside a swarm
+    check_member(config, swarm_id, key)
     node, gate = await start_endpoint(config, key, Node.start, swarm=swarm_id is not None)
     tasks: list[asyncio.Task] = []
     metrics = None  # the Prometheus exporter (--metrics-port)

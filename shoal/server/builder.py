@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -41,7 +40,9 @@ from shoal.server.judge import Judge, Jurisdiction
 from shoal.server.preflight import CheckedServer, check_blocks
 from shoal.server.presence import Loader, LoadingGate, Presence
 from shoal.server.push import Pusher
+from shoal.swarm.members import public_key, read_certificate, refusal
 from shoal.swarm.records import State
+from shoal.swarm.swarmid import model_digest, new_swarm_id, owner_tag, parse_swarm_id
 from shoal.transport import BaseNode, StartNode, load_or_create_identity
 from shoal.transport.identity import generate_key
 from shoal.verify.receipts import ReceiptSigner
@@ -57,17 +58,43 @@ def node_key(config: ServerConfig) -> bytes:
     return load_or_create_identity(config.identity_file) if config.identity_file else generate_key()
 
 
-def swarm_id_of(config: ServerConfig) -> str | None:
+def swarm_id_of(config: ServerConfig, checked: CheckedServer | None = None) -> str | None:
     """The swarm ``shoal serve`` takes part in: a new one, the one its ``--join`` tickets name, or none
-    (the config refused ``--new-swarm`` with ``--join``)."""
+    (the config refused ``--new-swarm`` with ``--join``). A new swarm is pinned to ``checked``'s model
+    (:func:`founding_pin`), and private when the server has a member certificate (its owner's)."""
     if config.new_swarm:
-        return secrets.token_hex(8)
+        owner = owner_tag(read_certificate(config.member_cert).owner) if config.member_cert else None
+        return new_swarm_id(founding_pin(checked) if checked is not None else None, owner)
     if not config.join:
         return None
     ids = {t.swarm_id for t in config.join}
     if None in ids or len(ids) != 1:
         raise UsageError("every --join ticket must carry the same swarm id (use a ticket printed by a swarm member)")
     return ids.pop()
+
+
+def founding_pin(checked: CheckedServer) -> str | None:
+    """The pin of a new swarm: the digest of the founding server's whole model, as its model record
+    will define it; None (an unpinned swarm, with a warning) when the server lacks some block's shard."""
+    model = checked.model
+    prints = model_fingerprints(model.model_dir, model.hf_config)
+    if prints is None:
+        log.warning("the new swarm is not pinned to its model: this server does not hold every block's weights")
+        return None
+    return model_digest(model_name(checked.config.model), len(prints), [bytes.fromhex(p) for p in prints])
+
+
+def check_member(config: ServerConfig, swarm_id: str | None, key: bytes) -> None:
+    """Refuse to start, in one line, a server whose certificate would not admit it to its swarm (or
+    that has one for a public swarm)."""
+    swarm = parse_swarm_id(swarm_id) if swarm_id is not None else None
+    if swarm is None or not swarm.private:
+        if config.member_cert is not None:
+            raise UsageError("--member-cert is for private swarms; this swarm is public (its ticket names no owner)")
+        return
+    why = refusal(config.member_cert, public_key(key), swarm, time.time())
+    if why is not None:
+        raise UsageError(f"cannot take part: {why} (the identity key is --identity)")
 
 
 async def start_endpoint(
@@ -77,6 +104,7 @@ async def start_endpoint(
     the swarm protocol too)."""
     gate = LoadingGate()
     node = await start_node(config.transport, gate.handlers(swarm), secret_key=key)
+    node.credential = config.member_cert  # presented to every peer it dials (private swarms)
     return node, gate
 
 
@@ -164,7 +192,9 @@ def load_block_server(
     check_blocks(span, model)
     model_dir = resolve_model(config.model, blocks=span, config=model.hf_config)  # from the Hub: the span's shards
     hf_config, start, end = model.hf_config, span.start, span.end
-    built, prints = load_span(model_dir, start, end, config.dtype, config.device, config.quant, config=hf_config)
+    built, prints = load_span(
+        model_dir, start, end, config.dtype, config.device, config.quant, config=hf_config, gguf=config.gguf
+    )
     fingerprints = [prints[i] for i in range(start, end)]
     if on_fingerprints is not None:
         on_fingerprints(fingerprints)
@@ -217,7 +247,9 @@ def load_adapters(span: BlockSpan, adapters: tuple[tuple[str, Path], ...], hf_co
 
 __all__ = [
     "Prepare",
+    "check_member",
     "come_online",
+    "founding_pin",
     "load_adapters",
     "load_block_server",
     "make_presence",

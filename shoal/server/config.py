@@ -70,6 +70,7 @@ class ServerConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     quant: Quantization = Quantization.NONE  # how the span's weight matrices are held (shoal.quantization)
+    gguf: Path | None = None  # --quant gguf: the GGUF file served (None: the one beside the checkpoint)
     cache_tokens: int = 8192  # KV cache budget per hosted block, in tokens (all sessions together)
     page_size: int = DEFAULT_PAGE_SIZE  # positions per KV page (the cache is taken and shared in pages)
     kv_overcommit: float = 1.0  # admit sessions whose max_lengths commit up to this many times the pages
@@ -84,6 +85,7 @@ class ServerConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)  # its limits bound peers (shoal.limits)
     new_swarm: bool = False  # create a swarm (its id goes into this server's ticket)
     join: tuple[Ticket, ...] = ()  # tickets of peers of the swarm to join
+    member_cert: bytes | None = None  # a private swarm's member certificate for this node (shoal.swarm.members)
     join_anyway: bool = False  # start even when no peer of ``join`` answers (else: fail, see Presence.join)
     throughput: float | None = None  # tokens/s per block to announce; None: measure (see shoal.server.throughput)
     num_blocks: int | None = None  # blocks to host when placed automatically; None: as many as memory allows

@@ -43,6 +43,7 @@ import torch
 from shoal.errors import (
     BadRequest,
     ClosedError,
+    Forbidden,
     NotFound,
     RemoteError,
     RequestTimeout,
@@ -131,8 +132,10 @@ class BlockServer:
             else None,
         )
 
-    async def handle(self, stream: MessageStream, peer_id: PeerId) -> None:
-        """Serve requests on one stream until it ends; ``open`` turns it into a session."""
+    async def handle(self, stream: MessageStream, peer_id: PeerId, client_refusal: str | None = None) -> None:
+        """Serve requests on one stream until it ends; ``open`` turns it into a session.
+        ``client_refusal``: why the peer may not use this server as a client (a private swarm's
+        serve-only member): its ``open``, ``forward`` and ``backward`` are answered ``forbidden``."""
         while True:
             try:
                 request = await stream.recv(self.idle_timeout)
@@ -141,6 +144,8 @@ class BlockServer:
                 await stream.send(error_message(exc.request_id, exc.code, exc.remote_message))
                 continue
             try:
+                if client_refusal is not None and request.kind in ("open", "forward", "backward"):
+                    raise Forbidden(client_refusal)
                 if request.kind == "info":
                     await stream.send(Message("result", request.id, self.describe(self.share_counters)))
                 elif request.kind == "forward":

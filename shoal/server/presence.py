@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
 from shoal.checkpoints import model_name
-from shoal.errors import RefusedError, TransportError
+from shoal.errors import Forbidden, RefusedError, ShoalError, TransportError
 from shoal.ids import BlockRange
 from shoal.protocols import BLOCKS
 from shoal.server.announce import Announcement
@@ -28,8 +28,9 @@ from shoal.server.judge import Jurisdiction
 from shoal.server.placement import Balance, Placed, choose_span, plan_move
 from shoal.server.preflight import CheckedServer
 from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
+from shoal.swarm.members import refusal
 from shoal.swarm.records import State
-from shoal.swarm.service import SWARM, SwarmService, join_failure, reach_any
+from shoal.swarm.service import SWARM, SwarmService, fetch_table, join_failure, reach_any
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import VerdictKeeper
 from shoal.transport import BaseNode, Handler, Protocol, Ticket
@@ -43,7 +44,10 @@ Loader = Callable[[BlockRange], Awaitable[BlockServer]]  # loads a span on the c
 class LoadingGate:
     """The node's handlers, bound before there is anything to answer with: the blocks protocol
     answers ``busy`` while no span is loaded (starting, or moving), the swarm protocol ends streams
-    that come before the server's presence exists."""
+    that come before the server's presence exists. In a private swarm it is also where a peer's
+    streams enter, so where membership is checked, once per stream (:meth:`refusal`): a non-member's
+    first request is answered ``forbidden`` and its stream ends; a member that may only serve is
+    refused sessions and forwards (its pushes, gossip and evidence are served)."""
 
     def __init__(self) -> None:
         self.server: BlockServer | None = None  # the span served now
@@ -53,16 +57,35 @@ class LoadingGate:
         """Per protocol, what answers (``swarm``: the server takes part in one)."""
         return {BLOCKS: self.blocks, SWARM: self.swarm} if swarm else {BLOCKS: self.blocks}
 
+    def refusal(self, peer_id: str, serving: bool = True) -> str | None:
+        """Why ``peer_id`` may not use this server (``serving``: as a server; else as a client), or
+        None: anyone in a public swarm; in a private one, a member, as its certificate says."""
+        presence = self.presence
+        if presence is None or not presence.service.table.id.private or peer_id == presence.node.id:
+            return None
+        table, node = presence.service.table, presence.node
+        return refusal(node.credentials.get(peer_id), peer_id, table.id, time.time(), table.revoked, serving=serving)
+
+    async def _refuse(self, stream, why: str) -> None:
+        request = await stream.recv(5.0)
+        await stream.send(error_message(request.id, "forbidden", why))
+
     async def blocks(self, stream, peer_id: str) -> None:
+        if (why := self.refusal(peer_id)) is not None:
+            await self._refuse(stream, why)
+            return
         server = self.server
         if server is None:
             request = await stream.recv(5.0)
             await stream.send(error_message(request.id, "busy", "server is still loading its blocks"))
             return
-        await server.handle(stream, peer_id)
+        serve_only = self.refusal(peer_id, serving=False)  # passed only when there is one: handle's usual call
+        await (server.handle(stream, peer_id) if serve_only is None else server.handle(stream, peer_id, serve_only))
 
     async def swarm(self, stream, peer_id: str) -> None:
-        if self.presence is not None:
+        if (why := self.refusal(peer_id)) is not None:
+            await self._refuse(stream, why)
+        elif self.presence is not None:
             await self.presence.service.handle(stream, peer_id)
 
 
@@ -82,12 +105,13 @@ class Presence:
         blocks = config.blocks or BlockRange(0, 1)  # until placed: nothing is announced without fingerprints
         self.announcement = Announcement(
             node, key, swarm_id, self.model, blocks, fingerprints=[], throughput=0.0, gossip=config.gossip,
-            quantization=config.quant,
+            quantization=config.quant, cert=config.member_cert,
         )  # fmt: skip
         table = RecordTable(swarm_id, max_lifetime=max(3600.0, 2 * config.gossip.expiry))
         self.service = SwarmService(node, table, config.gossip, list(config.join), self.own_records)
         self.announcement.service = self.service
-        self.verdicts = VerdictKeeper(key, self.service.publish)  # kept a day, even while the accused is away
+        # kept a day, even while the accused is away
+        self.verdicts = VerdictKeeper(key, self.service.publish, cert=config.member_cert)
 
     @property
     def jurisdiction(self) -> Jurisdiction:
@@ -102,16 +126,22 @@ class Presence:
         the tickets must answer first: a stale ticket would leave the server serving alone, unseen."""
         peers = [t for t in self.config.join if t.peer_id != self.node.id]
         if peers and not self.config.join_anyway:
-            await self._reach(peers)
+            reached = await self._reach(peers)
+            if self.service.table.id.private:  # say at once when the swarm will not have this server
+                try:
+                    await fetch_table(self.node, reached, self.config.transport.deadlines.request)
+                except Forbidden as exc:
+                    raise ShoalError(f"cannot join the swarm: {exc}") from None
         await self.service.join()
         self.service.start()
         await self.measure()
 
-    async def _reach(self, peers: list[Ticket]) -> None:
-        """Fail in one line, within the connect deadline, when no peer of ``peers`` answers."""
+    async def _reach(self, peers: list[Ticket]) -> Ticket:
+        """The first peer of ``peers`` that answers; fail in one line, within the connect deadline,
+        when none does."""
         timeout = self.config.transport.deadlines.connect
         try:
-            await reach_any(self.node, peers, timeout)
+            return await reach_any(self.node, peers, timeout)
         except RefusedError:
             raise  # it answered, and refused: its own error says why
         except TransportError as exc:

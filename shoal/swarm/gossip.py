@@ -17,7 +17,13 @@ peers after a short batching delay, so news spreads in O(log N) network hops, no
 peer pulls a record's bytes once, which keeps traffic near the floor of one copy per peer per
 refresh. Offers alone miss about ``exp(-fanout)`` of the peers; every ``sync_every`` rounds a peer
 swaps full digests with one random peer, which repairs those (and anything else: lost messages,
-peers that were down) within a round or two. ``bench/registry.py`` measures both on 1,000 peers.
+peers that were down) within a round or two. ``bench/registry.py`` measures both on 1,000 peers
+(and, sampled, on 10,000).
+
+What a peer takes from another is bounded (:mod:`shoal.swarm.quota`): each request is charged its
+bytes against the sender's budget, the keys wanted of an offer or sync are at most what the
+sender's record budget covers, and a push merges the records asked for and at most a few more.
+Replies to our own syncs are merged whole (we asked); the table's caps hold for every record.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from shoal.limits import RegistryLimits
 from shoal.swarm.messages import (
     ENTRY,
     ID_BYTES,
@@ -43,8 +50,11 @@ from shoal.swarm.messages import (
     decode_payload,
     encode_payload,
 )
+from shoal.swarm.quota import Quota
 from shoal.swarm.records import RecordError, ServerRecord, SignedRecord, State, decode
 from shoal.swarm.table import RecordTable
+
+REGISTRY = RegistryLimits()
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,8 @@ class GossipConfig:
     sync_every: int = 1  # rounds between anti-entropy syncs
 
     def __post_init__(self):
+        if self.expiry > REGISTRY.max_announce_lifetime:  # peers would refuse every record we sign
+            raise ValueError(f"expiry {self.expiry:g} s is over the {REGISTRY.max_announce_lifetime:g} s tables accept")
         if self.push_delay is None:  # rumours then reach ~1,000 peers in about a round
             object.__setattr__(self, "push_delay", min(self.period / 10, 0.5))
 
@@ -90,6 +102,7 @@ class Gossiper:
         self._news: dict[str, float] = {}  # keys learned since the last offer
         self._round = self.rng.randrange(config.sync_every)  # stagger syncs across peers
         self.extra_peers: set[str] = set()  # bootstrap peers not (yet) in the table
+        self.quota = Quota(table.limits, table.clock)  # what each sender may make us take
         # An index of the table, kept up to date by what merges through here; rebuilt whenever the
         # table's size or merge count says that something else changed it (expiry, a purge, a merge
         # that did not come through here).
@@ -205,31 +218,69 @@ class Gossiper:
         return Outgoing(peer, "sync", self._digest())
 
     # ---- serving requests ---------------------------------------------------------------------
-    def handle(self, op: str, payload: bytes) -> bytes:
-        """Answer a peer's request; raise :class:`RecordError` on malformed input."""
+    def handle(self, op: str, payload: bytes, sender: str) -> bytes:
+        """Answer ``sender``'s request; raise :class:`RecordError` on malformed input, ``rate_limited``
+        past the sender's byte budget. Records are taken from a sender only as :mod:`shoal.swarm.quota`
+        allows: the keys we want of its offer or sync are those its budget covers (asked for), and of
+        its push those asked for, and at most a few more."""
+        self.quota.charge(sender, len(payload))
         self._current()
         if op == "offer":
             entries, keys = _entries(decode_payload(payload, OfferRequest).digest)
-            wanted = [i for i, (kid, ts) in enumerate(entries) if self._older(kid, ts)]
+            older = {kid for kid, ts in entries if self._older(kid, ts)}
+            granted = set(self.quota.ask(sender, (kid for kid, _ in entries if kid in older)))
+            wanted = [i for i, (kid, _) in enumerate(entries) if kid in granted]
             ids_or_keys = b"".join(entries[i][0] for i in wanted) if keys is None else tuple(keys[i] for i in wanted)
             return encode_payload(OfferReply(wanted=ids_or_keys))
         if op == "push":
-            self._merge(decode_payload(payload, PushRequest).records)
+            self._merge_push(decode_payload(payload, PushRequest).records, sender)
             return encode_payload(PushReply())
         if op == "sync":
             entries, keys = _entries(decode_payload(payload, SyncRequest).digest)
             # Compare only the entries that differ (set operations: digests mostly agree).
             theirs = dict(set(entries) - self._mine.items())  # they hold it, and we don't hold that version
             newer = [self._keys[kid] for kid, ts in self._mine.items() - set(entries) if theirs.get(kid, -1.0) < ts]
-            wanted = [kid for kid, ts in theirs.items() if self._older(kid, ts)]
+            wanted = self.quota.ask(sender, [kid for kid, ts in theirs.items() if self._older(kid, ts)])
             if keys is not None:
                 by_id = dict(zip((kid for kid, _ in entries), keys, strict=True))
                 return encode_payload(SyncReply(records=self._records(newer), wanted=tuple(by_id[k] for k in wanted)))
             return encode_payload(SyncReply(records=self._records(newer), wanted=b"".join(wanted)))
         raise RecordError("malformed", f"unknown gossip op {op!r}")
 
+    def _merge_push(self, items: Iterable[bytes], sender: str) -> list[str]:
+        """A push of ``sender``: the records we asked it for, and up to ``max_unasked_per_push`` others
+        (records that do not decode among them) its budget covers. Past those, the rest is dropped
+        (counted ``unasked``; an honest sender's are copies it pushed twice, by an offer and a sync):
+        decoded only while it still has asks open, each such decode taken from its budget, so a flood
+        costs at most its budget's decodes and signature checks."""
+        accepted, unasked, items = [], 0, list(items)
+        cap = self.table.limits.max_unasked_per_push
+        for i, data in enumerate(items):
+            if unasked > cap and not (self.quota.open_asks(sender) and self.quota.unasked(sender)):
+                self.table.rejected["unasked"] += len(items) - i
+                break
+            try:
+                signed = decode(data)
+            except RecordError as exc:  # not what we asked for: counts against the few unasked
+                self.table.rejected[exc.reason] += 1
+                unasked += 1
+                continue
+            if not self.quota.asked_of(sender, self._id(signed.key)):
+                unasked += 1
+                if unasked > cap:
+                    self.table.rejected["unasked"] += 1
+                    continue
+                if not self.quota.unasked(sender):
+                    self.table.rejected["rate_limited"] += 1
+                    continue
+            if self.table.merge(signed):
+                accepted.append(signed.key)
+        self.learned(accepted)
+        return accepted
+
     def _merge(self, items: Iterable[bytes]) -> list[str]:
-        """Merge each record on its own: a bad one is counted by its reason, the rest still count."""
+        """Merge each record of a reply to our request on its own: a bad one is counted by its reason,
+        the rest still count (the table's caps hold; no sender's budget is charged: we asked)."""
         accepted = []
         for data in items:
             try:

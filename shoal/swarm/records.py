@@ -1,10 +1,12 @@
 """Signed, expiring swarm records: what a server hosts, what a model is, and which server a judge
 found lying (a verdict, :class:`VerdictRecord`; who is convicted: :mod:`shoal.swarm.verdicts`).
 
-A record travels as ``msgpack([body, signature])``. ``body`` is the canonical msgpack list of the
-record's fields; the signature is ed25519 over ``b"shoal/record/1\\0" + body`` by the key of the
-peer the record names (a server signs its own record; a model record is signed by its publisher, a
-verdict by its judge).
+A record travels as ``msgpack([body, signature])``, or ``msgpack([body, signature, certificate])``
+in a private swarm (its signer's member certificate, :mod:`shoal.swarm.members`, which tables check).
+``body`` is the canonical msgpack list of the record's fields; the signature is ed25519 over
+``b"shoal/record/1\\0" + body`` by the key of the peer the record names (a server signs its own
+record; a model record is signed by its publisher, a verdict by its judge, a revocation of a
+private swarm's member by the swarm's owner).
 Peer ids are ed25519 public keys in hex (the same keys iroh uses for node ids).
 """
 
@@ -12,8 +14,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import math
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgpack
@@ -25,6 +30,7 @@ from msgspec.msgpack import Decoder
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, OnBlocks
 from shoal.quantization.formats import Quantization
+from shoal.swarm.members import MAX_CERTIFICATE_BYTES
 from shoal.verify.receipts import signed_by
 from shoal.wire.schema import Receipt
 
@@ -251,11 +257,43 @@ def _receipt_signed(receipt: bytes, accused: str) -> bool:
     return signed_by(_RECEIPT.decode(receipt), accused)
 
 
-Record = ServerRecord | ModelRecord | VerdictRecord
+@dataclass(frozen=True)
+class RevocationRecord:
+    """The owner of a private swarm revokes the membership of ``member`` (until ``expires``: make it
+    outlive the member's certificate)."""
+
+    swarm: str
+    owner: str  # the owner's public key: the signer, checked against the swarm id by tables
+    member: str
+    timestamp: float
+    expires: float
+
+    TAG = "rev"
+
+    @property
+    def key(self) -> str:
+        return f"r:{self.member}"
+
+    @property
+    def signer(self) -> str:
+        return self.owner
+
+    def fields(self) -> list:
+        return [self.swarm, self.owner, self.member, self.timestamp, self.expires]
+
+    @classmethod
+    def from_fields(cls, f: list) -> RevocationRecord:
+        _expect(len(f) == 5, "field count")
+        swarm, owner, member, ts, exp = f
+        return cls(_swarm(swarm), _peer(owner), _peer(member), *_times(ts, exp))
+
+
+Record = ServerRecord | ModelRecord | VerdictRecord | RevocationRecord
 _KINDS: dict[str, type] = {
     ServerRecord.TAG: ServerRecord,
     ModelRecord.TAG: ModelRecord,
     VerdictRecord.TAG: VerdictRecord,
+    RevocationRecord.TAG: RevocationRecord,
 }
 
 
@@ -264,7 +302,8 @@ class SignedRecord:
     """A decoded, signature-checked record with the exact bytes it came as."""
 
     record: Record
-    data: bytes  # msgpack([body, signature]): what gossip forwards unchanged
+    data: bytes  # msgpack([body, signature(, certificate)]): what gossip forwards unchanged
+    cert: bytes | None = None  # the signer's member certificate (private swarms), not yet checked
 
     @property
     def key(self) -> str:
@@ -330,24 +369,42 @@ def _times(ts, exp) -> tuple[float, float]:
     return float(ts), float(exp)
 
 
-def sign(record: Record, secret_key: bytes) -> SignedRecord:
-    """Sign ``record`` with the 32-byte ed25519 secret key of its signer."""
+def sign(record: Record, secret_key: bytes, cert: bytes | None = None) -> SignedRecord:
+    """Sign ``record`` with the 32-byte ed25519 secret key of its signer; ``cert``: the signer's
+    member certificate, carried along (private swarms)."""
     private = Ed25519PrivateKey.from_private_bytes(secret_key)
     if private.public_key().public_bytes_raw().hex() != record.signer:
         raise ValueError("the key does not belong to the peer the record names")
     body = msgpack.packb([record.TAG, 1, *record.fields()], use_bin_type=True)
-    data = msgpack.packb([body, private.sign(SIGNING_CONTEXT + body)], use_bin_type=True)
-    return SignedRecord(record, data)
+    parts = [body, private.sign(SIGNING_CONTEXT + body), *([cert] if cert is not None else [])]
+    return SignedRecord(record, msgpack.packb(parts, use_bin_type=True), cert)
 
 
-@functools.lru_cache(maxsize=65536)
+MAX_VERIFIED = 65536  # signature checks remembered (about 10 MB: a digest each, not the record)
+_verified_memo: OrderedDict[bytes, bool] = OrderedDict()
+_verified_lock = threading.Lock()
+
+
 def _verified(signer: str, body: bytes, signature: bytes) -> bool:
-    """Signature check, memoised: gossip delivers the same record several times."""
+    """Signature check, memoised: gossip delivers the same record several times. Remembered by a
+    digest of what was checked, so that a flood of distinct records (each up to MAX_RECORD_BYTES)
+    does not stay in memory through this memo."""
+    memo = hashlib.blake2b(signature + body, digest_size=16, key=bytes.fromhex(signer)).digest()
+    with _verified_lock:
+        hit = _verified_memo.get(memo)
+        if hit is not None:
+            _verified_memo.move_to_end(memo)
+            return hit
     try:
         Ed25519PublicKey.from_public_bytes(bytes.fromhex(signer)).verify(signature, SIGNING_CONTEXT + body)
+        ok = True
     except (InvalidSignature, ValueError):
-        return False
-    return True
+        ok = False
+    with _verified_lock:
+        _verified_memo[memo] = ok
+        if len(_verified_memo) > MAX_VERIFIED:
+            _verified_memo.popitem(last=False)
+    return ok
 
 
 def decode(data: bytes) -> SignedRecord:
@@ -356,11 +413,12 @@ def decode(data: bytes) -> SignedRecord:
     if not isinstance(data, bytes) or len(data) > MAX_RECORD_BYTES:
         raise RecordError("too_large", f"{len(data) if isinstance(data, bytes) else '?'} > {MAX_RECORD_BYTES} bytes")
     try:
-        body, signature = msgpack.unpackb(data, raw=False)
+        body, signature, *cert = msgpack.unpackb(data, raw=False)
         fields = msgpack.unpackb(body, raw=False)
     except Exception:  # msgpack raises many types; any of them means garbage
         raise RecordError("malformed", "not msgpack [body, signature]") from None
     _expect(isinstance(signature, bytes) and len(signature) == 64, "signature")
+    _expect(len(cert) <= 1 and all(isinstance(c, bytes) and len(c) <= MAX_CERTIFICATE_BYTES for c in cert), "cert")
     _expect(isinstance(fields, list) and len(fields) >= 2 and fields[0] in _KINDS and fields[1] == 1, "kind/version")
     try:
         record = _KINDS[fields[0]].from_fields(fields[2:])
@@ -370,4 +428,4 @@ def decode(data: bytes) -> SignedRecord:
         raise RecordError("bad_signature", f"record {record.key} is not signed by {record.signer[:10]}")
     if isinstance(record, VerdictRecord):
         record.check_signed()
-    return SignedRecord(record, data)
+    return SignedRecord(record, data, cert[0] if cert else None)

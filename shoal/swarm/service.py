@@ -202,11 +202,13 @@ class SwarmService:
                 elif op == "suspect":
                     reply = self._suspect(decode_payload(blob_bytes(request), SuspectRequest), peer_id)
                 else:
-                    reply = self.gossiper.handle(op, blob_bytes(request))
+                    reply = self.gossiper.handle(op, blob_bytes(request), peer_id)
                     self._wake()
             except RecordError as exc:
                 self.table.rejected[exc.reason] += 1
-                await stream.send(error_message(request.id, "bad_request", str(exc)))
+                # past its budget a sender is told to come back later (BusyError), not that it erred
+                code = "busy" if exc.reason == "rate_limited" else "bad_request"
+                await stream.send(error_message(request.id, code, str(exc)))
                 continue
             await stream.send(Message("result", request.id, tensors=[blob(reply)]))
 

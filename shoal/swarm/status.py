@@ -16,13 +16,18 @@ from shoal.swarm.verdicts import tally
 from shoal.transport import Node, Ticket, TransportConfig
 
 
-async def swarm_status(ticket: Ticket, transport: TransportConfig) -> dict:
+async def swarm_status(
+    ticket: Ticket, transport: TransportConfig, identity: bytes | None = None, member_cert: bytes | None = None
+) -> dict:
+    """The summary of the table of ``ticket``'s peer; ``identity`` and ``member_cert``: the key and
+    member certificate a private swarm admits the reader with."""
     if not ticket.swarm_id:
         raise UsageError(
             "this ticket names no swarm: it was printed by a server started without --new-swarm or --join; "
             "use the ticket of a swarm member"
         )
-    async with await Node.start(transport) as node:
+    async with await Node.start(transport, secret_key=identity) as node:
+        node.credential = member_cert
         await reach_any(node, [ticket], transport.deadlines.connect)  # a dead peer fails in --connect-timeout
         payload = await fetch_table(node, ticket, transport.deadlines.request)
     table = table_from_reply(ticket.swarm_id, payload)

@@ -181,8 +181,10 @@ class VerdictKeeper:
         *,
         max_age: float = VERDICT_MAX_AGE,
         max_kept: int = MAX_KEPT_VERDICTS,
+        cert: bytes | None = None,  # the judge's member certificate, carried by its verdicts (private swarms)
     ):
         self._key = secret_key
+        self._cert = cert
         self._publish = publish
         self._clock = clock
         self._max_age = max_age
@@ -196,7 +198,7 @@ class VerdictKeeper:
     def add(self, record: VerdictRecord) -> SignedRecord:
         """Sign ``record`` (``ValueError`` unless this keeper's key is its judge's) and publish it;
         the oldest verdicts beyond ``max_kept`` are dropped."""
-        signed = sign(record, self._key)
+        signed = sign(record, self._key, self._cert)
         self._signed.pop(record.key, None)  # judged again: now the newest
         self._signed[record.key] = signed
         self._judged[record.key] = record.timestamp
@@ -217,7 +219,8 @@ class VerdictKeeper:
             record = signed.record
             lifetime = record.expires - record.timestamp
             if now - record.timestamp >= lifetime / 2:
-                fresh = self._signed[key] = sign(replace(record, timestamp=now, expires=now + lifetime), self._key)
+                renewed = replace(record, timestamp=now, expires=now + lifetime)
+                fresh = self._signed[key] = sign(renewed, self._key, self._cert)
                 out.append(fresh)
         return out
 

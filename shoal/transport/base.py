@@ -5,15 +5,18 @@ holds on the other.
 
 Protocols are versioned ALPNs ``shoal/<name>/<version>``. Every node also speaks ``shoal/meta/1``,
 which answers ``hello`` with the protocols the node serves, so a refused dial can say what each side
-speaks. A connection carries one protocol (QUIC binds it to one ALPN), so the pool keeps one
-connection per (peer, protocol), shared by all concurrent streams of that protocol.
+speaks. A node with a :attr:`~BaseNode.credential` (a private swarm's member certificate) presents it
+in a ``hello`` before each connection of another protocol it dials; what peers presented is kept in
+:attr:`~BaseNode.credentials` (opaque bytes here: their checks are the swarm's). A connection
+carries one protocol (QUIC binds it to one ALPN), so the pool keeps one connection per (peer,
+protocol), shared by all concurrent streams of that protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
@@ -25,9 +28,10 @@ from shoal.transport.guard import PeerGuard
 from shoal.transport.stream import ByteChannel, MessageStream, ReceivedBytes
 from shoal.transport.ticket import Ticket
 from shoal.wire import CAPABILITIES, InvalidMessage, Message, error_message
-from shoal.wire.schema import HelloReply
+from shoal.wire.schema import Hello, HelloReply
 
 log = logging.getLogger(__name__)
+MAX_CREDENTIALS = 4096  # peers whose presented credential a node keeps (least recently presented go first)
 
 
 CLOSE_LINGER_S = 3.0  # seconds an endpoint may take to close gracefully
@@ -85,6 +89,8 @@ class BaseNode:
         self.rejected_frames: Counter[str] = Counter()  # malformed frames answered with a wire error, by reason
         self.received = ReceivedBytes()  # frame bytes read by every stream of this node, dialled or accepted
         self.guard = PeerGuard(config.limits)  # what each peer holds here: connections, streams, unfinished bytes
+        self.credential: bytes | None = None  # what this node presents to the peers it dials (see hello)
+        self.credentials: OrderedDict[str, bytes] = OrderedDict()  # what peers presented to us, by peer id
 
     @property
     def protocols(self) -> list[str]:
@@ -169,10 +175,18 @@ class BaseNode:
             if request.kind == "ping":
                 reply = Message("result", request.id, tensors=request.tensors if request.meta.echo else [])
             elif request.kind == "hello":
+                if request.meta.credential is not None:
+                    self._keep_credential(peer_id, request.meta.credential)
                 reply = Message("result", request.id, HelloReply(protocols=self.protocols, capabilities=CAPABILITIES))
             else:
                 reply = error_message(request.id, "bad_request", f"meta protocol does not serve {request.kind!r}")
             await stream.send(reply)
+
+    def _keep_credential(self, peer_id: str, credential: bytes) -> None:
+        self.credentials[peer_id] = credential
+        self.credentials.move_to_end(peer_id)
+        while len(self.credentials) > MAX_CREDENTIALS:
+            self.credentials.popitem(last=False)
 
     # ---- dialling --------------------------------------------------------------------------
     async def connect(self, ticket: Ticket, protocol: Protocol, timeout: float | None = None) -> Connection:
@@ -185,6 +199,8 @@ class BaseNode:
             conn = self._usable(key, ticket)
             if conn is not None:
                 return conn
+            if self.credential is not None and protocol != META:  # before anything it may be refused for
+                await self.request(ticket, META, Message("hello", 1, Hello(credential=self.credential)), timeout)
             conn = await self._dial(ticket, protocol, timeout)
             self._conns[key] = conn
             self._conn_addrs[key] = tuple(ticket.addrs)

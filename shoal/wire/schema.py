@@ -68,8 +68,14 @@ class Empty(Meta):
 # ---- shoal/meta --------------------------------------------------------------------------------
 
 
+#: bytes of a credential a peer presents in ``hello`` (a private swarm's member certificate)
+MAX_CREDENTIAL = 512
+
+
 class Hello(Meta):
-    pass
+    # what the dialling peer presents before its first connection of another protocol (sent only to
+    # peers of a private swarm, all of which know the field): the receiver keeps it for its checks
+    credential: Annotated[bytes, msgspec.Meta(max_length=MAX_CREDENTIAL)] | None = None
 
 
 class HelloReply(Meta):

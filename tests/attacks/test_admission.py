@@ -83,6 +83,7 @@ def test_record_only_servers_are_listed_unreachable_and_never_routed(model_and_r
     path, expected = model_and_reference
     with InProcessSwarm(path, [LOW, HIGH], swarm=SWARM_ID) as swarm:
         table = table_of(swarm)
+        wait_until(lambda: len(table.admitted()) == 2)
         honest = table.servers()[1]  # of HIGH: its fingerprints, its model
         fakes = record_only_keys(3, seed=7)
         now = time.time()

@@ -36,6 +36,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from shoal.checkpoints import model_fingerprints, model_name, save_sharded
+from shoal.limits import RegistryLimits
 from shoal.swarm.gossip import GossipConfig
 from shoal.swarm.messages import PushReply
 from shoal.swarm.records import ModelRecord, ServerRecord, SignedRecord, State, sign
@@ -288,8 +289,11 @@ def test_forged_records_never_enter_a_table_and_a_valid_one_spreads(swarm, model
 
             targets = (push_to.peer, offer_to.peer, sync_to.peer)
             before = {p: (await fetch_view(node, tickets[p])).rejected for p in targets}
-            # push: the forgeries and the control record in one batch, to one server
-            assert await peer.op(push_to.ticket, "push", [*forged.records.values(), control.data]) == PushReply()
+            # push: the forgeries, then the control record, to one server, a few per push (a push
+            # takes at most RegistryLimits.max_unasked_per_push records nobody asked for)
+            pushed, per_push = [*forged.records.values(), control.data], RegistryLimits().max_unasked_per_push
+            for i in range(0, len(pushed), per_push):
+                assert await peer.op(push_to.ticket, "push", pushed[i : i + per_push]) == PushReply()
             injected = time.monotonic()
             # offer, then push what it wanted (and the rest anyway, as a forger would)
             wanted = (await peer.op(offer_to.ticket, "offer", forged.digest())).wanted

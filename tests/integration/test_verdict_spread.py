@@ -25,7 +25,7 @@ from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer
 from shoal.swarm.messages import PushRequest, encode_payload
-from shoal.swarm.records import sign
+from shoal.swarm.records import State, sign
 from shoal.swarm.service import SWARM, blob, decode_table, fetch_table
 from shoal.swarm.status import summarize, to_json
 from shoal.swarm.table import RecordTable
@@ -93,12 +93,18 @@ class World:
         return self.swarm.runtime.run(pull())
 
 
+def online_and_reached(table) -> int:
+    """Servers a table lists as online (not still joining) and whose server its peer has reached."""
+    return sum(r.state is State.ONLINE for r in table.admitted())
+
+
 @pytest.fixture(scope="module")
 def world(model_dir):
     with InProcessSwarm(model_dir, [], swarm=SWARM_ID) as swarm:
         world = World(swarm)
-        wait_until(lambda: all(len(world.on_loop(lambda s=s: s.presence.service.table.servers())) == 4
-                               for s in world.servers), SPREAD_TIMEOUT, "every server's record everywhere")  # fmt: skip
+        tables = [s.presence.service.table for s in world.servers]
+        everywhere = lambda: all(world.on_loop(lambda t=t: online_and_reached(t)) == 4 for t in tables)  # noqa: E731
+        wait_until(everywhere, SPREAD_TIMEOUT, "every server online and reached everywhere")
         yield world
 
 

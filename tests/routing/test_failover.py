@@ -145,6 +145,36 @@ def test_without_spare_coverage_the_error_names_the_missing_blocks(local_swarm, 
 
 
 @pytest.mark.timeout(60)
+def test_the_last_server_of_blocks_draining_mid_generation_ends_in_one_error(local_swarm, caplog):
+    """SIGTERM to the last servers of blocks 3-5 (in process: drained with a 1 s grace each): the
+    session keeps using the draining server while it serves, saying once that nobody can take over,
+    then one line says it waits, and one error names the blocks: no line per step."""
+    wait = 1.5
+    model = local_swarm.connect(refresh_period=0, route_wait=wait)
+    spare = next(s for s in local_swarm.servers if s.blocks == SECOND)
+    local_swarm.kill(spare)  # one server of 3-5 left: the route's
+    leaving = next(s for s in local_swarm.servers if s.blocks == SECOND and s.alive)
+    drainer = threading.Timer(0.0, local_swarm.drain, args=(leaving,), kwargs={"timeout": 1.0})
+    left = {}
+
+    def drain() -> None:
+        left["t"] = time.perf_counter()
+        drainer.start()
+
+    with caplog.at_level(logging.INFO, "shoal.client"), pytest.raises(NoRouteError) as caught:
+        model.generate(PROMPT, max_new_tokens=400, do_sample=False, logits_processor=[AtStep(3, drain)])
+    drainer.join(30)
+    elapsed = time.perf_counter() - left["t"]
+    assert caught.value.missing == [3, 4, 5]
+    assert str(caught.value) == "no live server left for blocks 3-5 after waiting 1.5 s for one to join"
+    assert elapsed < 1.0 + wait + 5.0, f"{elapsed:.1f} s from the drain to the error"
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sum("no replacement for draining server" in line for line in lines) == 1, lines
+    assert sum("waiting up to 1.5 s" in line for line in lines) == 1, lines
+    assert len(lines) <= 5, lines
+
+
+@pytest.mark.timeout(60)
 def test_a_server_joining_within_the_route_wait_takes_over(reference_and_dir):
     """In a swarm, the last servers of blocks 3-5 die and a new one joins while the session waits:
     the session goes on over it (its history replayed there) and the tokens do not change."""

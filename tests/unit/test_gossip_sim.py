@@ -27,6 +27,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bench.registry import EPOCH, MODEL, SWARM, Sim, SimConfig, SimPeer, holds
+from shoal.limits import RegistryLimits
 from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing, key_id
 from shoal.swarm.messages import (
     ENTRY,
@@ -197,7 +198,7 @@ def test_gossip_rejects_malformed_payloads(table, case):
     gossiper = Gossiper(table, ALICE[1], CONFIG, random.Random(0))
     before = table.records()
     with pytest.raises(RecordError, match="malformed") as caught:
-        gossiper.handle(op, payload)
+        gossiper.handle(op, payload, MALLORY[1])
     assert caught.value.reason == "malformed" and says in str(caught.value), str(caught.value)
     assert table.records() == before
 
@@ -225,17 +226,19 @@ def test_gossip_answers_list_digests_in_kind(table):
     held, fresh = f"m:{MODEL}", f"s:{MALLORY[1]}"
     stamp = table.get(held).timestamp
     offer = encode_payload(OfferRequest(digest=[[held, stamp], [fresh, NOW]]))
-    assert decode_payload(gossiper.handle("offer", offer), OfferReply) == OfferReply(wanted=(fresh,))
+    assert decode_payload(gossiper.handle("offer", offer, MALLORY[1]), OfferReply) == OfferReply(wanted=(fresh,))
     compact = encode_payload(OfferRequest(digest=ENTRY.pack(key_id(held), stamp) + ENTRY.pack(key_id(fresh), NOW)))
-    assert decode_payload(gossiper.handle("offer", compact), OfferReply) == OfferReply(wanted=key_id(fresh))
-    answer = decode_payload(gossiper.handle("sync", encode_payload(SyncRequest(digest=[[fresh, NOW]]))), SyncReply)
+    assert decode_payload(gossiper.handle("offer", compact, MALLORY[1]), OfferReply) == OfferReply(wanted=key_id(fresh))
+    answer = decode_payload(
+        gossiper.handle("sync", encode_payload(SyncRequest(digest=[[fresh, NOW]])), MALLORY[1]), SyncReply
+    )
     assert answer == SyncReply(records=(table.get(held).data,), wanted=(fresh,))
 
 
 def test_push_counts_each_bad_record_and_merges_the_rest(table):
     gossiper = Gossiper(table, PUBLISHER[1], CONFIG, random.Random(0))
     push = PushRequest(records=[b"\x93not a record", alice(), b"\x00" * (MAX_RECORD_BYTES + 1)])
-    assert gossiper.handle("push", encode_payload(push)) == encode_payload(PushReply()) == b"\x80"
+    assert gossiper.handle("push", encode_payload(push), MALLORY[1]) == encode_payload(PushReply()) == b"\x80"
     assert table.get(f"s:{ALICE[1]}").data == alice()
     assert table.rejected == {"malformed": 1, "too_large": 1}
 
@@ -266,7 +269,7 @@ def test_gossiper_follows_table_changes_made_elsewhere():
 
     def wanted(timestamp: float) -> bytes:
         offer = encode_payload(OfferRequest(digest=ENTRY.pack(alice_id, timestamp)))
-        return decode_payload(gossiper.handle("offer", offer), OfferReply).wanted
+        return decode_payload(gossiper.handle("offer", offer, MALLORY[1]), OfferReply).wanted
 
     assert wanted(NOW - 25.0) == b""  # held: not wanted
     assert table.merge(alice(NOW - 24.0))  # a newer one, directly
@@ -309,7 +312,7 @@ def test_join_and_leave_converge(seed):
 
 def plant(peer: SimPeer, record: Record, data: bytes) -> None:
     """A compromised ``peer``: ``data`` enters its table unchecked, and it gossips it as news."""
-    peer.table._records[record.key] = SignedRecord(record, data)
+    peer.table._put(SignedRecord(record, data))
     peer.gossiper.learned([record.key])
 
 
@@ -353,7 +356,10 @@ def test_forged_records_never_enter_a_table():
 
     # A forger pushes everything (and the control record) to one honest peer; a compromised peer
     # holds everything (and another control record) in its table and gossips it.
-    sim.inject(honest_to, "push", PushRequest(records=[data for _, data, _ in forged.values()] + [control.data]))
+    # (a push merges at most max_unasked_per_push records nobody asked for: the forger sends several)
+    pushed, per_push = [data for _, data, _ in forged.values()] + [control.data], RegistryLimits().max_unasked_per_push
+    for i in range(0, len(pushed), per_push):
+        sim.inject(honest_to, "push", PushRequest(records=pushed[i : i + per_push]))
     for record, data, _ in forged.values():
         plant(compromised, record, data)
     plant(compromised, planted_control.record, planted_control.data)

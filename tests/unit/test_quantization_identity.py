@@ -21,15 +21,15 @@ NONE, INT8, NF4 = Quantization.NONE, Quantization.INT8, Quantization.NF4
 
 
 def test_quality_order_and_names():
-    assert [q for q in Quantization if q.satisfies(DEFAULT_MIN_QUALITY)] == [NONE, INT8]
+    assert [q for q in Quantization if q.satisfies(DEFAULT_MIN_QUALITY)] == [NONE, Quantization.GGUF, INT8]
     assert NONE.satisfies(NONE) and not INT8.satisfies(NONE) and NF4.satisfies(NF4) and not NF4.satisfies(INT8)
     for name in ("fp32", "bf16", "FP16", "float32", "none"):
         assert parse_min_quality(name) is NONE  # the serving dtypes rank equal
     assert parse_min_quality("int8") is INT8 and parse_min_quality(NF4) is NF4
     assert parse_quantization("INT8") is INT8
-    with pytest.raises(UsageError, match="unknown min_quality 'int3'; choose one of fp32, bf16, fp16, int8, nf4"):
+    with pytest.raises(UsageError, match="unknown min_quality 'int3'; choose one of fp32, bf16, fp16, gguf, int8, nf4"):
         parse_min_quality("int3")
-    with pytest.raises(UsageError, match="unknown quantisation 'fp32'; choose one of none, int8, nf4"):
+    with pytest.raises(UsageError, match="unknown quantisation 'fp32'; choose one of none, gguf, int8, nf4"):
         parse_quantization("fp32")
 
 

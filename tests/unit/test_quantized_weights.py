@@ -4,8 +4,9 @@ cost, and the errors when a format cannot be had.
 Random models are a harsh test for quantisation (gaussian weights, near-tied logits), so the
 tolerances below are stated against what was measured on these models, not against real checkpoints
 (the benchmark measures perplexity on real weights): with Llama's own init (0.02), hidden 256, int8
-logits are 1.6-1.7% off fp32 (relative L2) and nf4's 20-24%, while two different random models'
-logits are ~140% apart; the argmax at each position of the fp32 greedy sequence agrees 96-100% for int8.
+logits are 1.4-1.9% off fp32 (relative L2; per row, bf16 activations) and nf4's 20-24%, while two
+different random models' logits are ~140% apart; the argmax at each position of the fp32 greedy
+sequence agrees 89-100% for int8 (per group of 32: 1.3-1.4% and 96-100%, at 1.25 bytes per weight).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from testkit.tiny import save_checkpoint, tiny_checkpoint, tiny_config, tiny_mod
 pytestmark = pytest.mark.timeout(300)
 INT8, NF4 = Quantization.INT8, Quantization.NF4
 PROMPT = [1, 5, 9, 200]
-INT8_LOGITS_RTOL, NF4_LOGITS_RTOL, INT8_ARGMAX_AGREEMENT = 0.03, 0.3, 0.9
+INT8_LOGITS_RTOL, NF4_LOGITS_RTOL, INT8_ARGMAX_AGREEMENT = 0.03, 0.3, 0.85
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,7 +99,8 @@ def test_planned_bytes_are_what_a_quantised_block_holds(family, tmp_path):
             span(torch.randn(1, 3, config.hidden_size), torch.arange(3)[None], None)
         planned = [planned_bytes(meta_block(config, i), torch.float32, quantization) for i in range(2)]
         assert [held_bytes(block) for block in span.layers] == planned
-    assert quantized_weight_bytes((64, 128), INT8) == 64 * 128 + 64 * 5
+    assert quantized_weight_bytes((64, 128), INT8) == 64 * 128 + 64 * 2  # Int8Linear: a bf16 scale per row
+    assert quantized_weight_bytes((4, 64, 128), INT8) == 4 * 64 * 128 + 4 * 64 * 5  # experts: torchao's
 
 
 def test_moe_experts_are_quantised_to_int8_and_refused_by_nf4(tmp_path):
@@ -132,7 +134,13 @@ def test_placement_counts_quantised_bytes():
     fits = {
         q: default_num_blocks(config, torch.bfloat16, "cpu", 0, free_bytes=free, quantization=q) for q in Quantization
     }
-    assert fits == {Quantization.NONE: 40, INT8: 39 * full // int8, NF4: 39 * full // nf4}
+    gguf = block_bytes(config, torch.bfloat16, Quantization.GGUF)
+    assert fits == {
+        Quantization.NONE: 40,
+        INT8: 39 * full // int8,
+        NF4: 39 * full // nf4,
+        Quantization.GGUF: 39 * full // gguf,
+    }
     assert fits[INT8] >= 77 and fits[NF4] >= 146
 
 

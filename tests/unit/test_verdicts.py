@@ -213,8 +213,8 @@ def test_gossip_carries_a_verdict_byte_for_byte():
     data = signed_verdict()
     assert alice.publish(decode(data))
     (offer,) = alice.take_offers()
-    (push,) = alice.on_reply(offer, bob.handle(offer.op, offer.payload))
-    bob.handle(push.op, push.payload)
+    (push,) = alice.on_reply(offer, bob.handle(offer.op, offer.payload, "a" * 64))
+    bob.handle(push.op, push.payload, "a" * 64)
     assert b.get(f"v:{JUDGE}:{ACCUSED}").data == data
 
 

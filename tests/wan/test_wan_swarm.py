@@ -208,7 +208,7 @@ def test_a_lost_client_link_fails_the_step_when_no_other_server_hosts_the_span(c
     deadline). Nothing crossed the link meanwhile; s0 got the step (and pushed it on to s1) only
     when its own link was up."""
     with WanSwarm(checkpoint, SPANS, default=LinkConditions(rtt_ms=2.0)) as swarm:
-        model = swarm.connect(refresh_period=0)
+        model = swarm.connect(refresh_period=0, route_wait=0)  # no waiting for a newcomer: at once
         with model.inference_session(max_length=PROMPT.shape[1] + 4):
             first = greedy(model, PROMPT, 2)  # every connection is up, the session holds the prompt
             pushes = swarm.server(SPANS[0]).server.counters.pushes_sent

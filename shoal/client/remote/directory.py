@@ -45,6 +45,7 @@ PROBE_TIMEOUT = 0.75  # a live server answers a ping within this, however busy i
 MEASURE_TIMEOUT = 2.0
 WAIT_POLL = 1.0  # seconds between looks for a newcomer while blocks have no server
 SILENT_GRACE = 0.5  # seconds a listed server may answer after the others cover every block
+SILENT_AFTER = 1.0  # ... and never less than this after the measurement began (a busy live one answers)
 SILENT_BAN = 10.0  # at least this long out of routes for a listed server that did not answer
 REPORT_TO = 2  # swarm members told which listed servers did not answer
 
@@ -63,6 +64,13 @@ def replicas(spans: Sequence[ServerSpan], like: ServerSpan) -> list[ServerSpan]:
         and s.info.adapters == like.info.adapters
         and s.info.dtype == like.info.dtype
     ]
+
+
+def _answer(task: asyncio.Future) -> ServerSpan | None:
+    """A finished measurement's fresh span; None if it failed in any way."""
+    if task.cancelled() or task.exception() is not None:
+        return None
+    return task.result()
 
 
 class ServerDirectory:
@@ -94,6 +102,7 @@ class ServerDirectory:
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
         self._task: asyncio.Task | None = None
         self._reports: set[asyncio.Future] = set()  # reports of silent servers on their way
+        self._looked = False  # whether the server list was pulled before
 
     @property
     def min_quality(self) -> Quantization:
@@ -111,7 +120,10 @@ class ServerDirectory:
 
     async def refresh(self) -> None:
         """Pull the server list again (tables and infos), then measure round trips to each server."""
-        spans = await known_spans(self.node, self.tickets, self.model, self.config.listing_timeout, self.num_blocks)
+        # the first look (the client starting) asks only the given members; later ones more of them too
+        more, self._looked = self._looked, True
+        timeout = self.config.listing_timeout
+        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
 
@@ -127,10 +139,12 @@ class ServerDirectory:
     async def _measure(self, spans: list[ServerSpan]) -> list[ServerSpan]:
         """Time an ``info`` request to every server (in parallel); fresh free-cache and drain state
         from the answers. Once the servers that answered cover every block, the others get
-        ``SILENT_GRACE`` (or 3 of the slowest answer's round trips) more, then count as silent:
-        they stay listed (the table says they exist) but are banned from routes for a while (a ban is
-        advice: a route that needs one still takes it) and reported to the swarm, so that a dead
-        server listed until its record expires costs a new client no wait."""
+        ``SILENT_GRACE`` (or 3 of the slowest answer's round trips) more, ``SILENT_AFTER`` in all at
+        least; then they are banned from routes (a ban is advice: a route that needs one still takes
+        it) while their answers are awaited in the background up to ``MEASURE_TIMEOUT``: one that
+        answers is routable again, the rest stay listed (the table says they exist), banned for a
+        while and reported to the swarm. A dead server listed until its record expires costs a new
+        client about a second, not a connect timeout."""
 
         async def one(span: ServerSpan) -> ServerSpan | None:
             started = time.perf_counter()
@@ -153,31 +167,50 @@ class ServerDirectory:
 
         tasks = {asyncio.ensure_future(one(span)): span for span in spans}
         answered: dict[PeerId, ServerSpan] = {}
-        deadline = time.monotonic() + MEASURE_TIMEOUT
+        began = time.monotonic()
+        full = deadline = began + MEASURE_TIMEOUT
         pending = set(tasks)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(
-                    pending, timeout=max(deadline - time.monotonic(), 0), return_when=asyncio.FIRST_COMPLETED
-                )
-                if not done:
-                    break
-                for task in done:
-                    if (fresh := task.result()) is not None:
-                        answered[fresh.peer_id] = fresh
-                if pending and not uncovered_blocks(list(answered.values()), self.num_blocks):
-                    slowest = max(self.latency.client_rtt_ms.get(p, 0.0) for p in answered) / 1e3
-                    deadline = min(deadline, time.monotonic() + max(SILENT_GRACE, 3 * slowest))
-        finally:
+        while pending:
+            done, pending = await asyncio.wait(
+                pending, timeout=max(deadline - time.monotonic(), 0), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
+            for task in done:
+                if (fresh := _answer(task)) is not None:
+                    answered[fresh.peer_id] = fresh
+            if pending and deadline == full and not uncovered_blocks(list(answered.values()), self.num_blocks):
+                slowest = max(self.latency.client_rtt_ms.get(p, 0.0) for p in answered) / 1e3
+                deadline = max(began + SILENT_AFTER, time.monotonic() + max(SILENT_GRACE, 3 * slowest))
+        if pending:  # not waited for: out of routes until they answer (if they do before the deadline)
             for task in pending:
-                task.cancel()
-        silent = [span for span in spans if span.peer_id not in answered]
+                self.bans.ban(tasks[task].peer_id, max(self.config.refresh_period, SILENT_BAN))
+            late = asyncio.ensure_future(self._stragglers({t: tasks[t] for t in pending}, full))
+            self._reports.add(late)
+            late.add_done_callback(self._reports.discard)
+        silent = [span for task, span in tasks.items() if task.done() and _answer(task) is None]
+        self._silent(silent)
+        return [answered.get(span.peer_id, span) for span in spans]
+
+    async def _stragglers(self, pending: dict[asyncio.Future, ServerSpan], deadline: float) -> None:
+        """Measurements still under way after a refresh stopped waiting: one that answers before
+        ``deadline`` is routable again, with its fresh state; the rest are silent."""
+        done, still = await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0))
+        for task in still:
+            task.cancel()
+        for task in done:
+            if (fresh := _answer(task)) is not None:
+                self.bans.lift(fresh.peer_id)
+                self.spans = [fresh if s.peer_id == fresh.peer_id else s for s in self.spans]
+        self._silent([pending[t] for t in still] + [pending[t] for t in done if _answer(t) is None])
+
+    def _silent(self, silent: list[ServerSpan]) -> None:
+        """Listed servers that did not answer: out of routes for a while, and reported."""
         for span in silent:
             self.bans.ban(span.peer_id, max(self.config.refresh_period, SILENT_BAN))
         if silent:
             log.info("%d listed servers did not answer: %s", len(silent), ", ".join(s.peer_id[:10] for s in silent))
             self._report_silent(silent)
-        return [answered.get(span.peer_id, span) for span in spans]
 
     def _report_silent(self, silent: Sequence[ServerSpan]) -> None:
         """Tell the swarm peers we pulled tables from which servers did not answer (each checks

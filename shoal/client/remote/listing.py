@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from shoal.errors import ShoalError
+from shoal.errors import Forbidden, ShoalError
 from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.routing import NoRouteError, RouteInfo, ServerSpan, block_runs, format_blocks, uncovered_blocks
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 LISTING_GRACE = 1.0  # seconds a plain ticket's peer may answer after the others cover every block
 MAX_PULLS = 4  # swarm members a client pulls the table from at once (the tickets it was given)
 EXTRA_PULLS = 2  # more members asked when only one ticket was given (one member cannot eclipse the swarm)
+EXTRA_PULL_TIMEOUT = 1.0  # seconds those may take (each dial, then answer): a dead one must not hold up the start
 
 
 async def fetch_info(node: BaseNode, ticket: Ticket, timeout: float) -> ServerSpan | None:
@@ -52,9 +53,10 @@ async def fetch_info(node: BaseNode, ticket: Ticket, timeout: float) -> ServerSp
     return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
 
 
-async def pull_table(node: BaseNode, tickets: Sequence[Ticket], timeout: float) -> RecordTable:
+async def pull_table(node: BaseNode, tickets: Sequence[Ticket], timeout: float, more: bool = True) -> RecordTable:
     """The swarm's table as several members see it, merged: the given tickets' peers (at most
-    ``MAX_PULLS``) and, when only one was given, ``EXTRA_PULLS`` more members it lists. Only records
+    ``MAX_PULLS``) and, when only one was given and ``more``, ``EXTRA_PULLS`` more members it
+    lists (given ``EXTRA_PULL_TIMEOUT``: a check, not a wait). Only records
     that verify are merged (the newest of each), so one member cannot make a client believe a short
     or doctored table: one that lists far fewer servers than the others is named in a warning. A
     server counts as reached if any member has reached it."""
@@ -63,14 +65,16 @@ async def pull_table(node: BaseNode, tickets: Sequence[Ticket], timeout: float) 
     views = await _views(node, asked, swarm, timeout)
     if not views:
         raise ShoalError(f"no peer of swarm {swarm} answered; tried {len(asked)} tickets")
-    if len(tickets) == 1:
+    if len(tickets) == 1 and more:
         seen = {t.peer_id for t in asked}
         members = [r for r in views[0][1].servers() if r.peer not in seen and r.state is State.ONLINE]
         more = [Ticket(r.peer, r.addrs, r.relay, swarm) for r in members[:EXTRA_PULLS]]
-        views += await _views(node, more, swarm, timeout, quiet=True)
+        views += await _views(node, more, swarm, min(timeout, EXTRA_PULL_TIMEOUT), quiet=True)
     merged = RecordTable(swarm)
     for _, view in views:
         merged.merge_many(view.records())
+    # forged model records the views refused (against the swarm's pin): the client says so if it finds no model
+    merged.rejected["model_pin"] = max(view.rejected["model_pin"] for _, view in views)
     servers = merged.servers(include_unreachable=True)
     liveness = Liveness(self_id="")
     for record in servers:
@@ -100,6 +104,8 @@ async def _views(
     async def one(ticket: Ticket) -> tuple[Ticket, RecordTable] | None:
         try:
             return ticket, table_from_reply(swarm, await fetch_table(node, ticket, timeout))
+        except Forbidden:  # a private swarm that does not admit this client: any member would say so
+            raise
         except ShoalError as exc:
             (log.debug if quiet else log.warning)(
                 "could not pull the swarm table from %s: %s", ticket.peer_id[:10], exc
@@ -109,14 +115,19 @@ async def _views(
     return [view for view in await asyncio.gather(*(one(t) for t in tickets)) if view is not None]
 
 
-async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float) -> list[ServerSpan]:
-    """The online servers of ``model`` in the swarm's table (:func:`pull_table`) that its verdicts
-    do not convict and no member found unreachable."""
-    table = await pull_table(node, tickets, timeout)
+async def swarm_spans(
+    node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float, more: bool = True
+) -> list[ServerSpan]:
+    """The online servers of ``model`` in the swarm's table (:func:`pull_table`, ``more``: with
+    other members' views too) that its verdicts do not convict and no member found unreachable."""
+    table = await pull_table(node, tickets, timeout, more)
     swarm = table.swarm
     names = sorted(m.name for m in table.models())
     if model is None or table.model(model) is None:
-        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {', '.join(names) or 'nothing yet'}")
+        pinned = table.rejected["model_pin"]
+        refused = f" ({pinned} model records refused: not the model the swarm is pinned to)" if pinned else ""
+        serves = ", ".join(names) or "nothing yet"
+        raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {serves}{refused}")
     spans = []
     num_blocks = table.model(model).num_blocks
     liars = convicted(table, model)
@@ -140,7 +151,12 @@ async def swarm_spans(node: BaseNode, tickets: Sequence[Ticket], model: str | No
 
 
 async def known_spans(
-    node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float, num_blocks: int | None = None
+    node: BaseNode,
+    tickets: Sequence[Ticket],
+    model: str | None,
+    timeout: float,
+    num_blocks: int | None = None,
+    more: bool = True,
 ) -> list[ServerSpan]:
     """The servers ``tickets`` lead to, each once: every swarm's (:func:`swarm_spans`, through that
     swarm's tickets) and each plain ticket's own (:func:`fetch_info`). Given ``num_blocks``, once
@@ -150,7 +166,7 @@ async def known_spans(
     for ticket in tickets:
         if ticket.swarm_id:
             by_swarm.setdefault(ticket.swarm_id, []).append(ticket)
-    asks = [swarm_spans(node, members, model, timeout) for members in by_swarm.values()]
+    asks = [swarm_spans(node, members, model, timeout, more) for members in by_swarm.values()]
     asks += [_listed(fetch_info(node, t, timeout)) for t in tickets if not t.swarm_id]
     pending = {asyncio.ensure_future(ask) for ask in asks}
     found: list[ServerSpan] = []

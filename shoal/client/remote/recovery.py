@@ -29,7 +29,7 @@ from torch import Tensor
 from shoal.client.remote.feedback import RouteFeedback, RoutePlanner
 from shoal.client.remote.history import SpanHistory
 from shoal.client.remote.hops import Hop, close_all
-from shoal.errors import BadRequest, BusyError, ShoalError
+from shoal.errors import BadRequest, BusyError, RemoteError, ShoalError, TransportError
 from shoal.ids import BlockRange, PeerId
 from shoal.routing import NoRouteError, ServerSpan, format_blocks
 from shoal.transport import BaseNode
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 MAX_RECOVERIES = 8  # per step (and per session open)
 REPLAY_MS = 50.0  # routing price of a server that would need a replay (prefer those holding state)
 RECOVERY_TIMEOUT = 1.5  # opening a session on a replacement: a dead candidate must not stall recovery long
+OPEN_PATIENCE = 1.0  # an open not answered by then makes the client ask whether the server is there at all
+DEAD_FOR = 10.0  # seconds a server that did not answer stays out of this session's routes
 DRAIN_BAN_SECONDS = 60.0
 DRAIN_RETRY_SECONDS = 1.0  # a draining server without a replacement: how often to look for one again
 
@@ -88,6 +90,10 @@ def gave_up(
     return NoRouteError(f"gave up after {MAX_RECOVERIES} recoveries: every route failed (last error: {cause})", [])
 
 
+class ServerGone(TransportError):
+    """A server did not answer an open, nor a probe after it."""
+
+
 class _RebuildFailed(Exception):
     def __init__(self, span: ServerSpan, cause: BaseException):
         super().__init__(str(cause))
@@ -124,18 +130,40 @@ class ChainRecovery:
         self.cache_tokens = request.batch_size * request.max_length
         self.route_wait = route_wait  # seconds to wait for a server to join when blocks have none left
         self._drain_noted: set[str] = set()  # draining servers already reported without a replacement
+        self._dead: dict[str, float] = {}  # servers found not answering -> until when they stay out
 
     def open_hop(self, span: ServerSpan, timeout: float | None = None) -> Awaitable[Hop]:
         """A session on ``span``'s server as this policy opens them (a chain's hop, or an auditor)."""
         prompts = () if self.prompts is None else (self.prompts[span.start : span.end].contiguous(),)
         return Hop.open(self.node, span, self.request, timeout, prompts)
 
+    async def _open_or_give_up(self, span: ServerSpan) -> Hop:
+        """:meth:`open_hop`, but a server that has not answered within ``OPEN_PATIENCE`` is asked
+        whether it is there at all (:meth:`RouteFeedback.alive`): a dead one fails the open at
+        once, not after the connect or request deadline; a live but busy one gets its time."""
+        opening = asyncio.ensure_future(self.open_hop(span))
+        done, _ = await asyncio.wait({opening}, timeout=OPEN_PATIENCE)
+        if not done and not await self.feedback.alive(span) and not opening.done():
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            self._dead[span.peer_id] = time.monotonic() + DEAD_FOR
+            raise ServerGone(f"peer {span.peer_id[:10]} did not answer within {OPEN_PATIENCE:g} s, nor a probe")
+        return await opening
+
+    def _known_dead(self) -> set[str]:
+        """Servers this session found not answering a moment ago: not tried again for a while
+        (a ban is advice, and the only server of some blocks would be retried at every rebuild)."""
+        now = time.monotonic()
+        for peer in [p for p, until in self._dead.items() if until <= now]:
+            del self._dead[peer]
+        return set(self._dead)
+
     async def open_chain(self) -> list[Hop]:
         """Hops over a whole route, opened in parallel; a server that fails to open is banned and
         the route drawn again without it. A full one (``busy``) is only left out of this open: it
         is not broken, and other sessions may get room there at once. When only full servers could
         take the session, the :class:`BusyError` is what the caller hears (try later), not "no route"."""
-        failed: set[str] = set()
+        failed: set[str] = self._known_dead()
         busy: BusyError | None = None  # the last "no room" answer (a full server is left out, not banned)
         broken = False
         for attempt in range(MAX_RECOVERIES + 1):
@@ -147,7 +175,7 @@ class ChainRecovery:
                 if busy is not None and not broken:  # only full servers could take it: busy, not unavailable
                     raise busy from None
                 raise
-            results = await asyncio.gather(*(self.open_hop(span) for span in route), return_exceptions=True)
+            results = await asyncio.gather(*(self._open_or_give_up(span) for span in route), return_exceptions=True)
             errors = [(span, r) for span, r in zip(route, results, strict=True) if isinstance(r, BaseException)]
             if not errors:
                 return list(results)
@@ -188,7 +216,7 @@ class ChainRecovery:
             raise cause
         broken = hops[index]
         peer = broken.span.peer_id
-        failed = {*failed, peer}
+        failed = {*failed, peer, *self._known_dead()}
         self.feedback.failed(peer, DRAIN_BAN_SECONDS if drain else None)
         quiet = drain and peer in self._drain_noted  # looked for its replacement before: say it once
         (log.debug if quiet else log.warning)(
@@ -292,6 +320,8 @@ class ChainRecovery:
                 try:
                     hop = await self.open_hop(span, RECOVERY_TIMEOUT)
                 except ShoalError as exc:
+                    if not isinstance(exc, RemoteError):  # no answer at all (an error reply is an answer)
+                        self._dead[span.peer_id] = time.monotonic() + DEAD_FOR
                     raise _RebuildFailed(span, exc) from exc
                 opened.append(hop)
                 if position:

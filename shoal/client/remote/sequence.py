@@ -98,7 +98,9 @@ class RemoteSequence:
             raise ValueError("initial_peers is empty: give at least one server ticket")
 
         async def setup() -> RemoteSequence:
-            node = await start_node(config.transport)
+            keyed = {"secret_key": config.identity} if config.identity is not None else {}
+            node = await start_node(config.transport, **keyed)
+            node.credential = config.member_cert  # presented to every server it dials (private swarms)
             try:
                 directory = ServerDirectory(node, tickets, model, num_blocks, hidden_size, config)
                 await directory.refresh()
