@@ -20,7 +20,8 @@ names a position at or before the first corrupted one (``*_exact``: that very po
 
 Prints one JSON object: ``honest_pairs``, ``honest_positions`` (calibration and extra),
 ``honest_false_alarms``; per statistic the honest maximum and its threshold (``honest_max_window`` /
-``window_threshold``: the capped window mean; ``honest_max_channels`` / ``channel_threshold``;
+``window_threshold``: positions beyond the sustained level in any ``window`` consecutive ones;
+``honest_max_channels`` / ``channel_threshold``;
 ``honest_max_position`` and ``honest_max_pair`` against ``threshold`` and ``sustained_threshold``);
 ``window_caught`` / ``window_trials`` (alternate), ``push_caught`` / ``push_trials``, the exact counts,
 and the smallest reading of each lie in its own statistic.
@@ -36,7 +37,13 @@ from itertools import chain
 import torch
 
 from bench.calibrate_verify import Model, build_models, forward, honest_outputs
-from shoal.verify.compare import channel_discrepancy, first_disagreement, row_discrepancy, tolerance_for
+from shoal.verify.compare import (
+    channel_discrepancy,
+    first_disagreement,
+    row_discrepancy,
+    tolerance_for,
+    window_counts,
+)
 from testkit.lies import alternate_noise, channel_push
 
 NOISE = 0.05
@@ -44,12 +51,6 @@ PUSH = 0.5
 CHANNELS = 4
 CHUNK = 8  # positions one audit compares at audit_every=8
 EXTRA_POSITIONS = 1000
-
-
-def window_means(per_row: torch.Tensor, cap: float, size: int) -> torch.Tensor:
-    """The capped window means the window rule compares (see :func:`shoal.verify.compare.first_disagreement`)."""
-    padded = torch.nn.functional.pad(per_row.clamp(max=cap), (0, max(size - per_row.shape[1], 0)))
-    return padded.unfold(1, size, 1).mean(-1)
 
 
 def pairs(model: Model, seeds: list[int], quick: bool):
@@ -68,7 +69,7 @@ def pairs(model: Model, seeds: list[int], quick: bool):
 def run(quick: bool) -> dict:
     started = time.monotonic()
     tolerance = tolerance_for(torch.bfloat16)
-    assert tolerance.sustained is not None and tolerance.window_mean is not None and tolerance.channels is not None
+    assert tolerance.sustained is not None and tolerance.window_count is not None and tolerance.channels is not None
     generator = torch.Generator().manual_seed(0)
     found = {"honest_pairs": 0, "honest_false_alarms": 0, "window_caught": 0, "window_exact": 0,
              "window_trials": 0, "push_caught": 0, "push_exact": 0, "push_trials": 0}  # fmt: skip
@@ -87,8 +88,8 @@ def run(quick: bool) -> dict:
             per_row = row_discrepancy(reference, out)
             honest["position"] = max(honest["position"], float(per_row.max()))
             honest["pair"] = max(honest["pair"], float(torch.minimum(per_row[:, :-1], per_row[:, 1:]).max()))
-            means = window_means(per_row, tolerance.sustained, tolerance.window)
-            honest["window"] = max(honest["window"], float(means.max()))
+            counts = window_counts(per_row, tolerance.sustained, tolerance.window)
+            honest["window"] = max(honest["window"], float(counts.max()))
             honest["channels"] = max(honest["channels"], float(channel_discrepancy(reference, out).max()))
             found["honest_pairs"] += 1
             if first_disagreement(reference, out, tolerance) is not None:
@@ -102,8 +103,8 @@ def run(quick: bool) -> dict:
             found["window_trials"] += 1
             found["window_caught"] += wrong is not None and wrong <= corrupted
             found["window_exact"] += wrong == corrupted
-            mean = window_means(row_discrepancy(reference[:, chunk], lied), tolerance.sustained, tolerance.window)
-            lies["alternate_window"] = min(lies["alternate_window"], float(mean.max()))
+            counts = window_counts(row_discrepancy(reference[:, chunk], lied), tolerance.sustained, tolerance.window)
+            lies["alternate_window"] = min(lies["alternate_window"], float(counts.max()))
             at = int(torch.randint(0, CHUNK, (1,), generator=generator))
             lied = channel_push(out[:, chunk], at, PUSH, CHANNELS, generator)
             wrong = first_disagreement(reference[:, chunk], lied, tolerance)
@@ -120,7 +121,7 @@ def run(quick: bool) -> dict:
         "honest_flagged": flagged,
         "honest_max_position": honest["position"], "threshold": tolerance.relative,
         "honest_max_pair": honest["pair"], "sustained_threshold": tolerance.sustained,
-        "honest_max_window": honest["window"], "window_threshold": tolerance.window_mean, "window": tolerance.window,
+        "honest_max_window": honest["window"], "window_threshold": tolerance.window_count, "window": tolerance.window,
         "honest_max_channels": honest["channels"], "channel_threshold": tolerance.channels,
         "smallest_lie_readings": lies,
         "seconds": round(time.monotonic() - started, 1),
