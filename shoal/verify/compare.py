@@ -37,16 +37,19 @@ position never makes a pair, and a push of half the row's norm into 4 channels r
 - the *window* rule: a position beyond ``sustained`` disagrees when at least ``window_count`` of the
   ``window`` positions of its row from it on (itself included; fewer at the end of a comparison) are
   beyond ``sustained`` too. It reports the first position beyond ``sustained`` of the first such window,
-  at or before the first corrupted position there. A count, not a mean: an honest replica's error
-  drifts up over a stretch (SmolLM2 15:30, bf16: 8 positions in a row at 0.02-0.027, a mean that noise
-  of 5e-2 on alternate positions, 4 of 8 at ~0.045 and 4 at 0, does not exceed) but stays below
-  ``sustained`` apart from isolated spikes, while such noise is beyond it at 4 of every 8 positions;
+  at or before the first corrupted position there, and sees only what one comparison holds (a judge
+  compares the disputed step alone, :func:`shoal.verify.evidence.finding`). A count, not a mean: an
+  honest replica's error drifts up over a stretch (SmolLM2 15:30, bf16: 8 positions in a row at
+  0.02-0.027, a mean that noise of 5e-2 on alternate positions, 4 of 8 at ~0.045 and 4 at 0, does not
+  exceed) but stays below ``sustained`` apart from isolated spikes, while such noise is beyond it at 4
+  of every 8 positions;
 - the *channel* view (:func:`channel_discrepancy`): the :data:`CHANNEL_RANK`-th largest ``|e - g|`` over
   hidden, in units of the row's RMS (floored as above), beyond ``channels``. Honest bf16 error is spread
   over every channel in proportion to each value (an outlier channel's error is one or two channels), so
-  the 4th largest stays small, while a push of ``f ||e||`` split over 4 channels reads about
-  ``f sqrt(hidden) / 4`` there (2 at hidden 64 and f 0.5): a few channels are this view's whole target,
-  which the two RMS views dilute by the hidden size. It is per position, so one pushed position suffices.
+  the 4th largest stays small (0.18 at most measured), while a push of ``f ||e||`` split over 4 channels
+  reads about ``f sqrt(hidden) / 2`` there (1.6-1.8 at hidden 64 and f 0.5, 5.3 at 576): a few channels
+  are this view's whole target, which the two RMS views dilute by the hidden size. It is per position,
+  so one pushed position suffices.
 
 The constants of :func:`tolerance_for` come from ``python -m bench.calibrate_verify`` (its docstring
 says what it measures; the README gives the numbers).
