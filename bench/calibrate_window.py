@@ -18,7 +18,7 @@ positions an audit at ``audit_every=8`` compares, from a seeded start:
 A trial is caught when :func:`~shoal.verify.compare.first_disagreement` at ``tolerance_for(bfloat16)``
 names a position at or before the first corrupted one (``*_exact``: that very position).
 
-Prints one JSON object: ``honest_pairs``, ``honest_positions`` (calibration and extra),
+Prints one JSON object: ``honest_pairs``, ``honest_positions`` (calibration and extra, summed over the pairs),
 ``honest_false_alarms``; per statistic the honest maximum and its threshold (``honest_max_window`` /
 ``window_threshold``: positions beyond the sustained level in any ``window`` consecutive ones;
 ``honest_max_channels`` / ``channel_threshold``;
