@@ -222,7 +222,14 @@ def reading(reference: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> R
 
 def honest_case(model: Model, span: tuple[int, int], dtype, hidden, seed: int) -> tuple[torch.Tensor, dict]:
     """The reference output and each variant's :class:`Reading` against it."""
-    sdpa, eager = model.span(*span, dtype), model.span(*span, dtype, "eager")
+    reference, variants = honest_outputs(model, span, dtype, hidden, seed)
+    return reference, {name: reading(reference, out, dtype) for name, out in variants.items()}
+
+
+def honest_outputs(model: Model, span: tuple[int, int], dtype, hidden, seed: int, kernels: bool = True):
+    """The reference output and each variant's output (``[1, n, hidden]`` float32); ``kernels``: the
+    attention-kernel variants too."""
+    sdpa, eager = model.span(*span, dtype), (model.span(*span, dtype, "eager") if kernels else None)
     n = hidden.shape[1]
     prompt = model.prompt(n)
     positions = torch.arange(n)[None]
@@ -233,16 +240,18 @@ def honest_case(model: Model, span: tuple[int, int], dtype, hidden, seed: int) -
     torch.set_num_threads(1)
     variants["threads1"] = forward(sdpa, hidden)
     variants["combined"] = session(sdpa, rows, batch_positions, mask, prompt + PAD, 1)[1:2, PAD:]
-    variants["combined_eager"] = session(eager, rows, batch_positions, mask, prompt + PAD, 1)[1:2, PAD:]
+    if kernels:
+        variants["combined_eager"] = session(eager, rows, batch_positions, mask, prompt + PAD, 1)[1:2, PAD:]
     torch.set_num_threads(PARENT_THREADS)
     variants["batch3"] = forward(sdpa, rows, batch_positions, mask)[1:2, PAD:]
     variants["session_prefill"] = session(sdpa, hidden, positions, None, n, n)
     variants["decode1"] = session(sdpa, hidden, positions, None, prompt, 1)
     variants["chunk8"] = session(sdpa, hidden, positions, None, prompt, 8)
-    variants["eager"] = forward(eager, hidden)
-    with sdpa_kernel(SDPBackend.MATH):
-        variants["sdpa_math"] = forward(sdpa, hidden)
-    return reference, {name: reading(reference, out, dtype) for name, out in variants.items()}
+    if kernels:
+        variants["eager"] = forward(eager, hidden)
+        with sdpa_kernel(SDPBackend.MATH):
+            variants["sdpa_math"] = forward(sdpa, hidden)
+    return reference, variants
 
 
 # ---- the corruption ------------------------------------------------------------------------------
