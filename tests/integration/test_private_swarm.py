@@ -110,9 +110,10 @@ class Private:
         return self.request(key, server, SWARM, Message("gossip", 1, Gossip(op="push"), [payload]), credential)
 
     def online(self, n: int, model: str = "tiny") -> bool:
-        """Whether every table holds ``model`` and ``n`` online servers of it."""
+        """Whether every table holds ``model`` and ``n`` online servers of it, each reached by that
+        table's peer (a server pushes only to a next hop it has reached)."""
         return all(
-            t.model(model) and sum(r.state is State.ONLINE for r in t.servers(model)) == n for t in self.tables()
+            t.model(model) and sum(r.state is State.ONLINE for r in t.admitted(model)) == n for t in self.tables()
         )
 
     def tables(self):

@@ -319,8 +319,11 @@ def test_forged_records_never_enter_a_table_and_a_valid_one_spreads(swarm, model
             await poll_views(node, tickets, lambda view: view.at >= settle, 2 * ROUND + 5.0, clean, what="settling")
             for p, counts in before.items():
                 after = (await fetch_view(node, tickets[p])).rejected
-                grew = {reason: after[reason] - counts[reason] for reason in forged.expected}
-                assert all(grew[r] >= n for r, n in forged.expected.items()), (p[:8], grew, dict(forged.expected))
+                grew = {reason: after[reason] - counts[reason] for reason in (*forged.expected, "unasked")}
+                # each forgery was refused for its own reason, or dropped undecoded as one of more
+                # unasked records than a push may carry (which of them depends on the order)
+                short = sum(max(n - grew[r], 0) for r, n in forged.expected.items())
+                assert short <= grew["unasked"], (p[:8], grew, dict(forged.expected))
             # leave: an offline record to every server, so nobody gossips to this peer any more
             bye = peer.own_record(fingerprints[2:4], model, (2, 4), State.OFFLINE, lifetime=EXPIRY)
             await asyncio.gather(*(peer.op(t, "push", [bye.data]) for t in tickets.values()))
