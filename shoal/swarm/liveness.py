@@ -34,6 +34,7 @@ MAX_PROBES = 16  # probes a peer starts per round at most (admission of a big ta
 RECHECK_S = 30.0  # an unreachable server is probed again after this long
 PROBE_TIMEOUT_S = 2.0  # a live server answers a ping within this, however busy its compute is
 MAX_REPORTED = 64  # peers one suspect report may name
+REPROBE_GAP_S = 1.0  # a reported peer probed this recently is not probed again for the report
 
 
 class Reach(enum.Enum):
@@ -88,12 +89,18 @@ class Liveness:
         return after[: self.watchers]
 
     def due(self, servers: Sequence[ServerRecord], now: float) -> list[str]:
-        """Peers to probe now, most urgent first, at most ``max_probes``: reported ones, the watched
-        ring successors, records not yet reached (admission), unreachable ones due a re-check."""
+        """Peers to probe now, most urgent first, at most ``max_probes``: ones an admitted server
+        said are gone (to check its word), reported ones not probed in the last ``REPROBE_GAP_S``
+        (reports cannot make a peer ping a live server over and over), the watched ring
+        successors, records not yet reached (admission), unreachable ones due a re-check."""
         records = {r.peer: r for r in servers if r.peer != self.self_id and r.state is not State.OFFLINE}
         order: dict[str, None] = {}
+        for peer, record in records.items():
+            if self.reach(record) is Reach.UNREACHABLE and self.probes[peer].hearsay:
+                order[peer] = None
         for peer in self._suspects:
-            if peer in records:
+            last = self.probes.get(peer)
+            if peer in records and (last is None or now - last.at >= REPROBE_GAP_S):
                 order[peer] = None
         for peer in self.watched(list(records.values())):
             order[peer] = None
@@ -101,8 +108,6 @@ class Liveness:
             state = self.reach(record)
             if state is Reach.UNPROBED or (state is Reach.UNREACHABLE and now - self.probes[peer].at >= self.recheck):
                 order[peer] = None
-            elif state is Reach.UNREACHABLE and self.probes[peer].hearsay:
-                order[peer] = None  # check an admitted server's word ourselves
         chosen = [p for p in order if p not in self._in_flight][: self.max_probes]
         self._in_flight.update(chosen)
         for peer in chosen:

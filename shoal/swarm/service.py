@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 SWARM = Protocol("swarm", 2)
 MAX_FOLLOW_UPS = 4
 MIN_WATCH_PERIOD = 0.5  # seconds: fast in-process gossip must not turn into a ping storm
+MIN_LOOK_GAP = 0.05  # seconds between a report's wake-up and the probes it asks for
 SMALL_SWARM = 16  # up to this many gossip peers, a server found unreachable is reported to all
 
 
@@ -237,6 +238,7 @@ class SwarmService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._look.wait(), self.watch_period * random.uniform(0.8, 1.2))
             self._look.clear()
+            await asyncio.sleep(MIN_LOOK_GAP)  # a burst of reports makes one round, not one each
             records = {r.peer: r for r in self.table.servers(include_offline=False, include_unreachable=True)}
             self.liveness.forget([p for p in list(self.liveness.probes) if p not in records])
             due = self.liveness.due(list(records.values()), time.monotonic())

@@ -109,3 +109,14 @@ def test_probes_per_round_are_capped_and_not_doubled():
     assert len(first) == 3
     second = live.due(records, now=0.0)
     assert len(second) == 3 and not set(first) & set(second)  # in flight: not probed twice
+
+
+def test_reports_cannot_make_a_peer_ping_a_live_server_over_and_over():
+    live = Liveness("a", watchers=0)  # no ring duty: only reports would make it probe
+    records = {"c": record("c")}
+    live.probed(records["c"], ok=True, now=10.0)
+    live.reported(["c"], reporter="z", admitted=False, records=records, now=10.2)
+    assert live.due(list(records.values()), now=10.2) == []  # probed 0.2 s ago: the report waits
+    assert live.due(list(records.values()), now=11.1) == ["c"]  # then it is checked, once
+    live.probed(records["c"], ok=True, now=11.1)
+    assert live.due(list(records.values()), now=11.2) == []
