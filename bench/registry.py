@@ -573,6 +573,23 @@ def run(config: SimConfig, window: float = 60.0, trials: int = 3, per_peer_decod
         return _run(config, window, trials, shared, started, say)
 
 
+def run_settings(n: int, g: GossipConfig, config: SimConfig) -> dict:
+    """What a run simulated (peers, gossip periods, the network): the head of both modes' reports."""
+    return {
+        "peers": n,
+        "period_s": g.period,
+        "refresh_s": g.refresh,
+        "expiry_s": g.expiry,
+        "gossip": {"fanout": g.fanout, "push_delay_s": g.push_delay, "sync_every_rounds": g.sync_every},
+        "network": {
+            "latency_ms_one_way": [config.latency[0] * 1e3, config.latency[1] * 1e3],
+            "overhead_bytes_per_message": config.overhead,
+            "dead_peer_timeout_s": config.dead_timeout,
+            "seed": config.seed,
+        },
+    }
+
+
 def _stats(seconds: list[float | None], period: float) -> dict:
     done = [s for s in seconds if s is not None]
     worst = max(done) if len(done) == len(seconds) and done else None
@@ -633,17 +650,7 @@ def _run(config: SimConfig, window: float, trials: int, shared: SharedDecode | N
     join, leave = _stats(joins, g.period), _stats(leaves, g.period)
     join["bootstrap_sync_bytes_sent_received"] = sync_bytes[0]
     out = {
-        "peers": n,
-        "period_s": g.period,
-        "refresh_s": g.refresh,
-        "expiry_s": g.expiry,
-        "gossip": {"fanout": g.fanout, "push_delay_s": g.push_delay, "sync_every_rounds": g.sync_every},
-        "network": {
-            "latency_ms_one_way": [config.latency[0] * 1e3, config.latency[1] * 1e3],
-            "overhead_bytes_per_message": config.overhead,
-            "dead_peer_timeout_s": config.dead_timeout,
-            "seed": config.seed,
-        },
+        **run_settings(n, g, config),
         "signature_cache": (
             "shared: every simulated peer runs in this one process and uses the same records._verified "
             "lru_cache, so each distinct record's signature is verified once in the run (a real peer "

@@ -35,7 +35,15 @@ import statistics
 import time
 from collections import Counter
 
-from bench.registry import EPOCH, TARGET_BYTES_RATIO, TARGET_CONVERGENCE_S, SimConfig, _stats, finish
+from bench.registry import (
+    EPOCH,
+    TARGET_BYTES_RATIO,
+    TARGET_CONVERGENCE_S,
+    SimConfig,
+    _stats,
+    finish,
+    run_settings,
+)
 from bench.scale_sim import PUSH_HEADER, ScaleSim, digest_payload, wanted_payload
 from shoal.swarm.messages import ENTRY, ID_BYTES
 
@@ -110,17 +118,7 @@ def run(config: SimConfig, window: float, trials: int, observers: int, sample_ra
     tables = [p.observer for p in sim.observers if p.alive]
     out = {
         "mode": "sampled",
-        "peers": n,
-        "period_s": g.period,
-        "refresh_s": g.refresh,
-        "expiry_s": g.expiry,
-        "gossip": {"fanout": g.fanout, "push_delay_s": g.push_delay, "sync_every_rounds": g.sync_every},
-        "network": {
-            "latency_ms_one_way": [config.latency[0] * 1e3, config.latency[1] * 1e3],
-            "overhead_bytes_per_message": config.overhead,
-            "dead_peer_timeout_s": config.dead_timeout,
-            "seed": config.seed,
-        },
+        **run_settings(n, g, config),
         "sampling": {
             "refreshes_spread_per_s": sample_rate,
             "refreshes_sampled": len(sampled),
