@@ -58,8 +58,18 @@ from shoal.swarm.records import State
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import covers, verdict_for
 from shoal.verify.compare import tolerance_of
-from shoal.verify.evidence import Bench, Case, Ledger, Reason, Rejected, check_evidence, check_part, finding
-from shoal.verify.receipts import LIAR_BAN_SECONDS
+from shoal.verify.evidence import (
+    Announced,
+    Bench,
+    Case,
+    Ledger,
+    Reason,
+    Rejected,
+    check_evidence,
+    check_part,
+    finding,
+)
+from shoal.verify.receipts import LIAR_BAN_SECONDS, weights_digest
 from shoal.wire import Message
 from shoal.wire.schema import EvidenceReply, EvidenceRequest, ServerCounters, SpanInfo
 
@@ -169,27 +179,31 @@ class Judge:
         reply = EvidenceReply(confirmed=False, reason=exc.reason.value, detail=exc.detail[:4096])
         return Message("result", request.id, reply)
 
-    def _check_accused(self, meta: EvidenceRequest) -> None:
+    def _check_accused(self, meta: EvidenceRequest) -> Announced | None:
         """``not_judged`` unless the swarm's table (if this judge has one) lists the accused as an
-        online server of the model covering the blocks: anyone else costs a recompute for nothing."""
+        online server of the model covering the blocks: anyone else costs a recompute for nothing.
+        Returns what the table holds it to there (the pinned model record's fingerprints in its
+        announced quantization, its announced compute label); None outside a swarm."""
         table = self.table
         if table is None:
-            return
+            return None
         now, blocks = table.clock(), BlockRange(meta.start, meta.end)
-        listed = any(
-            r.peer == meta.accused and r.state is State.ONLINE and r.expires > now and covers(r, blocks)
-            for r in table.servers(meta.model)
-        )
-        if listed:
-            return
+        listed = next((
+            r for r in table.servers(meta.model)
+            if r.peer == meta.accused and r.state is State.ONLINE and r.expires > now and covers(r, blocks)
+        ), None)  # fmt: skip
+        if listed is not None:  # its record's fingerprints are the model record's (the table checks them)
+            first = blocks.start - listed.start
+            pinned = tuple(f.hex() for f in listed.fingerprints[first : first + len(blocks)])
+            return Announced(weights_digest(pinned, listed.quantization.value), listed.compute)
         raise Rejected(Reason.NOT_JUDGED, f"the accused is no online server of blocks {blocks} of {meta.model!r} "
                        "in this server's swarm table")  # fmt: skip
 
     async def _judge(self, meta: EvidenceRequest, tensors: list) -> tuple[Case, int]:
         """(the case, the first wrong position); raises :class:`Rejected`. The checks run outside the
         lock (they are stateless): a forgery is found without waiting for another piece's recompute."""
-        self._check_accused(meta)
-        case = await self._checked(meta, tensors)
+        announced = self._check_accused(meta)
+        case = await self._checked(meta, tensors, announced)
         background = self.backend.in_background
         async with self._lock:
             if case.key in self.ledger:  # after the forged checks: a tampered copy of judged evidence is forged
@@ -201,7 +215,7 @@ class Judge:
                     adapter=case.adapter,
                 )  # fmt: skip
                 tolerance = tolerance_of(case.output.dtype, self.info.dtype, case.disputed.codec, self.backend.device,
-                                         other=case.disputed.compute)  # fmt: skip
+                                         other=case.compute)  # fmt: skip
                 wrong = await background(finding, case, recomputed, tolerance)
             except Rejected:  # judged (framing): a replay is one
                 raise
@@ -210,19 +224,20 @@ class Judge:
                 raise
         return case, wrong
 
-    async def _checked(self, meta: EvidenceRequest, tensors: list) -> Case:
+    async def _checked(self, meta: EvidenceRequest, tensors: list, announced: Announced | None = None) -> Case:
         """The evidence through every check (cheap ones first, in one task with its digest; then the
         signatures and digests in parts), or the finding remembered for this very blob."""
         background = self.backend.in_background
         bench = Bench.of(self.info, self.peer_id)
-        digest, outcome = await background(_intake, meta, tensors, bench, self._forgeries.__contains__)
+        known = self._forgeries.__contains__
+        digest, outcome = await background(_intake, meta, tensors, bench, known, announced)
         try:
             known = self._forgeries.get(digest)
             if known is not None:  # seen before: the same finding, without its checks
                 self._forgeries.move_to_end(digest)
                 raise Rejected(known.reason, known.detail)
             if outcome is None:  # forgotten since the task looked: checked after all
-                outcome = await background(_cheap_checks, meta, tensors, bench)
+                outcome = await background(_cheap_checks, meta, tensors, bench, announced)
             if isinstance(outcome, Rejected):
                 raise outcome
             steps = len(outcome.receipts)
@@ -272,21 +287,27 @@ def blob_digest(meta: EvidenceRequest, tensors: Sequence[Tensor]) -> bytes:
     return digest.digest()
 
 
-def _cheap_checks(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench) -> Case | Rejected:
+def _cheap_checks(
+    meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, announced: Announced | None = None
+) -> Case | Rejected:
     """:func:`check_evidence` but the signatures and input digests; its finding returned, not raised."""
     try:
-        return check_evidence(meta, tensors, bench, costly=False)
+        return check_evidence(meta, tensors, bench, costly=False, announced=announced)
     except Rejected as exc:
         return exc
 
 
 def _intake(
-    meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, known: Callable[[bytes], bool]
+    meta: EvidenceRequest,
+    tensors: Sequence[Tensor],
+    bench: Bench,
+    known: Callable[[bytes], bool],
+    announced: Announced | None = None,
 ) -> tuple[bytes, Case | Rejected | None]:
     """One compute task: the blob's digest and, unless ``known`` (found forged or malformed before:
     a lookup in the judge's memory, one atomic dict read from this thread), the cheap checks."""
     digest = blob_digest(meta, tensors)
-    return digest, None if known(digest) else _cheap_checks(meta, tensors, bench)
+    return digest, None if known(digest) else _cheap_checks(meta, tensors, bench, announced)
 
 
 __all__ = [

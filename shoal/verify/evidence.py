@@ -220,6 +220,18 @@ class Bench:
 
 
 @dataclass(frozen=True)
+class Announced:
+    """What the swarm holds an accused to on the evidence's blocks (from the judge's table): the
+    weights digest of the pinned model record's fingerprints in the quantization the accused
+    announced, and the compute label it announced ("": none). Given, the judge trusts neither claim
+    of the receipts: it recomputes with the pinned weights whatever ``weights`` they sign, and
+    compares within the announced label's tolerance whatever ``compute`` they sign."""
+
+    weights: bytes
+    compute: str = ""
+
+
+@dataclass(frozen=True)
 class Case:
     """Evidence that passed :func:`check_evidence`: what to recompute and what to compare it with."""
 
@@ -234,6 +246,7 @@ class Case:
     key: bytes  # names the evidence for replay checks: sha256 over the receipts' signatures
     digest: bytes  # sha256 of the evidence (a verdict names it)
     adapter: str | None = None  # the judge's name of the adapter the accused ran (by its digest)
+    compute: str = ""  # how the accused computed, as the judge holds it to (its announcement, else its receipts)
 
     @property
     def disputed(self) -> Receipt:
@@ -272,8 +285,12 @@ def _tensors(tensors: Sequence[Tensor], bench: Bench) -> tuple[list[Receipt], Te
     return receipts, output, hidden, position_ids, mask
 
 
-def _judged_here(meta: EvidenceRequest, receipts: Sequence[Receipt], tensors: Sequence[Tensor], bench: Bench) -> None:
-    """Raises ``not_judged`` unless this judge can recompute the evidence as the accused did."""
+def _judged_here(
+    meta: EvidenceRequest, receipts: Sequence[Receipt], tensors: Sequence[Tensor], bench: Bench,
+    announced: Announced | None = None,
+) -> None:  # fmt: skip
+    """Raises ``not_judged`` unless this judge can recompute the evidence as the accused did (with
+    ``announced``: as the swarm pins it to compute, whatever weights its receipts sign)."""
     blocks = BlockRange(meta.start, meta.end)
     if meta.model != bench.model:
         raise Rejected(Reason.NOT_JUDGED, f"about model {meta.model!r}; this server serves {bench.model!r}")
@@ -285,13 +302,15 @@ def _judged_here(meta: EvidenceRequest, receipts: Sequence[Receipt], tensors: Se
     if positions > MAX_EVIDENCE_POSITIONS or size > MAX_EVIDENCE_BYTES:
         raise Rejected(Reason.NOT_JUDGED, f"too large: {positions} positions, {size} bytes")
     ours = bench.weights(blocks)
+    if announced is not None and announced.weights != ours:
+        raise Rejected(Reason.NOT_JUDGED, "the accused announces another weight format than this server's")
     for receipt in receipts:
         if receipt.prompts:
             raise Rejected(Reason.NOT_JUDGED, "deep prompts joined the inputs (evidence cannot show them)")
         if receipt.adapter and receipt.adapter not in bench.adapters:
             detail = f"ran with the adapter of digest {receipt.adapter.hex()}..., which this server lacks"
             raise Rejected(Reason.NOT_JUDGED, detail)
-        if receipt.weights != ours:
+        if announced is None and receipt.weights != ours:
             raise Rejected(Reason.NOT_JUDGED, "states other weights than this server's (fingerprints, quantization)")
 
 
@@ -353,11 +372,15 @@ def _state_after(receipt: Receipt | None, hidden: Tensor, position_ids: Tensor, 
     return chain_states(receipt.state, hidden[:, start:end], position_ids[:, start:end], columns)[-16:]
 
 
-def check_evidence(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, *, costly: bool = True) -> Case:
+def check_evidence(
+    meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, *, costly: bool = True,
+    announced: Announced | None = None,
+) -> Case:  # fmt: skip
     """Evidence sent to ``bench``, checked (malformed, not judged here, forged, in that order);
     raises :class:`Rejected`. Replays and the recomputation are the judge's. ``costly=False``: all
     but the signature and digest checks, which the caller then runs in parts (:func:`check_part`: a
-    judge's compute tasks stay short)."""
+    judge's compute tasks stay short). ``announced``: what the swarm holds the accused to (in a
+    swarm; None: the receipts' own ``weights`` must be this judge's)."""
     receipts, output, hidden, position_ids, mask = _tensors(tensors, bench)
     if len(receipts) != meta.steps or not receipts:
         raise _malformed(f"the metadata says {meta.steps} receipts, the tensor holds {len(receipts)}")
@@ -365,14 +388,15 @@ def check_evidence(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Benc
         raise _malformed(f"the output has {output.shape[1]} positions, the disputed step {receipts[-1].n}")
     if meta.end <= meta.start:
         raise _malformed(f"empty blocks {meta.start}:{meta.end}")
-    _judged_here(meta, receipts, tensors, bench)
+    _judged_here(meta, receipts, tensors, bench, announced)
     _genuine(meta, receipts, output, hidden, position_ids, mask, costly)
     key = hashlib.sha256(b"".join(r.signature for r in receipts)).digest()
     digest = hashlib.sha256(EVIDENCE_CONTEXT + _encode(meta) + tensors[0].numpy().tobytes()).digest()
     blocks = BlockRange(meta.start, meta.end)
     adapter = bench.adapters.get(receipts[-1].adapter)  # None: the base weights (b"" is no adapter's tag)
+    compute = announced.compute if announced is not None and announced.compute else receipts[-1].compute
     return Case(meta.accused, meta.model, blocks, tuple(receipts), output, hidden, position_ids, mask, key, digest,
-                adapter)  # fmt: skip
+                adapter, compute)  # fmt: skip
 
 
 def check_part(case: Case, first: int, last: int) -> None:
@@ -424,6 +448,7 @@ __all__ = [
     "EVIDENCE_CONTEXT",
     "MAX_EVIDENCE_BYTES",
     "MAX_EVIDENCE_POSITIONS",
+    "Announced",
     "Bench",
     "Case",
     "Evidence",

@@ -177,6 +177,9 @@ class SpanInfo(Meta):
     # how the weights the fingerprints name are held (left out at full precision, as in records)
     quantization: Quantization = Quantization.NONE
     adapters: Annotated[tuple[AdapterInfo, ...], msgspec.Meta(max_length=64)] = ()  # needs ADAPTERS
+    # how it computes, as its receipts sign it ("bf16/cuda", one of shoal.verify.receipts.COMPUTE_LABELS;
+    # "" from a server predating the field): a receipt signing another label is refused
+    compute: Annotated[str, msgspec.Meta(max_length=24)] = ""
 
 
 class InfoReply(Meta):

@@ -161,7 +161,8 @@ class ServerDirectory:
                 draining=fresh.draining,
                 capabilities=fresh.span.capabilities,
                 adapters=tuple(sorted((a.name, a.digest) for a in fresh.span.adapters)),
-                dtype=fresh.span.dtype,
+                dtype=span.info.dtype or fresh.span.dtype,  # the signed record's announcement first
+                compute=span.info.compute or fresh.span.compute,
             )
             return replace(span, info=info)
 

@@ -20,6 +20,7 @@ from shoal.swarm.service import fetch_table, table_from_reply
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import convicted
 from shoal.transport import BaseNode, Ticket
+from shoal.verify.receipts import compute_dtype
 from shoal.wire import Message
 from shoal.wire.schema import InfoReply
 
@@ -49,6 +50,7 @@ async def fetch_info(node: BaseNode, ticket: Ticket, timeout: float) -> ServerSp
         quantization=span.quantization,
         adapters=tuple(sorted((a.name, a.digest) for a in span.adapters)),
         dtype=span.dtype,
+        compute=span.compute,
     )
     return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
 
@@ -129,7 +131,7 @@ async def swarm_spans(
         serves = ", ".join(names) or "nothing yet"
         raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {serves}{refused}")
     spans = []
-    num_blocks = table.model(model).num_blocks
+    num_blocks, pinned = table.model(model).num_blocks, table.model(model).fingerprints
     liars = convicted(table, model)
     if liars:
         log.info("the swarm convicted %s of lying: not routed over", ", ".join(p[:10] for p in sorted(liars)))
@@ -145,6 +147,10 @@ async def swarm_spans(
                 capabilities=frozenset(record.capabilities),
                 quantization=record.quantization,
                 adapters=tuple(record.adapters),
+                # the model record's (the swarm's pin): what the span's receipts must name as weights
+                fingerprints=tuple(f.hex() for f in pinned[record.start : record.end]),
+                dtype=compute_dtype(record.compute) if record.compute else None,
+                compute=record.compute,
             )
             spans.append(ServerSpan(PeerId(record.peer), record.blocks, ticket, info))
     return spans

@@ -271,6 +271,7 @@ def check_forward_receipt(
         start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
         session="", position=0, step=1, sent=sent, output=reply.tensors[0], codec=reply.codec_of(0),
         adapter=announced_adapter(span, adapter), prompts=prompts, dtype=info.dtype, state=EMPTY_STATE,
+        compute=info.compute,
     )  # fmt: skip
     return verify_receipt(receipt, span.peer_id, expected)
 
