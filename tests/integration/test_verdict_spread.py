@@ -142,7 +142,7 @@ def test_a_lie_caught_by_audit_convicts_the_liar_everywhere_and_a_second_client_
     (verdict,) = [v for v in status["verdicts"] if v["accused"] == liar]
     assert verdict == {
         "accused": liar, "model": world.model, "start": 2, "end": 4, "judges": judges, "ignored_judges": [],
-        "electorate": 2, "needed": 2, "convicts": True,
+        "electorate": 2, "needed": 2, "convicts": True, "advisory_judges": [],
     }  # fmt: skip
     servers = {s["peer"]: s["convicted"] for m in status["models"] for s in m["servers"]}
     assert servers == {peer_of(s): peer_of(s) == liar for s in world.servers}

@@ -19,7 +19,7 @@ from dataclasses import replace
 from shoal.client.config import ClientConfig
 from shoal.client.remote.listing import check_consistent, known_spans, missing_servers
 from shoal.errors import ShoalError
-from shoal.ids import PeerId
+from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
 from shoal.routing import (
@@ -100,6 +100,9 @@ class ServerDirectory:
         self.rng = random.Random(config.routing_seed)
         self.spans: list[ServerSpan] = []
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
+        # the blocks this client's audits saw each server compute correctly: only those judges' verdicts
+        # convict for it (shoal.swarm.verdicts.tally); the client's Verification shares its own
+        self.vouched: dict[PeerId, list[BlockRange]] = {}
         self._task: asyncio.Task | None = None
         self._reports: set[asyncio.Future] = set()  # reports of silent servers on their way
         self._looked = False  # whether the server list was pulled before
@@ -123,7 +126,7 @@ class ServerDirectory:
         # the first look (the client starting) asks only the given members; later ones more of them too
         more, self._looked = self._looked, True
         timeout = self.config.listing_timeout
-        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more)
+        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more, self.vouched)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
 

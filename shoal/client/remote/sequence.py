@@ -66,6 +66,7 @@ class RemoteSequence:
         self.prefill_chunk = config.prefill_chunk
         self._route = directory.route_inference(0, cache_tokens=0, push=config.push)  # until a session opens
         self._session: RemoteSession | None = None  # the latest one opened
+        directory.vouched = self.verification.vouched  # what its audits see decides whose verdicts count
         self.witness = Witness(node, directory, self.verification)  # testifies for every session (audit mode)
         # closed by close(), when garbage-collected, or at the latest at interpreter exit (runtime.shutdown)
         self._token = runtime.track(_closer(node, directory, self.witness))

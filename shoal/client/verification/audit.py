@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal.client.remote.hops import Hop
 from shoal.errors import ShoalError, UsageError
@@ -89,6 +89,10 @@ def verification_for(verify: str, audit_every: int | None = None) -> Verificatio
     return Verification(mode, every)
 
 
+#: block ranges remembered per vouched-for server (the latest)
+MAX_VOUCHED_RANGES = 8
+
+
 @dataclass
 class Verification:
     """What audits did, over every session of one client (``model.verification``). Counts: ``audits``
@@ -117,6 +121,10 @@ class Verification:
     banned: tuple[PeerId, ...] = ()
     unverified: tuple[int, ...] = ()
     caught: tuple[Caught, ...] = ()
+    #: the blocks this client's own audits saw each server compute correctly (a hop audited clean, an
+    #: auditor that agreed, a third replica in a settled majority): only such servers' verdicts count
+    #: for this client (:func:`shoal.swarm.verdicts.tally`)
+    vouched: dict[PeerId, list[BlockRange]] = field(default_factory=dict, repr=False)
 
     @property
     def auditing(self) -> bool:
@@ -128,9 +136,19 @@ class Verification:
         """Whether every step is checked, on a second chain disjoint from the main one."""
         return self.mode == "redundant"
 
+    def vouch(self, peer: PeerId, blocks: BlockRange) -> None:
+        """``peer`` was seen computing ``blocks`` correctly (bounded: a few ranges per peer)."""
+        if peer in self.banned:
+            return
+        seen = self.vouched.setdefault(peer, [])
+        if blocks not in seen:
+            seen.append(blocks)
+            del seen[:-MAX_VOUCHED_RANGES]
+
     def convicted(self, peer: PeerId, blocks: BlockRange | None = None, position: int | None = None) -> None:
         self.bans += 1
         self.banned = (*self.banned, peer)
+        self.vouched.pop(peer, None)
         if blocks is not None and position is not None:
             self.caught = (*self.caught, Caught(peer, blocks, position))
 

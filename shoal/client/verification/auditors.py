@@ -258,6 +258,8 @@ class Audits:
         first = first_disagreement(recorded, out, self._tolerance(span, recorded), mask)
         if first is None:
             track.audited = end
+            self.verification.vouch(span.peer_id, span.blocks)  # both seen computing these blocks correctly
+            self.verification.vouch(auditor.span.peer_id, span.blocks)
             return None
         self.verification.disagreements += 1
         log.warning("auditor %s disagrees with %s on blocks %s at position %d", auditor.span.peer_id[:10],
@@ -290,6 +292,11 @@ class Audits:
             vs_audited = first_disagreement(recomputed, recorded, tolerance, mask)
             vs_auditor = first_disagreement(recomputed, dispute.auditor_out[:, p - dispute.start :], tolerance, mask)
             verdict = majority(vs_audited, vs_auditor)
+            if verdict in (Verdict.AUDITED, Verdict.AUDITOR):  # the third replica sided with the honest one
+                self.verification.vouch(third.peer_id, span.blocks)
+                honest = auditor_peer if verdict is Verdict.AUDITED else span.peer_id
+                if honest is not None:
+                    self.verification.vouch(honest, span.blocks)
             log.warning("third replica %s on blocks %s at position %d: %s lied", third.peer_id[:10], span.blocks, p,
                         verdict.value)  # fmt: skip
             return verdict, p + (vs_audited or 0), auditor_peer
