@@ -39,7 +39,10 @@ an OpenMP pool of its own).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import heapq
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -122,8 +125,8 @@ class Judge:
         self.table = jurisdiction.table if jurisdiction is not None else None
         self.ledger = Ledger()
         self._liars: dict[PeerId, float] = {}  # convicted here: peer -> until (monotonic), soonest first
-        self._lock = asyncio.Lock()
-        self._waiting = 0  # requests in judge(), the one being judged included
+        self._lock = Turns()  # one piece recomputed at a time: evidence worth judging first
+        self._entries: list[_Entry] = []  # requests in judge(), the one being judged included
         self._senders: set[PeerId] = set()  # who has a piece of evidence in judge() now (one each)
         self._forgeries: OrderedDict[bytes, Rejected] = OrderedDict()  # blob digest -> its finding
 
@@ -144,14 +147,12 @@ class Judge:
                 raise Rejected(Reason.NOT_JUDGED, "this server is draining (leaving): it judges nothing")
             if sender in self._senders:
                 raise Rejected(Reason.NOT_JUDGED, "busy: a piece of evidence of this sender is being judged already")
-            if self._waiting >= MAX_WAITING:
-                raise Rejected(Reason.NOT_JUDGED, f"busy: {self._waiting} pieces of evidence are waiting already")
-            self._waiting += 1
+            entry = self._admit(meta, sender)
             self._senders.add(sender)
             try:
-                case, wrong = await self._judge(meta, request.tensors)
+                case, wrong = await self._judge(meta, request.tensors, entry)
             finally:
-                self._waiting -= 1
+                self._entries.remove(entry)
                 self._senders.discard(sender)
         except Rejected as exc:
             return self._rejected(request, meta, exc)
@@ -167,6 +168,28 @@ class Judge:
         detail = f"wrong from position {wrong} on blocks {case.blocks}"
         log.warning("evidence confirmed: server %s lied: %s", case.accused[:10], detail)
         return Message("result", request.id, EvidenceReply(confirmed=True, detail=detail))
+
+    @property
+    def _waiting(self) -> int:
+        """Pieces of evidence in the queue (waiting or judged), displaced ones (leaving) not counted."""
+        return sum(not e.displaced for e in self._entries)
+
+    def _admit(self, meta: EvidenceRequest, sender: PeerId) -> _Entry:
+        """A place in the bounded queue (:data:`MAX_WAITING`) or ``busy``. Evidence against a peer
+        this judge convicted already, or from one it convicted, is *low*: it gains nothing (the
+        liar is banned here already) and is what throwaway keys would send to keep a judge busy. A
+        full queue takes other evidence by displacing a low piece not yet recomputed (answered
+        ``busy``); low evidence finds a full queue busy."""
+        low = self.convicted(meta.accused) or self.convicted(sender)
+        if self._waiting >= MAX_WAITING:
+            victim = None if low else next((e for e in self._entries if e.low and not e.started and not e.displaced),
+                                           None)  # fmt: skip
+            if victim is None:
+                raise Rejected(Reason.NOT_JUDGED, f"busy: {self._waiting} pieces of evidence are waiting already")
+            self._lock.displace(victim, Rejected(Reason.NOT_JUDGED, DISPLACED))
+        entry = _Entry(low)
+        self._entries.append(entry)
+        return entry
 
     def _count(self, reason: Reason) -> None:
         self.counters.evidence_rejected += 1
@@ -199,13 +222,14 @@ class Judge:
         raise Rejected(Reason.NOT_JUDGED, f"the accused is no online server of blocks {blocks} of {meta.model!r} "
                        "in this server's swarm table")  # fmt: skip
 
-    async def _judge(self, meta: EvidenceRequest, tensors: list) -> tuple[Case, int]:
+    async def _judge(self, meta: EvidenceRequest, tensors: list, entry: _Entry | None = None) -> tuple[Case, int]:
         """(the case, the first wrong position); raises :class:`Rejected`. The checks run outside the
         lock (they are stateless): a forgery is found without waiting for another piece's recompute."""
+        entry = entry if entry is not None else _Entry(False)
         announced = self._check_accused(meta)
         case = await self._checked(meta, tensors, announced)
         background = self.backend.in_background
-        async with self._lock:
+        async with self._lock.turn(entry):
             if case.key in self.ledger:  # after the forged checks: a tampered copy of judged evidence is forged
                 raise Rejected(Reason.REPLAYED, "this evidence was judged here before")
             self.ledger.add(case.key)  # only now: evidence that fails its checks cannot pre-empt the real one
@@ -274,6 +298,73 @@ class Judge:
             self.publish_verdict(record)
         except Exception:  # the verdict stands here; the swarm hears of it from another judge
             log.exception("could not publish the verdict against %s", case.accused[:10])
+
+
+#: what a piece of evidence displaced from the queue is told
+DISPLACED = "busy: displaced by evidence against a server not convicted here (this one's accused or sender is)"
+
+
+@dataclass(eq=False)
+class _Entry:
+    """A piece of evidence in a judge's queue: ``low`` priority or not, whether its recompute
+    ``started``, whether it was ``displaced`` (it leaves ``busy``)."""
+
+    low: bool
+    started: bool = False
+    displaced: Rejected | None = None
+    future: asyncio.Future | None = None  # while it waits for its turn
+
+
+class Turns:
+    """Whose recompute is next: one at a time, every other piece of evidence before a low one, then
+    in arrival order. ``acquire``/``release`` take a turn as a plain lock would (at normal priority)."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._queue: list[tuple[bool, int, _Entry]] = []
+        self._arrivals = itertools.count()
+
+    def locked(self) -> bool:
+        return self._held
+
+    async def acquire(self, entry: _Entry | None = None) -> None:
+        entry = entry if entry is not None else _Entry(False)
+        if entry.displaced is not None:
+            raise entry.displaced
+        if not self._held and not self._queue:
+            self._held, entry.started = True, True
+            return
+        entry.future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._queue, (entry.low, next(self._arrivals), entry))
+        try:
+            await entry.future
+        except asyncio.CancelledError:
+            if entry.future.done() and not entry.future.cancelled() and entry.future.exception() is None:
+                self.release()  # handed the turn as it was cancelled: pass it on
+            raise
+        entry.started = True
+
+    def release(self) -> None:
+        while self._queue:
+            _, _, entry = heapq.heappop(self._queue)
+            if entry.future is not None and not entry.future.done():
+                entry.future.set_result(None)  # the turn passes on, still held
+                return
+        self._held = False
+
+    def displace(self, entry: _Entry, reason: Rejected) -> None:
+        """``entry`` leaves with ``reason`` instead of waiting for its turn (now, or when it asks)."""
+        entry.displaced = reason
+        if entry.future is not None and not entry.future.done():
+            entry.future.set_exception(reason)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, entry: _Entry):
+        await self.acquire(entry)
+        try:
+            yield
+        finally:
+            self.release()
 
 
 def blob_digest(meta: EvidenceRequest, tensors: Sequence[Tensor]) -> bytes:
