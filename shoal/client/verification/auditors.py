@@ -212,7 +212,7 @@ class Audits:
                     if liar is not None:
                         self.convict(liar, track.hop.span.blocks, wrong)
                         if self.witness is not None:  # before the session rolls its history back
-                            self.witness.report(track.hop.span, liar, wrong, history)
+                            self.witness.report(track.hop.span, liar, wrong, history, dispute.end)
                     replace = wrong >= track.since
                     return Conviction(dispute.index, liar, track.hop.span.blocks, wrong, replace)
                 if verdict is Verdict.AUDITOR:

@@ -67,14 +67,16 @@ class Snapshot:
     is copied once, by numpy; a slice handed to the builder that is not contiguous is copied by numpy
     on the builder's thread, never by torch (``.contiguous()`` there would open an OpenMP pool)."""
 
-    def __init__(self, history: SpanHistory, blocks: BlockRange, position: int):
+    def __init__(self, history: SpanHistory, blocks: BlockRange, position: int, through: int | None = None):
         self.blocks = blocks
         self._receipts: list[Receipt] = history.receipts(blocks.start)  # a new list of frozen receipts
+        last = position if through is None else max(position, through - 1)  # the comparison's last position
         covering = [r for r in self._receipts if (r.start, r.end) == (blocks.start, blocks.end)
-                    and r.position <= position < r.position + r.n]  # fmt: skip
-        if not covering:
+                    and r.position <= last and position < r.position + r.n]  # fmt: skip
+        here = [r.position + r.n for r in covering if r.position <= position]
+        if not here:
             raise NoEvidence(f"no receipt covers position {position} of blocks {blocks}")
-        shortest = min(r.position + r.n for r in covering)  # the disputed step ends here or later
+        shortest = min(here)  # the disputed step ends here or later
         if shortest > MAX_EVIDENCE_POSITIONS:
             raise NoEvidence(f"the lie at position {position} is in a step ending past the evidence's "
                              f"{MAX_EVIDENCE_POSITIONS} positions")  # fmt: skip
@@ -155,10 +157,13 @@ class Witness:
                 found.setdefault(other.peer_id, other)
         return list(found.values())[:MAX_CANDIDATES]
 
-    def report(self, span: ServerSpan, liar: PeerId, position: int, history: SpanHistory) -> None:
-        """``liar`` (the server of ``span``) answered wrong outputs from ``position`` on. Copies what
-        the evidence needs from ``history`` now (the session rolls back right after), then builds
-        and sends it without blocking the session."""
+    def report(
+        self, span: ServerSpan, liar: PeerId, position: int, history: SpanHistory, through: int | None = None
+    ) -> None:
+        """``liar`` (the server of ``span``) answered wrong outputs from ``position`` on, as a
+        comparison up to ``through`` found (its steps there are disputed too). Copies what the
+        evidence needs from ``history`` now (the session rolls back right after), then builds and
+        sends it without blocking the session."""
         if self._closed:
             return
         judges = self.judges(span, liar)
@@ -166,23 +171,25 @@ class Witness:
             log.info("nobody else serves blocks %s to judge the evidence against %s", span.blocks, liar[:10])
             return
         try:
-            snapshot = Snapshot(history, span.blocks, position)
+            snapshot = Snapshot(history, span.blocks, position, through)
         except NoEvidence as exc:
             log.warning("no evidence against %s on blocks %s to send: %s", liar[:10], span.blocks, exc)
             return
         except Exception:  # a bug here must not break generation
             log.exception("copying the evidence against %s failed", liar[:10])
             return
-        task = asyncio.get_running_loop().create_task(self._testify(span.blocks, liar, position, snapshot, judges))
+        testimony = self._testify(span.blocks, liar, position, snapshot, judges, through)
+        task = asyncio.get_running_loop().create_task(testimony)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _testify(
-        self, blocks: BlockRange, liar: PeerId, position: int, snapshot: Snapshot, judges: list[ServerSpan]
-    ) -> None:
+        self, blocks: BlockRange, liar: PeerId, position: int, snapshot: Snapshot, judges: list[ServerSpan],
+        through: int | None = None,
+    ) -> None:  # fmt: skip
         if self._builder is None:
             self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-witness")
-        build = (build_evidence, self.directory.model, blocks, liar, position, snapshot)
+        build = (build_evidence, self.directory.model, blocks, liar, position, snapshot, through)
         try:
             evidence = await asyncio.get_running_loop().run_in_executor(self._builder, *build)
         except NoEvidence as exc:
