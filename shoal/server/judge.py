@@ -19,7 +19,11 @@ bound: in a swarm (its :class:`Jurisdiction` gives the table) only an accused th
 lists as an online server of this model covering the blocks is judged (a throwaway key that lies
 to itself is not); at most :data:`MAX_WAITING` pieces of evidence wait or are judged at once, and
 at most one of each sender (more are ``not_judged``: busy), so one sender cannot keep the judge from
-everyone else's evidence; at most :data:`MAX_LIARS` convictions are remembered. Evidence found
+everyone else's evidence; evidence against (or from) a peer this judge convicted already waits
+last and is displaced by other evidence when the queue is full (:class:`Turns`), so valid evidence
+against throwaway liars cannot keep the judge busy; at most :data:`MAX_LIARS` convictions are
+remembered. In a swarm the accused is held to its table record: the pinned fingerprints (whatever
+weights its receipts sign) and its announced compute label (the tolerance of no other). Evidence found
 ``forged`` or ``malformed`` never enters the ledger (it must not pre-empt the genuine evidence), so
 its digest (every byte of it: :func:`blob_digest`) is remembered instead, the latest
 :data:`MAX_FORGERIES`: the same blob again is answered at once with the same finding, counted as it

@@ -3,10 +3,13 @@
 After a majority of replicas convicted a server of wrong outputs (:mod:`shoal.client.verification.audit`), the
 client testifies (:mod:`shoal.client.verification.witness`) with what anyone serving those blocks can recompute
 without trusting the client: the liar's own signed receipts of one session, from cache position 0
-up to the end ``P`` of the step that holds the first wrong position (the *disputed* step, the last
-receipt), the inputs of its first block at ``[0, P)`` (hidden states, position ids and mask, as the
-liar decoded them: each receipt's ``inputs`` digest names its slice exactly) and the disputed step's
-output as its receiver decoded it (the last receipt's ``outputs``). So a judge needs no history of
+up to the end ``P`` of the *disputed* steps (the step that holds the first wrong position and the
+later ones the client's audit compared, at most :data:`~shoal.wire.schema.MAX_DISPUTED_STEPS`: the
+last receipts), the inputs of its first block at ``[0, P)`` (hidden states, position ids and mask,
+as the liar decoded them: each receipt's ``inputs`` digest names its slice exactly) and the
+disputed steps' outputs as their receiver decoded them (each slice its receipt's ``outputs``): the
+judge's comparison sees what the audit's did, the window rule included. It is built on the
+client's side by :mod:`shoal.verify.testimony`. So a judge needs no history of
 its own, and a client cannot make up inputs or outputs the accused did not sign.
 
 A rollback re-sends steps over positions already computed: the latest receipt covering a position

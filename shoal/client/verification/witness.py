@@ -10,7 +10,8 @@ signature checks and digests, hashlib and cryptography calls, no torch parallel 
 never opens an OpenMP pool of its own) and the evidence goes, in parallel and each within a
 timeout, to at most :data:`MAX_JUDGES` other servers whose span covers the liar's blocks and that
 announce :data:`~shoal.wire.schema.EVIDENCE` (one piece at a time to each: a judge refuses a
-sender's second piece while the first is judged). Their judges (:mod:`shoal.server.judge`) recompute
+sender's second piece while the first is judged); a judge that does not answer, or is busy or
+draining, is replaced by the next such server (:data:`MAX_CANDIDATES` in all). Their judges (:mod:`shoal.server.judge`) recompute
 and answer; the client counts ``evidence_sent``, ``evidence_confirmed`` and ``evidence_rejected``
 in its :class:`~shoal.client.verification.audit.Verification`.
 
