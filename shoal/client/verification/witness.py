@@ -11,9 +11,9 @@ never opens an OpenMP pool of its own) and the evidence goes, in parallel and ea
 timeout, to at most :data:`MAX_JUDGES` other servers whose span covers the liar's blocks and that
 announce :data:`~shoal.wire.schema.EVIDENCE` (one piece at a time to each: a judge refuses a
 sender's second piece while the first is judged); a judge that does not answer, or is busy or
-draining, is replaced by the next such server (:data:`MAX_CANDIDATES` in all). Their judges (:mod:`shoal.server.judge`) recompute
-and answer; the client counts ``evidence_sent``, ``evidence_confirmed`` and ``evidence_rejected``
-in its :class:`~shoal.client.verification.audit.Verification`.
+draining, is replaced by the next such server (:data:`MAX_CANDIDATES` in all). Their judges
+(:mod:`shoal.server.judge`) recompute and answer; the client counts ``evidence_sent``,
+``evidence_confirmed`` and ``evidence_rejected`` in its :class:`~shoal.client.verification.audit.Verification`.
 
 One witness serves a whole client (:class:`~shoal.client.remote.sequence.RemoteSequence`), not a session:
 testimony outlives the session that caught the lie (a lie found at generate()'s final audit is
