@@ -335,7 +335,7 @@ class Turns:
         entry = entry if entry is not None else _Entry(False)
         if entry.displaced is not None:
             raise entry.displaced
-        if not self._held and not self._queue:
+        if not self._held:  # free: nobody waits either (release hands the turn to a waiter first)
             self._held, entry.started = True, True
             return
         entry.future = asyncio.get_running_loop().create_future()
