@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from shoal.client.remote.hops import Hop
 from shoal.errors import ShoalError, UsageError
 from shoal.ids import BlockRange, PeerId
+from shoal.routing.audits import Piece
 from shoal.verify.compare import tolerance_of
 
 VERIFY_MODES = ("off", "audit", "redundant")
@@ -56,6 +57,7 @@ __all__ = [
     "Conviction",
     "LieDetected",
     "Track",
+    "UnverifiedBlocks",
     "Verdict",
     "Verification",
     "audit_due",
@@ -158,6 +160,16 @@ class LieDetected(ShoalError):
         self.blocks = blocks
 
 
+class UnverifiedBlocks(ShoalError):
+    """``require_verified=True`` and no other server can check ``blocks`` (no replica, no cover of
+    pieces, or a dispute over them that nobody could settle): nothing is generated with them."""
+
+    def __init__(self, blocks: Sequence[int]):
+        super().__init__(f"require_verified: no other server can check blocks {list(blocks)}, so nothing is "
+                         "generated with them (add servers of those blocks, or drop require_verified)")  # fmt: skip
+        self.blocks = tuple(blocks)
+
+
 class Verdict(enum.Enum):
     AUDITED = "audited"  # the audited server is the odd one out: it lied
     AUDITOR = "auditor"  # the auditor did
@@ -181,9 +193,11 @@ def majority(audited_vs_third: int | None, auditor_vs_third: int | None) -> Verd
 
 @dataclass
 class Track:
-    """The audit of one hop: its auditor (None: nobody checks it) and the positions ``[0, audited)``
-    checked so far (the auditor's cache holds at least those). ``unverified``: no auditor could be
-    had, or a dispute stayed unsettled; the span is reported unverified and no longer audited.
+    """The audit of one hop: its auditor (a session on an exact replica) or, when no auditor session
+    opens, ``pieces`` (a cover of the span by other servers, run statelessly; see
+    :mod:`shoal.routing.audits`), and the positions ``[0, audited)`` checked so far. ``unverified``:
+    no checker could be had, or a dispute stayed unsettled; the span is reported unverified and no
+    longer audited.
 
     The history at the hop's end block holds its own outputs from ``since`` on; before that, those
     of the hop it replaced (``before``: that server, when it had exactly this span; None when the
@@ -195,10 +209,16 @@ class Track:
     before: PeerId | None = None
     auditor: Hop | None = None
     unverified: bool = False
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def checked(self) -> bool:
-        return self.auditor is not None and not self.unverified
+        return (self.auditor is not None or bool(self.pieces)) and not self.unverified
+
+    def checkers(self) -> set[PeerId]:
+        """The servers that check this hop now."""
+        peers = {p.server.peer_id for p in self.pieces}
+        return peers | {self.auditor.span.peer_id} if self.auditor is not None else peers
 
     def producer(self, position: int) -> PeerId | None:
         """The server whose output the history holds at ``position`` of the hop's end block."""
