@@ -66,7 +66,7 @@ def swarm(model_dir):
 
 
 def test_a_liar_on_a_unique_span_is_caught_through_pieces(swarm, expected):
-    low_a, low_b, high, tail = swarm.honest
+    high = swarm.honest[2]
     lie = Noise(0.1, seed=1, when=When(from_position=LIE_FROM))
     liar = swarm.add(BlockRange(0, 2), lambda server: make_faulty(server, [lie]))
     try:
@@ -94,7 +94,7 @@ def test_a_liar_on_a_unique_span_is_caught_through_pieces(swarm, expected):
 
 def test_honest_hops_audited_through_pieces_agree(swarm, expected):
     """``[2:6]``'s only check is two pieces of other servers; ``[0:3]``'s a replica: no false alarm."""
-    low_a, low_b, high, tail = swarm.honest
+    low_a, _, high, tail = swarm.honest
     with connect_over(swarm, [low_a, high, tail], verify="audit", audit_every=K) as model:
         steer_through(model, [low_a, tail])
         got = model.generate(prompt_of(PROMPT_SEED), max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -106,11 +106,11 @@ def test_honest_hops_audited_through_pieces_agree(swarm, expected):
 
 
 def test_require_verified_fails_closed(swarm):
-    low_a, low_b, high, tail = swarm.honest
+    low_a, tail = swarm.honest[0], swarm.honest[3]
     before = [s.server.counters.steps for s in (low_a, tail)]
-    with connect_over(swarm, [low_a, tail], verify="audit", audit_every=K, require_verified=True) as model:
-        with pytest.raises(UnverifiedBlocks, match=r"blocks \[0, 1, 2, 3, 4, 5\]"):
-            model.generate(prompt_of(PROMPT_SEED), max_new_tokens=4, do_sample=False)
+    checked = connect_over(swarm, [low_a, tail], verify="audit", audit_every=K, require_verified=True)
+    with checked as model, pytest.raises(UnverifiedBlocks, match=r"blocks \[0, 1, 2, 3, 4, 5\]"):
+        model.generate(prompt_of(PROMPT_SEED), max_new_tokens=4, do_sample=False)
     assert [s.server.counters.steps for s in (low_a, tail)] == before, "a step ran on unverified blocks"
     with pytest.raises(UsageError, match="require_verified"):
         connect_over(swarm, [low_a, tail], require_verified=True).__enter__()
