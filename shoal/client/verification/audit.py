@@ -207,6 +207,7 @@ class Track:
     audited: int
     since: int = 0
     before: PeerId | None = None
+    before_dtypes: tuple[str, ...] = ()  # how the old hops computed the history before ``since`` (its tolerance)
     auditor: Hop | None = None
     unverified: bool = False
     pieces: tuple[Piece, ...] = ()
@@ -249,7 +250,8 @@ def successor(hop: Hop, left: Sequence[Track], position: int, adopted: bool) -> 
     overlapping = [t for t in left if t.hop.span.start < span.end and span.start < t.hop.span.end]
     audited = min((t.audited for t in overlapping), default=position)
     before = next((t.hop.span.peer_id for t in overlapping if t.hop.span.blocks == span.blocks), None)
-    return Track(hop, audited=min(audited, position), since=position, before=before)
+    dtypes = tuple(d for t in overlapping for d in (t.hop.span.info.dtype, *t.before_dtypes) if d)
+    return Track(hop, audited=min(audited, position), since=position, before=before, before_dtypes=dtypes)
 
 
 def take_spare(spare: list[Hop], hop: Hop, banned: Collection[str]) -> Hop | None:

@@ -165,7 +165,7 @@ class Audits:
         if pieces is not None:
             track.pieces = tuple(pieces)
             log.info("blocks %s are audited statelessly through %s", span.blocks,
-                     ", ".join(f"{p.server.peer_id[:10]}{p.blocks}" for p in pieces))  # fmt: skip
+                     ", ".join(f"{p.server.peer_id[:10]}[{p.blocks}]" for p in pieces))  # fmt: skip
             return
         track.unverified = True
         log.warning("no other server can check blocks %s: they are unverified", span.blocks)
@@ -210,12 +210,16 @@ class Audits:
     async def close(self) -> None:
         await close_all([t.auditor for t in self.tracks if t.auditor is not None])  # not the witness: the client's
 
-    def _tolerance(self, track: Track, recorded: Tensor, third: Sequence[Piece] = ()) -> Tolerance:
+    def _tolerance(self, track: Track, recorded: Tensor, third: Sequence[Piece] = (), start: int = 0) -> Tolerance:
         """The coarsest of the tolerances between the hop's compute dtype and each checker's (an
-        fp32 server checked by a bf16 one is compared within the bf16 tolerance)."""
+        fp32 server checked by a bf16 one is compared within the bf16 tolerance); positions from
+        ``start`` on are compared, so where they begin before ``track.since`` the old hops' dtypes
+        count too (they computed the history there)."""
         dtypes = [q.server.info.dtype for q in (*track.pieces, *third)]
         if track.auditor is not None:
             dtypes.append(track.auditor.span.info.dtype)
+        if start < track.since:
+            dtypes.extend(track.before_dtypes)
         hop = track.hop.span.info.dtype
         found = [tolerance_of(recorded.dtype, hop, self.compression, other=d) for d in dtypes if d] or [
             tolerance_of(recorded.dtype, hop, self.compression)
@@ -301,7 +305,7 @@ class Audits:
         self.verification.audited_positions += end - start
         mask = _window_mask(tensors, start)
         recorded = history.hidden(span.end, start, end)
-        first = first_disagreement(recorded, out, self._tolerance(track, recorded), mask)
+        first = first_disagreement(recorded, out, self._tolerance(track, recorded, start=start), mask)
         if first is None:
             track.audited = end
             return None
@@ -339,7 +343,7 @@ class Audits:
                 log.info("third opinion %s failed: %s", ", ".join(q.server.peer_id[:10] for q in pieces), exc)
                 continue
             recorded = history.hidden(span.end, p, end)
-            tolerance = self._tolerance(track, recorded, pieces)
+            tolerance = self._tolerance(track, recorded, pieces, start=p)
             vs_audited = first_disagreement(recomputed, recorded, tolerance, mask)
             vs_auditor = first_disagreement(recomputed, dispute.auditor_out[:, p - dispute.start :], tolerance, mask)
             verdict = majority(vs_audited, vs_auditor)
