@@ -1,4 +1,5 @@
-"""The I/O of audit mode: a session's auditors, their audit rounds, and the third replica that settles a dispute.
+"""The I/O of audit mode: a session's checkers (auditor sessions, or stateless covers of pieces), their
+audit rounds, and the third opinion that settles a dispute.
 
 What is decided (who lied, when an audit is due, what a new hop's track inherits) is in
 :mod:`shoal.client.verification.audit`, with the design; this module opens the sessions, sends the steps and
