@@ -285,12 +285,14 @@ class ServerDirectory:
         offered = offering(meeting(self.usable(), self.min_quality), (), self.adapter)
         return [s for s in offered if s.peer_id not in exclude and not self.bans.banned(s.peer_id)]
 
-    def route_cover(self, like: ServerSpan, *, exclude: Collection[str] = ()) -> list[Piece] | None:
-        """Pieces of other live servers' spans that together run exactly ``like``'s blocks and
-        compute what it does (:func:`~shoal.routing.audits.plan_cover`), outside ``exclude``: the
-        cheapest for a stateless forward; None when there are none."""
-        latency = self.latency
-        return plan_cover(self._checkers(exclude), like, lambda span, _: latency.compute_ms(span) + 1.0)
+    def route_cover(
+        self, like: ServerSpan, *, exclude: Collection[str] = (), needs: Collection[str] = ()
+    ) -> list[Piece] | None:
+        """Pieces of other live servers' spans (announcing ``needs``) that together run exactly
+        ``like``'s blocks and compute what it does (:func:`~shoal.routing.audits.plan_cover`),
+        outside ``exclude``: the cheapest for a stateless forward; None when there are none."""
+        latency, checkers = self.latency, offering(self._checkers(exclude), needs, None)
+        return plan_cover(checkers, like, lambda span, _: latency.compute_ms(span) + 1.0)
 
     def route_replica(
         self, like: ServerSpan, *, exclude: Collection[str] = (), cache_tokens: int = 0, needs: Collection[str] = ()

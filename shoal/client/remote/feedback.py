@@ -76,9 +76,12 @@ class RoutePlanner(Protocol):
         opinion), outside ``exclude``; None if there is none."""
         ...
 
-    def route_cover(self, like: ServerSpan, *, exclude: Collection[str] = ()) -> list[Piece] | None:
-        """Pieces of other servers' spans that together run exactly ``like``'s blocks (a stateless
-        checker of its hop, :mod:`shoal.routing.audits`), outside ``exclude``; None if there are none."""
+    def route_cover(
+        self, like: ServerSpan, *, exclude: Collection[str] = (), needs: Collection[str] = ()
+    ) -> list[Piece] | None:
+        """Pieces of other servers' spans (announcing ``needs``) that together run exactly ``like``'s
+        blocks (a stateless checker of its hop, :mod:`shoal.routing.audits`), outside ``exclude``;
+        None if there are none."""
         ...
 
     def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:

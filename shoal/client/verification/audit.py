@@ -55,7 +55,8 @@ Limits: stateless forwards (``use_cache=False``, training) are not audited; a sp
 if some other servers compute it alike (same quantisation and adapters) and, for pieces of longer
 spans, announce ``sub-span``: a span nobody else serves alike goes unaudited (and is priced as such by
 routing); a cover of several pieces that lies is dropped, not convicted; a stateless check re-runs
-the whole prefix at each audit; with deep prompts only whole spans are pieces; the receipts of a
+the whole prefix at each audit (a session longer than a piece's ``--max-forward-positions`` loses
+that check); with deep prompts only whole spans are pieces; the receipts of a
 pushed hop (:mod:`shoal.client.remote.driver`) are what makes its recorded inputs the ones it
 computed on, so without them the session does not push (:meth:`RemoteSession._install`).
 """

@@ -110,9 +110,10 @@ class Audits:
         shunned = {*self.verification.banned, *self._chain_peers(hops)}
         for hop in hops:
             track = kept.get(id(hop))
-            if track is not None and track.auditor is not None and track.auditor.span.peer_id in shunned:
-                spare.append(track.auditor)  # redundant: it joined the main chain, so it checks nothing
-                track.auditor = None
+            if track is not None and track.checkers() & shunned:
+                if track.auditor is not None:
+                    spare.append(track.auditor)  # redundant: it joined the main chain, so it checks nothing
+                track.auditor, track.pieces = None, ()
                 staff.append(track)
             if track is None:
                 track = successor(hop, left, position, hop.span.end in adopted)
@@ -174,7 +175,7 @@ class Audits:
     def _cover(self, span: ServerSpan, exclude: Collection[str]) -> list[Piece] | None:
         """A stateless checker of ``span``: pieces of other servers (whole spans only where the
         session has deep prompts: a piece's share of them is the whole span's)."""
-        pieces = self.planner.route_cover(span, exclude=exclude)
+        pieces = self.planner.route_cover(span, exclude=exclude, needs=self.recovery.needs)
         if pieces is None or (self.recovery.prompts is not None and not all(p.whole for p in pieces)):
             return None
         return pieces
