@@ -12,25 +12,31 @@ is convicted nor reported to a judge (nobody knows which lied):
 * without it, ``generate`` fails with :class:`~shoal.client.verification.audit.UnsettledDispute`
   naming the blocks and both servers, and so does the client's next session;
 * a ``hold_back`` streamer never got a token after the dispute's position before the dispute was
-  found (what it emitted is exactly the answer); a plain one did (the premise: the lie changed tokens).
+  found (what it emitted is exactly the answer); a plain one did (the premise: the lie changed tokens);
+* the gateway's stream (``/v1/completions``, which holds text back in audit mode) joins to the honest
+  text, or stops with the error after an honest prefix.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM
 
 from shoal.client.verification.audit import Disputed, UnsettledDispute
+from shoal.gateway.app import build_app
+from shoal.gateway.engine import Engine
+from shoal.gateway.swarm import Watchers
 from shoal.ids import BlockRange, PeerId
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer
 from testkit.faults import Noise, When
 from testkit.faulty import make_faulty
-from testkit.tiny import save_checkpoint, tiny_model
+from testkit.tiny import char_tokenizer, tiny_checkpoint
 from tests.helpers.byzantine import connect_over, lies, peer_of, steer_through
 from tests.helpers.parity import greedy_with_gap
 
@@ -85,10 +91,12 @@ class Stream:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    model_dir: Path = save_checkpoint(tiny_model("llama", seed=0), tmp_path_factory.mktemp("dispute") / "model")
+    model_dir = tiny_checkpoint(tmp_path_factory.mktemp("dispute"), "llama", 0, tokenizer=char_tokenizer())
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    expected, gap = greedy_with_gap(reference, prompt(), max_new_tokens=NEW_TOKENS)
+    ids = prompt()  # every position attended, as the gateway does (id 0 is the pad token)
+    expected, gap = greedy_with_gap(reference, ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS)
     assert gap > MIN_GAP, f"the honest run has a near-tie (top-2 gap {gap:.2e})"
+    assert expected.shape == (1, PROMPT_LENGTH + NEW_TOKENS)
     fault = Noise(0.1, seed=3, when=When(from_position=LIE_FROM))
     with InProcessSwarm(model_dir, []) as swarm:
         lows = [swarm.add(LOW), swarm.add(LOW)]
@@ -169,3 +177,33 @@ def test_no_route_left_without_both_fails_with_a_clear_error(world):
         assert streamed == world.expected[0, PROMPT_LENGTH : PROMPT_LENGTH + len(streamed)].tolist()
         with pytest.raises(UnsettledDispute, match=match):  # the client's next session says the same
             model.generate(prompt(), max_new_tokens=4, do_sample=False)
+
+
+@pytest.mark.parametrize("around", [True, False], ids=["routed-around", "no-route-left"])
+def test_gateway_stream_shows_no_disputed_text(world, around):
+    """The gateway holds text back in audit mode: the streamed deltas join to the honest text; when
+    no route is left, an honest prefix (none of it past the dispute), then the error event."""
+    honest = char_tokenizer().decode(world.expected[0, PROMPT_LENGTH:].tolist())
+    with client(world, "audit", around) as model:
+        steer_through(model, [world.lows[0], world.liar])
+        app = build_app(Engine(model, "tiny"), Watchers(world.swarm.transport, None))
+        body = {"model": "tiny", "prompt": prompt()[0].tolist(), "max_tokens": NEW_TOKENS, "temperature": 0,
+                "stream": True}  # fmt: skip
+        with (
+            TestClient(app, base_url="http://localhost") as http,
+            http.stream("POST", "/v1/completions", json=body) as reply,
+        ):
+            assert reply.status_code == 200
+            events = [json.loads(line.removeprefix("data: ")) for line in reply.iter_lines()
+                      if line.startswith("data: {")]  # fmt: skip
+        dispute = check_nobody_convicted(world, model)
+    text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+    if around:
+        assert text == honest and "error" not in events[-1], events[-1]
+        assert (
+            events[-1]["shoal"]["verification"]["unsettled"] == 1 and events[-1]["shoal"]["verification"]["bans"] == 0
+        )
+    else:
+        assert honest.startswith(text) and len(text) <= dispute.position + 1 - PROMPT_LENGTH, text
+        error = events[-1]["error"]
+        assert error["code"] == "swarm_unavailable" and "disagree on blocks 2-3" in error["message"], error
