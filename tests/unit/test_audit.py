@@ -244,6 +244,7 @@ class Servers:
 
     peers: list[str]
     liars: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, float] = field(default_factory=dict)  # a liar's lie, when not 0.5
     steps: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, position, n) of every step
     forwards: list[tuple[str, int]] = field(default_factory=list)  # (peer, n) of every stateless forward
     failed: list[str] = field(default_factory=list)
@@ -255,7 +256,7 @@ class Servers:
         lie = self.liars.get(peer)
         if lie is not None:
             positions = torch.arange(position, position + hidden.shape[1])
-            out = out + 0.5 * (positions >= lie).float()[None, :, None]
+            out = out + self.sizes.get(peer, 0.5) * (positions >= lie).float()[None, :, None]
         return out
 
     # the recovery, planner, feedback, node and replay an Audits uses
@@ -376,6 +377,25 @@ def test_without_a_third_replica_both_sides_of_the_dispute_are_routed_around_and
     assert isinstance(error, NoRouteError) and error.missing == [0, 1]
     assert str(error) == ("servers a and b disagree on blocks 0-1 from position 7 and no third replica settled it; "
                           "no route is left without both for blocks 0-1: not generating on over either")  # fmt: skip
+
+
+def test_a_dispute_over_an_earlier_servers_outputs_keeps_the_hop_and_staffs_another_auditor():
+    """The history holds x's outputs up to 8 (the hop a took over there); x and the auditor b
+    disagree from 5 and the third replica c agrees with neither: x and b are routed around, the
+    session rolls back to 5 without replacing a (nothing disputed is its own), and c audits a now."""
+    servers = Servers(["b", "a", "c"], liars={"x": 5, "c": 0}, sizes={"c": 2.0})  # b audits x, then a
+    audits, verification = audits_over(servers, every=100)
+    session = Session(servers, audits, peer="x")
+    assert [session.step(n) for n in (6, 1, 1)] == [None] * 3  # no audit due yet
+    track = audits.tracks[0]
+    session.hop = track.hop = FakeHop(span_of("a"))
+    track.since, track.before = 8, PeerId("x")
+    assert session.step(2) is None
+    repair = run(audits.round(session.history, 10))
+    dispute = Disputed((PeerId("x"), PeerId("b")), SPAN, 5)
+    assert repair == Conviction(0, None, SPAN, 5, replace=False, dispute=dispute)
+    assert servers.forwards == [("c", 10)] and servers.convicted == [] and verification.bans == 0
+    assert set(servers.disputed) == {"x", "b"} and track.auditor.span.peer_id == "c"
 
 
 def test_a_span_without_a_second_replica_is_unverified_from_the_start():
