@@ -244,6 +244,7 @@ class Audits:
         self.verification.unsettled += 1
         track, position = dispute.track, dispute.position
         auditor, track.auditor = track.auditor, None
+        track.audited = position  # before it they agreed, and one of them is honest
         peers = [track.producer(position), auditor.span.peer_id if auditor is not None else None]
         disputed = Disputed(tuple(dict.fromkeys(p for p in peers if p is not None)), track.hop.span.blocks, position)
         self.verification.disputed(disputed)
