@@ -1,11 +1,14 @@
 """A detected lie is never kept (issue 34): two replicas of a span, one lying, and no third to settle.
 
 The swarm serves a tiny random llama (4 blocks): ``[0:2]`` twice, ``[2:4]`` by an honest server and
-a liar (:func:`testkit.faulty.make_faulty`: noise 1e-1 from position :data:`LIE_FROM` on), and, in
-the first world only, ``[0:4]`` by one more honest server. The client's chain is steered through the
-liar (:func:`tests.helpers.byzantine.steer_through`); the honest ``[2:4]`` server is its auditor and
-nothing can settle their dispute (no third exact replica). Both leave the client's routes; neither
-is convicted nor reported to a judge (nobody knows which lied):
+a liar (:func:`testkit.faulty.make_faulty`: noise 1e-1 from position :data:`LIE_FROM` on), and, for
+the clients that know it, ``[0:4]`` by one more honest server that also carries a LoRA adapter: it
+serves a client asking for none the base model's outputs, but a server with other adapters is no
+replica of the others (nor a piece of a check: their outputs need not be alike,
+:func:`shoal.client.remote.directory.replicas`), so it cannot settle a dispute of theirs. The
+client's chain is steered through the liar (:func:`tests.helpers.byzantine.steer_through`); the
+honest ``[2:4]`` server is its auditor and nothing can settle their dispute. Both leave the client's
+routes; neither is convicted nor reported to a judge (nobody knows which lied):
 
 * with ``[0:4]`` there, the session rolls back to the dispute and regenerates over it: 32 greedy
   tokens equal local transformers', in audit and in redundant mode;
@@ -19,12 +22,15 @@ is convicted nor reported to a judge (nobody knows which lied):
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from shoal.client.verification.audit import Disputed, UnsettledDispute
@@ -57,7 +63,7 @@ class World:
     lows: list[LocalServer]
     honest: LocalServer  # the liar's only replica, its auditor
     liar: LocalServer
-    whole: LocalServer  # the route around both
+    whole: LocalServer  # the route around both: an honest server that cannot settle their dispute
 
     def servers(self, around: bool) -> list[LocalServer]:
         return [*self.lows, self.honest, self.liar, *([self.whole] if around else [])]
@@ -102,8 +108,16 @@ def world(tmp_path_factory):
         lows = [swarm.add(LOW), swarm.add(LOW)]
         honest = swarm.add(HIGH)
         liar = swarm.add(HIGH, lambda server: make_faulty(server, [fault]))
-        whole = swarm.add(WHOLE)
+        whole = swarm.add(WHOLE, adapters=(("tuned", make_adapter(reference, model_dir.parent / "adapter")),))
         yield World(swarm, expected, lows, honest, liar, whole)
+
+
+def make_adapter(reference, out_dir: Path) -> Path:
+    """A peft LoRA adapter of ``reference`` (random, non-zero): what makes its server unlike the others."""
+    torch.manual_seed(50)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(copy.deepcopy(reference), config).save_pretrained(str(out_dir))
+    return out_dir
 
 
 def prompt() -> torch.Tensor:
