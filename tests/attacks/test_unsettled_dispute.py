@@ -129,32 +129,38 @@ def client(world: World, mode: str, around: bool):
     return connect_over(world.swarm, world.servers(around), verify=mode, route_wait=0, **every)
 
 
-def check_nobody_convicted(world: World, model) -> Disputed:
-    """One unsettled dispute, between the liar and its honest replica: both out of the client's
-    routes with the reason, neither convicted, nothing sent to judges. Returns the dispute."""
+def check_nobody_convicted(world: World, model, auditor_lies: bool = False) -> Disputed:
+    """One unsettled dispute, between the liar and its honest replica (the hop's server first, then
+    its auditor): both out of the client's routes with the reason, neither convicted nor banned
+    (not even for a while), nothing sent to judges. Returns the dispute."""
     verification = model.verification
     assert (verification.disagreements, verification.unsettled, verification.rollbacks) == (1, 1, 1), verification
     assert verification.bans == 0 and verification.banned == () and verification.caught == (), verification
     assert verification.evidence_sent == 0, verification
     (dispute,) = verification.disputes
-    assert dispute.peers == (PeerId(peer_of(world.liar)), PeerId(peer_of(world.honest))) and dispute.blocks == HIGH
+    pair = (PeerId(peer_of(world.liar)), PeerId(peer_of(world.honest)))
+    assert dispute.peers == (pair[::-1] if auditor_lies else pair) and dispute.blocks == HIGH, dispute
     told = lies(world.liar.server.record.entries())
     assert told is not None and dispute.position == told.first == LIE_FROM, (dispute, told)
     directory = model.blocks.directory
     assert directory.banned == set(), directory.banned
+    assert not directory.bans.banned(peer_of(world.honest)), "the honest server is banned for a while"
     assert directory.excluded == {peer: dispute.reason for peer in dispute.peers}
     return dispute
 
 
 @pytest.mark.parametrize("mode", ["audit", "redundant"])
-def test_routed_around_both_the_answer_is_the_honest_one(world, mode):
+@pytest.mark.parametrize("liar_is", ["hop", "auditor"])
+def test_routed_around_both_the_answer_is_the_honest_one(world, mode, liar_is):
+    """The liar serves the chain's ``[2:4]`` hop and the honest server audits it, or the other way
+    round: the client cannot tell these apart, and does the same in both."""
     with client(world, mode, around=True) as model:
-        chain = [world.lows[0], world.liar]
-        assert steer_through(model, chain) == [peer_of(s) for s in chain], "the chain does not go through the liar"
+        chain = [world.lows[0], world.liar if liar_is == "hop" else world.honest]
+        assert steer_through(model, chain) == [peer_of(s) for s in chain], "the chain is not the one wanted"
         stream = Stream(model)
         got = model.generate(prompt(), max_new_tokens=NEW_TOKENS, do_sample=False, streamer=stream, hold_back=True)
         assert torch.equal(got, world.expected), f"first wrong token at {(got != world.expected).nonzero()[0]}"
-        dispute = check_nobody_convicted(world, model)
+        dispute = check_nobody_convicted(world, model, auditor_lies=liar_is == "auditor")
         assert [s.peer_id for s in model.blocks.chain] == [peer_of(world.whole)]  # around both
         # hold_back: before the dispute was found, no token past its position; in all, exactly the answer
         assert max(stream.before_dispute()) <= dispute.position, stream.tokens

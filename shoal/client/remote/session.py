@@ -211,7 +211,7 @@ class RemoteSession(SessionPositions):
             cause = ShoalError(f"server {peer[:10]} lied from position {position}" if dispute is None
                                else f"servers {dispute.reason}")  # fmt: skip
             try:
-                await self._recover(conviction.index, cause, frozenset({peer}))
+                await self._recover(conviction.index, cause, frozenset({peer}), blame=dispute is None)
             except NoRouteError as exc:
                 if dispute is None:
                     raise
@@ -309,10 +309,11 @@ class RemoteSession(SessionPositions):
         self._position += n
 
     async def _recover(
-        self, index: int, cause: BaseException, failed: frozenset[str], drain: bool = False
+        self, index: int, cause: BaseException, failed: frozenset[str], drain: bool = False, blame: bool = True
     ) -> tuple[int, frozenset[str]]:
         """Rebuild the chain around hop ``index`` and install it. Returns the index of the first
-        hop replaced (the step goes on from there) and the servers found failing so far."""
+        hop replaced (the step goes on from there) and the servers found failing so far (``blame``:
+        whether hop ``index``'s server is one; not when a dispute takes it off the route)."""
         driver = self._driver
         rebuilt: Rebuilt | None = await self._recovery.rebuild(
             driver.hops,
@@ -323,6 +324,7 @@ class RemoteSession(SessionPositions):
             position=self._position,
             replay=driver.replay,
             drain=drain,
+            blame=blame,
         )
         if rebuilt is None:  # draining, and nobody can take over yet
             driver.keep_serving(driver.hops[index], DRAIN_RETRY_SECONDS)
