@@ -4,8 +4,9 @@ What is decided (who lied, when an audit is due, what a new hop's track inherits
 :mod:`shoal.client.verification.audit`, with the design; this module opens the sessions, sends the steps and
 forwards, and compares the answers. In redundant mode (``verification.redundant``) the auditors
 are the second chain: no server of the session's chain is ever taken as an auditor, and one that
-joins the chain (a repair put it there) is replaced. Everything runs on the client's event loop, called
-by the session (:mod:`shoal.client.remote.session`), which does the repair a
+joins the chain (a repair put it there) is replaced. A dispute nobody settles takes both of its
+servers off this client's routes (:meth:`Audits._route_around`). Everything runs on the client's event
+loop, called by the session (:mod:`shoal.client.remote.session`), which does the repair a
 :class:`~shoal.client.verification.audit.Conviction` asks for.
 """
 
