@@ -86,6 +86,7 @@ class ServerDirectory:
         self.rng = random.Random(config.routing_seed)
         self.spans: list[ServerSpan] = []
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
+        self.excluded: dict[PeerId, str] = {}  # one side of an unsettled dispute (why): routed around, not banned
         self._task: asyncio.Task | None = None
         self._reports: set[asyncio.Future] = set()  # reports of silent servers on their way
         self._looked = False  # whether the server list was pulled before
@@ -231,8 +232,8 @@ class ServerDirectory:
         await asyncio.gather(*self._reports, return_exceptions=True)
 
     def usable(self) -> list[ServerSpan]:
-        banned = self.banned
-        return [s for s in self.spans if not s.info.draining and s.peer_id not in banned]
+        banned, excluded = self.banned, self.excluded
+        return [s for s in self.spans if not s.info.draining and s.peer_id not in banned and s.peer_id not in excluded]
 
     def route_inference(
         self,
@@ -316,7 +317,8 @@ class ServerDirectory:
 
     def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:
         offered = offering(meeting(self.spans, self.min_quality), needs, self.adapter)
-        live = [s for s in offered if s.peer_id not in exclude and s.peer_id not in self.banned]
+        out = {*exclude, *self.banned, *self.excluded}
+        live = [s for s in offered if s.peer_id not in out]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
 
     async def wait_for_servers(
@@ -350,6 +352,9 @@ class ServerDirectory:
 
     def convicted(self, peer: PeerId) -> None:
         self.banned.add(peer)
+
+    def disputed(self, peer: PeerId, reason: str) -> None:
+        self.excluded.setdefault(peer, reason)
 
     async def alive(self, span: ServerSpan) -> bool:
         """Does the server answer right now? An ``info`` on the pooled blocks connection (no
