@@ -72,6 +72,14 @@ class DropReply(_Fault, frozen=True, tag="drop_reply"):
     when: When = ALWAYS
 
 
+class Malformed(_Fault, frozen=True, tag="malformed"):
+    """Answer the steps ``when`` selects with a frame of garbage instead of the reply: a well-sized
+    header frame whose bytes are no message (the step still runs: the cache moves on)."""
+
+    when: When = ALWAYS
+    seed: int = 0
+
+
 class Crash(_Fault, frozen=True, tag="crash"):
     """Die when a session reaches step ``step``, before running it: a server process exits with
     :data:`CRASH_EXIT_CODE`; an in-process server closes its node (every connection drops)."""
@@ -133,7 +141,7 @@ class Equivocate(_Fault, frozen=True, tag="equivocate"):
     when: When = ALWAYS
 
 
-Fault = ReplyDelay | DropReply | Crash | Noise | Zeros | Identity | SkipBlock | OtherWeights | StaleCache | Equivocate
+Fault = ReplyDelay | DropReply | Malformed | Crash | Noise | Zeros | Identity | SkipBlock | OtherWeights | StaleCache | Equivocate
 OUTPUT_FAULTS = (Noise, Zeros, Identity)
 BLOCK_FAULTS = (SkipBlock, OtherWeights)
 

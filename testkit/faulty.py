@@ -38,6 +38,7 @@ from shoal.server.handler import BlockServer
 from shoal.server.presence import LoadingGate
 from shoal.transport import BaseNode, MemoryNetwork, MessageStream, Node, Ticket, TransportConfig
 from shoal.wire import Message
+from shoal.wire.messages import FRAME_HEAD, FRAME_PREFIX
 from testkit.faults import (
     BLOCK_FAULTS,
     CRASH_EXIT_CODE,
@@ -49,6 +50,7 @@ from testkit.faults import (
     Fault,
     FaultRecord,
     Identity,
+    Malformed,
     OtherWeights,
     ReplyDelay,
     SkipBlock,
@@ -78,7 +80,13 @@ class _Issued:
     call: _Call
     drop: bool = False
     push: torch.Tensor | None = None  # equivocation: what the next server gets instead
+    garbage: bytes | None = None  # malformed: the frame sent instead of the reply
     push_size: float | None = None
+
+
+def garbage_frame(rng: random.Random, size: int = 64) -> bytes:
+    """A header frame of ``size`` random bytes: well framed, no message (a malformed reply)."""
+    return FRAME_PREFIX.pack(size + 1, FRAME_HEAD) + rng.randbytes(size)
 
 
 class FaultState:
@@ -293,7 +301,7 @@ class FaultyBackend:
             issued = _Issued(out, call)
             for i, fault in hits:
                 self._apply(i, fault, call, hidden, issued)
-            if issued.drop or issued.push is not None or state.delay:  # the stream seams look for it
+            if issued.drop or issued.push is not None or issued.garbage is not None or state.delay:  # the stream seams look for it
                 state.issue(issued)
             return issued.tensor
 
@@ -346,6 +354,8 @@ class FaultyBackend:
             issued.push, issued.push_size = pushed, _relative_change(pushed, issued.tensor)
         elif isinstance(fault, DropReply):
             issued.drop = True
+        elif isinstance(fault, Malformed):
+            issued.garbage = garbage_frame(random.Random(f"{fault.seed}:{call.session}:{call.step}"))
 
     def _noise_like(self, i: int, honest: torch.Tensor, relative: float) -> torch.Tensor:
         noise = torch.randn(honest.shape, generator=self._noise[i])
@@ -376,6 +386,11 @@ class FaultyStream(_Wrapped):
         if issued is not None and issued.drop:
             state.record.add(Alteration(fault="drop_reply", step=step, session=session, positions=call.positions,
                                         detail=f"reply {message.id} dropped"))  # fmt: skip
+            return
+        if issued is not None and issued.garbage is not None:
+            state.record.add(Alteration(fault="malformed", step=step, session=session, positions=call.positions,
+                                        detail=f"reply {message.id} sent as {len(issued.garbage)} bytes of garbage"))  # fmt: skip
+            await self._inner.send_raw(issued.garbage)
             return
         if state.delay:
             state.record.add(Alteration(fault="reply_delay", step=step, session=session,

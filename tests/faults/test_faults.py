@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from shoal.checkpoints import load_span
-from shoal.errors import BadRequest, ClosedError, ConnectTimeout, RequestTimeout, ShoalError
+from shoal.errors import BadRequest, ClosedError, ConnectTimeout, RequestTimeout, ShoalError, WireError
 from shoal.ids import BlockRange
 from shoal.launch import ServerProcess, serve_args
 from shoal.protocols import BLOCKS
@@ -38,6 +38,7 @@ from testkit.faults import (
     Equivocate,
     FaultRecord,
     Identity,
+    Malformed,
     Noise,
     OtherWeights,
     ReplyDelay,
@@ -510,3 +511,18 @@ def test_faults_travel_as_json():
     assert faulty_server_args([*plain, *fault_flags(Zeros())]) == [
         "-m", "testkit.faulty_server", "model", "--blocks", "0:3", "--faults", '[{"fault":"zeros"}]',
     ]  # fmt: skip
+
+
+def test_a_malformed_reply_is_a_clear_wire_error_and_recorded(model_dir):
+    async def scenario():
+        async with pair(model_dir, [Malformed(When(first_step=1, last_step=1))]) as p:
+            honest, faulty = await p.sessions()
+            await faulty.step(inputs(3, 0, 0))
+            await honest.step(inputs(3, 0, 0))
+            with pytest.raises(WireError):
+                await faulty.step(inputs(1, 3, 1), timeout=5.0)
+            return p.record.entries(), p.faulty.server.counters.steps
+
+    record, steps = run(scenario(), 30)
+    assert steps == 2  # the step ran; its reply went out as garbage
+    assert [(e.fault, e.step, e.positions) for e in record] == [("malformed", 1, (3, 4))]
