@@ -141,7 +141,19 @@ class Equivocate(_Fault, frozen=True, tag="equivocate"):
     when: When = ALWAYS
 
 
-Fault = ReplyDelay | DropReply | Malformed | Crash | Noise | Zeros | Identity | SkipBlock | OtherWeights | StaleCache | Equivocate
+Fault = (
+    ReplyDelay
+    | DropReply
+    | Malformed
+    | Crash
+    | Noise
+    | Zeros
+    | Identity
+    | SkipBlock
+    | OtherWeights
+    | StaleCache
+    | Equivocate
+)
 OUTPUT_FAULTS = (Noise, Zeros, Identity)
 BLOCK_FAULTS = (SkipBlock, OtherWeights)
 

@@ -301,7 +301,8 @@ class FaultyBackend:
             issued = _Issued(out, call)
             for i, fault in hits:
                 self._apply(i, fault, call, hidden, issued)
-            if issued.drop or issued.push is not None or issued.garbage is not None or state.delay:  # the stream seams look for it
+            seams = issued.drop or issued.push is not None or issued.garbage is not None or state.delay
+            if seams:  # the stream seams look for it
                 state.issue(issued)
             return issued.tensor
 
@@ -389,7 +390,7 @@ class FaultyStream(_Wrapped):
             return
         if issued is not None and issued.garbage is not None:
             state.record.add(Alteration(fault="malformed", step=step, session=session, positions=call.positions,
-                                        detail=f"reply {message.id} sent as {len(issued.garbage)} bytes of garbage"))  # fmt: skip
+                                        detail=f"reply {message.id} sent as garbage"))  # fmt: skip
             await self._inner.send_raw(issued.garbage)
             return
         if state.delay:
