@@ -13,7 +13,7 @@
                                     server); 503 with the reason (and the uncovered blocks) otherwise
     GET  /metrics                   Prometheus text: completion tokens, speculative decoding's rounds,
                                     drafted and accepted tokens, and the client's verification counters
-                                    since start (see GatewayCollector)
+                                    since start and the servers it banned (see GatewayCollector)
 
 The dashboard, its JSON (of the gateway's own swarm), the health checks and the metrics need no API
 key (probes, scrapers and browsers send none). Every route answers only to the allowed ``Host`` names,
@@ -162,6 +162,10 @@ class GatewayCollector(Collector):
         unverified = verification.unverified_blocks if verification is not None else 0
         text = "Blocks of the latest session's chain that no auditor checks"
         yield GaugeMetricFamily("shoal_verify_unverified_blocks", text, value=unverified)
+        banned = GaugeMetricFamily("shoal_verify_banned", "Servers convicted of lying (1 each)", labels=["peer"])
+        for peer in getattr(verification, "banned", ()):
+            banned.add_metric([peer], 1.0)
+        yield banned
 
 
 class Gateway:

@@ -229,6 +229,9 @@ def test_gateway_streams_only_the_honest_text_and_metrics_show_the_ban(world):
             assert metrics["shoal_verify_settled_total"] == state["settled"]
             assert metrics["shoal_verify_unsettled_total"] == 0.0
             assert metrics["shoal_verify_unverified_blocks"] == 0.0
+            assert [key for key in metrics if key.startswith("shoal_verify_banned")] == [
+                f'shoal_verify_banned{{peer="{peer_of(liar)}"}}'
+            ]
             for name in ("sent", "confirmed", "rejected"):
                 assert f"shoal_verify_evidence_{name}_total" in metrics
 
