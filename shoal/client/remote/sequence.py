@@ -222,7 +222,11 @@ class RemoteSequence:
         other peers may reuse (see :class:`RemoteSession`)."""
         prompts = None if prompts is None else prompts.detach()
         session = RemoteSession(self, batch_size, max_length, prompts, share=share)
-        self.runtime.run(session.open())
+        try:
+            self.runtime.run(session.open())
+        except BaseException:  # e.g. UnverifiedBlocks once the chain is open: close what it opened
+            session.close()
+            raise
         self._session = session
         return session
 
