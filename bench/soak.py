@@ -4,13 +4,14 @@ joined by liars, every answer checked against plain transformers.
     scripts/isolated python -m bench.soak [--minutes 10] [--streams 6] [--kill-every 30]
         [--drain-every 90] [--liar-every 40] [--liar-life 60] [--seed 0] [--out FILE]
 
-A tiny random 6-block llama (SmolLM2's tokenizer and chat template) is served by 6 honest ``shoal
-serve`` processes (two of each span 0:2, 2:4, 4:6) behind ``shoal api --verify audit``. For the
+A tiny random 4-block llama (SmolLM2's tokenizer and chat template) is served by 6 honest ``shoal
+serve`` processes (three of each span 0:2 and 2:4) behind ``shoal api --verify audit
+--require-verified``. For the
 budget's wall-clock time the driver keeps ``--streams`` API requests going (seeded: chat and
 completions, greedy and position-seeded sampling, half the chats under one of three shared system
 prompts, a tenth cancelled by the caller mid-stream), and meanwhile
-- every ``--kill-every`` s SIGKILLs a random honest server (one whose span has another honest
-  replica) and starts a fresh one (a new key; ``--join`` without ``--blocks``: placement picks);
+- every ``--kill-every`` s SIGKILLs a random honest server (one whose span has two other honest
+  replicas) and starts a fresh one (a new key; ``--join`` without ``--blocks``: placement picks);
 - every ``--drain-every`` s SIGTERMs one (it drains) and starts a fresh one likewise;
 - every ``--liar-every`` s starts a byzantine server (:mod:`testkit.faulty_server`, the kinds of
   :data:`bench.soak_swarm.LIAR_KINDS` and :data:`~bench.soak_swarm.BROKEN_KINDS` in turn, over a
@@ -47,10 +48,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench.soak_checks import Outcome, check, make_request, send
-from bench.soak_swarm import BROKEN_KINDS, LIAR_KINDS, SPANS, Swarm, build_model
+from bench.soak_swarm import BROKEN_KINDS, LIAR_KINDS, REPLICAS, SPANS, Swarm, build_model
 from testkit.faults import FaultRecord
 
 GRACE = 90.0  # seconds the requests running at the budget's end get to finish
@@ -106,14 +108,18 @@ def _in_background(start, events: dict) -> None:
 
 
 def _victim(swarm: Swarm, rng: random.Random):
-    """A random honest server whose span another live honest server also covers."""
+    """A random honest server whose span :data:`REPLICAS` - 1 other live honest servers also cover
+    (so at least two honest ones stay while its replacement loads: a liar's dispute always settles)."""
     spans = swarm.spans()
+    for member in swarm.alive():
+        if member.span is None and member.peer in spans:
+            member.span = spans[member.peer]  # where placement put it
     honest = [m for m in swarm.alive("honest") if m.peer in spans]
     rng.shuffle(honest)
     for member in honest:
         mine = spans[member.peer]
         others = [m for m in honest if m is not member and spans[m.peer] == mine]
-        if others:
+        if len(others) >= REPLICAS - 1:
             return member
     return None
 
@@ -131,6 +137,8 @@ def drive(url: str, args: argparse.Namespace, until: float, tokenizer, outcomes:
             outcome = send(url, request)
             with lock:
                 outcomes.append(outcome)
+            if outcome.status != "ok":
+                time.sleep(1.0)  # a caller told 503 waits a moment before it asks again
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.streams)]
     for thread in threads:
@@ -151,6 +159,7 @@ def summarise(outcomes: list[Outcome], model, tokenizer, swarm: Swarm, banned: l
     lied = [m for m in liars if any(e.positions is not None for e in FaultRecord.read(m.record))] if liars else []
     broken = [m for m in swarm.members if m.kind in BROKEN_KINDS]
     honest = {m.peer for m in swarm.members if m.kind == "honest"}
+    initial = {m.name for m in swarm.members[: REPLICAS * len(SPANS)]}
     requests = len(outcomes)
     result = {
         "requests": requests,
@@ -171,8 +180,10 @@ def summarise(outcomes: list[Outcome], model, tokenizer, swarm: Swarm, banned: l
         "peak_rss_mb": swarm.peak_rss_mb,
         "peak_rss_mb_max": max(swarm.peak_rss_mb.values(), default=0.0),
         "servers_started": len(swarm.members),
+        "placed": dict(Counter(str(m.span) for m in swarm.members if m.kind == "honest" and m.name not in initial)),
         "chaos_errors": events["chaos_errors"],
         "examples": [v.detail for v in verdicts if v.verdict in ("altered", "lost")][:5],
+        "failures": dict(Counter(v.detail[:160] for v in verdicts if v.verdict == "failed_clear").most_common(5)),
     }
     result["targets_met"] = {
         "altered==0": counts["altered"] == 0,
@@ -198,12 +209,13 @@ def soak(args: argparse.Namespace) -> dict:
         try:
             first = swarm.start(span=SPANS[0])
             ticket = first.process.ticket
-            starters = [threading.Thread(target=swarm.start, args=("honest", s, ticket)) for s in [*SPANS[1:], *SPANS]]
+            rest = [*SPANS[1:], *SPANS * (REPLICAS - 1)]
+            starters = [threading.Thread(target=swarm.start, args=("honest", s, ticket)) for s in rest]
             for thread in starters:
                 thread.start()
             for thread in starters:
                 thread.join()
-            if len(swarm.alive("honest")) < 2 * len(SPANS):
+            if len(swarm.alive("honest")) < REPLICAS * len(SPANS):
                 raise RuntimeError("the initial servers did not all start")
             url = swarm.start_gateway(concurrency=args.streams + 2, audit_every=args.audit_every)
             until = time.monotonic() + args.minutes * 60
@@ -219,7 +231,7 @@ def soak(args: argparse.Namespace) -> dict:
             banned = swarm.banned(url)
         finally:
             stop.set()
-            swarm.close()
+            swarm.close(Path(args.logs) if args.logs else None)
         return summarise(outcomes, model, tokenizer, swarm, banned, events)
 
 
@@ -235,6 +247,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-seed", type=int, default=11)
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--logs", help="write every process's output to this directory at the end")
     return parser.parse_args(argv)
 
 

@@ -36,7 +36,8 @@ from testkit.faults import (
     faulty_server_args,
 )
 
-SPANS = [BlockRange(0, 2), BlockRange(2, 4), BlockRange(4, 6)]
+SPANS = [BlockRange(0, 2), BlockRange(2, 4)]
+REPLICAS = 3  # honest servers per span at the start: a dispute with a liar always finds a third opinion
 ENV = {"OMP_NUM_THREADS": "1"}
 SERVER_FLAGS = (
     "--num-threads", "1", "--throughput", "100", "--cache-tokens", "1024", "--drain-timeout", "5",
@@ -64,7 +65,7 @@ def faults_of(kind: str, span: BlockRange, seed: int) -> list[Fault]:
 
 
 def build_model(out_dir: Path, seed: int = 11):
-    """The tiny chat model: a random 6-block llama (hidden 64) with SmolLM2's tokenizer and chat
+    """The tiny chat model: a random 4-block llama (hidden 64) with SmolLM2's tokenizer and chat
     template, saved to ``out_dir``; returns (reference model, tokenizer). The tiny config's large
     init keeps greedy choices far from ties, so the swarm's greedy answers equal transformers'."""
     from transformers import AutoTokenizer
@@ -142,7 +143,7 @@ class Swarm:
         with self._lock:
             self._pids[process.pid] = name
             self._processes.append(process)
-        process.wait_ready(120.0)
+        process.wait_ready(240.0)
         member = Member(name, kind, process, span, record)
         with self._lock:
             self.members.append(member)
@@ -183,11 +184,14 @@ class Swarm:
 
     # ---- gateway ---------------------------------------------------------------------------------
     def start_gateway(self, concurrency: int, audit_every: int) -> str:
-        """``shoal api --verify audit`` over the swarm; its URL."""
+        """``shoal api --verify audit --require-verified`` over the swarm; its URL. Without
+        ``--require-verified`` a span left with one server (a liar with no one to check it) is
+        served unverified, and its lies reach the answer (see docs/performance.md)."""
         args = [
             "-m", "shoal.cli.main", "api", str(self.model_dir), "--join", str(self.join_ticket()), "--port", "0",
             "--bind", "127.0.0.1:0", "--num-threads", "1", "--verify", "audit", "--audit-every", str(audit_every),
             "--max-concurrency", str(concurrency), "--request-timeout", "10", "--route-wait", "10",
+            "--require-verified",
         ]  # fmt: skip
         self.gateway = ChildProcess(args, "gateway: ", ready_timeout=None, env=ENV, stdin=None)
         with self._lock:
@@ -215,11 +219,17 @@ class Swarm:
                 continue
             self.peak_rss_mb[name] = round(max(self.peak_rss_mb.get(name, 0.0), mb), 1)
 
-    def close(self) -> None:
-        """End every process started (SIGTERM, then SIGKILL after a few seconds)."""
+    def close(self, logs: Path | None = None) -> None:
+        """End every process started (SIGTERM, then SIGKILL after a few seconds); with ``logs``,
+        write each one's output there (``NAME.log``)."""
         with self._lock:
             processes = list(self._processes)
+            names = dict(self._pids)
         stop_all(processes, 10.0)
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            for process in processes:
+                (logs / f"{names.get(process.pid, process.pid)}.log").write_text(process.text())
 
 
-__all__ = ["BROKEN_KINDS", "LIAR_KINDS", "SPANS", "Member", "Swarm", "build_model", "faults_of"]
+__all__ = ["BROKEN_KINDS", "LIAR_KINDS", "REPLICAS", "SPANS", "Member", "Swarm", "build_model", "faults_of"]
