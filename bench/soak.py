@@ -56,6 +56,7 @@ from bench.soak_swarm import BROKEN_KINDS, LIAR_KINDS, REPLICAS, SPANS, Swarm, b
 from testkit.faults import FaultRecord
 
 GRACE = 90.0  # seconds the requests running at the budget's end get to finish
+SETTLE = 20.0  # seconds a new server runs before it counts as a replica the gateway knows
 
 
 def chaos(swarm: Swarm, args: argparse.Namespace, until: float, stop: threading.Event, events: dict) -> None:
@@ -108,17 +109,19 @@ def _in_background(start, events: dict) -> None:
 
 
 def _victim(swarm: Swarm, rng: random.Random):
-    """A random honest server whose span :data:`REPLICAS` - 1 other live honest servers also cover
-    (so at least two honest ones stay while its replacement loads: a liar's dispute always settles)."""
+    """A random honest server whose span :data:`REPLICAS` - 1 other live honest servers, up for
+    :data:`SETTLE` s, also cover (so at least two honest ones the gateway knows stay while its
+    replacement loads: a liar's dispute always settles, every hop has a checker)."""
     spans = swarm.spans()
     for member in swarm.alive():
         if member.span is None and member.peer in spans:
             member.span = spans[member.peer]  # where placement put it
     honest = [m for m in swarm.alive("honest") if m.peer in spans]
+    settled = [m for m in honest if time.monotonic() - m.started > SETTLE]
     rng.shuffle(honest)
     for member in honest:
         mine = spans[member.peer]
-        others = [m for m in honest if m is not member and spans[m.peer] == mine]
+        others = [m for m in settled if m is not member and spans[m.peer] == mine]
         if len(others) >= REPLICAS - 1:
             return member
     return None
