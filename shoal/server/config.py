@@ -65,7 +65,7 @@ def parse_adapter(text: str) -> tuple[str, Path]:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str  # local Hugging Face directory, known model name or Hub id
+    model: str  # local Hugging Face directory, known model name or Hub id; "": chosen where the swarm is short
     blocks: BlockRange | None = None  # half-open [start, end); None: placed automatically (needs a swarm)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -105,6 +105,11 @@ class ServerConfig:
             raise UsageError(
                 "--blocks START:END is required outside a swarm; to let the server choose its blocks, "
                 "start it in a swarm (--new-swarm, or --join TICKET)"
+            )
+        if not self.model and not (self.join and self.blocks is None):
+            raise UsageError(
+                "a server without a model chooses one in the swarms it joins: give --join TICKET (and no --blocks), "
+                "or name the model"
             )
         if self.new_swarm and self.join:
             raise UsageError(
