@@ -7,6 +7,10 @@ blocks, hidden 32) had one server, which left (its model record stays in the tab
 started as ``shoal serve --join TICKET --models-dir DIR`` (:func:`serve_where_needed`, the same
 builder steps as ``shoal serve``) takes ``tiny-b``, loads it from ``DIR/tiny-b`` and covers it; a
 client then gets local transformers' greedy tokens of ``tiny-b`` through it.
+
+When demand shifts it follows: a server without a model that took ``tiny-a`` (both models served,
+equally free) switches to ``tiny-b`` within a few ``--rebalance-period`` s once ``tiny-b``'s server
+leaves (``tiny-a`` stays covered by its own two), as a new node of ``tiny-b``.
 """
 
 from __future__ import annotations
@@ -86,3 +90,35 @@ def test_a_server_without_a_model_covers_the_model_nobody_serves(models_dir):
         finally:
             a.runtime.loop.call_soon_threadsafe(stop.set)
             running.result(timeout=30)
+
+
+def test_a_server_without_a_model_switches_to_the_model_left_uncovered(models_dir):
+    with InProcessSwarm(models_dir / "tiny-a", [BlockRange(0, 2), BlockRange(2, 4)], swarm="shift") as a:
+        table = a.servers[0].presence.service.table
+        join = (a.tickets()[0],)
+        with InProcessSwarm(models_dir / "tiny-b", [], swarm="shift", start_node=a.start_node) as b:
+            last_b = b.add(BlockRange(0, 6), join=join)
+            wait_until(lambda: table.model("tiny-b") is not None and table.servers("tiny-b"), 10.0, what="tiny-b")
+            config = ServerConfig(model="", join=join, throughput=100.0, gossip=FAST_GOSSIP, transport=LOOPBACK,
+                                  cache_tokens=1024)  # fmt: skip
+            tickets, stop = [], asyncio.Event()
+            roaming = Roaming((models_dir,), rebalance_period=1.0)
+            running = asyncio.run_coroutine_threadsafe(
+                serve_where_needed(config, roaming, tickets.append, stop, start_node=a.start_node), a.runtime.loop
+            )
+            try:
+                wait_until(lambda: bool(tickets) or running.done(), 30.0, what="the new server online")
+                first = tickets[0].peer_id
+                wait_until(lambda: any(r.peer == first for r in table.servers("tiny-a")), 10.0, what="it on tiny-a")
+                b.drain(last_b)
+                wait_until(lambda: len(tickets) == 2 or running.done(), 30.0, what="a switch to tiny-b")
+                second = tickets[1].peer_id
+                wait_until(lambda: any(r.peer == second and r.state is State.ONLINE for r in table.servers("tiny-b")),
+                           10.0, what="it online on tiny-b")  # fmt: skip
+                assert [r.blocks for r in table.servers("tiny-b")] == [BlockRange(0, 6)]
+                assert [(r.blocks, r.state) for r in table.servers("tiny-a")] == [
+                    (BlockRange(0, 2), State.ONLINE), (BlockRange(2, 4), State.ONLINE)
+                ]  # fmt: skip
+            finally:
+                a.runtime.loop.call_soon_threadsafe(stop.set)
+                running.result(timeout=30)
