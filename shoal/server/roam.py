@@ -28,8 +28,8 @@ from pathlib import Path
 
 from shoal.errors import RemoteError, ShoalError, UsageError
 from shoal.server.config import ServerConfig
-from shoal.server.demand import Choice, Hosted, choose_model, plan_switch
-from shoal.server.presence import MAX_DEFERRALS, Presence
+from shoal.server.demand import Choice, Hosted, Switcher, choose_model
+from shoal.server.presence import Presence
 from shoal.swarm.records import State
 from shoal.swarm.service import fetch_table, table_from_reply
 from shoal.swarm.table import RecordTable
@@ -184,17 +184,15 @@ def _watcher(config: ServerConfig, roaming: Roaming, spans: _Spans, stop: asynci
     rng = random.Random()
 
     async def watch(presence: Presence) -> None:
-        deferred = 0
+        switcher = Switcher(presence.node.id, config.balance_margin)
         while True:
             await asyncio.sleep(roaming.rebalance_period * rng.uniform(0.8, 1.2))
             swarms = await read_swarms(presence.node, config.join, config.transport.deadlines.request,
                                        own=presence.service.table)  # fmt: skip
-            plan = plan_switch(swarms.models, swarms.hosted, presence.node.id, spans.of(swarms.models),
-                               config.cache_tokens, config.balance_margin, defer=deferred < MAX_DEFERRALS)  # fmt: skip
-            deferred = deferred + 1 if plan.defer_to is not None else 0
-            if plan.switch is not None:
-                log.info("switching from %s to %s (%s)", presence.model, plan.switch.model, _describe(plan.switch))
-                found.append(plan.switch)
+            switch = switcher.check(swarms.models, swarms.hosted, spans.of(swarms.models), config.cache_tokens)
+            if switch is not None:
+                log.info("switching from %s to %s (%s)", presence.model, switch.model, _describe(switch))
+                found.append(switch)
                 stop.set()
                 return
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from shoal.ids import BlockRange
-from shoal.server.demand import Hosted, choose_model, plan_switch, shortages
+from shoal.server.demand import Hosted, Switcher, SwitchPlan, choose_model, plan_switch, shortages
 from shoal.server.placement import Balance
 
 WHOLE = BlockRange(0, 4)
@@ -52,8 +52,9 @@ def test_a_redundant_server_moves_to_the_uncovered_model_and_the_larger_id_waits
     first = plan_switch(models, hosted, "p1", spans, 1000)
     assert first.switch is not None and first.switch.model == "b" and first.switch.blocks == WHOLE
     assert plan_switch(models, hosted, "p2", spans, 1000).defer_to == "p1"
-    alone = plan_switch(models, hosted, "p2", spans, 1000, defer=False)
+    alone = plan_switch(models, hosted, "p2", spans, 1000, ignore={"p1"})
     assert alone.switch is not None and alone.switch.model == "b"
+    assert plan_switch(models, hosted, "p3", spans, 1000) == SwitchPlan(defer_to="p1")
 
 
 def test_no_switch_for_a_small_gain():
@@ -83,17 +84,16 @@ def simulate(seed: int) -> list[list[tuple[str, str, str]]]:
     period's moves (peer, from, to)."""
     rng = random.Random(seed)
     where = {f"p{i}": "ab"[i % 2] for i in range(6)}
-    deferrals = dict.fromkeys(where, 0)
+    switchers = {peer: Switcher(peer) for peer in where}
     history = []
     for demand in DEMAND:
         seen = records(where, demand)
         moves = []
         for peer in rng.sample(sorted(where), len(where)):
-            plan = plan_switch({"a": 4, "b": 4}, seen, peer, {"a": 4, "b": 4}, CAPACITY, defer=deferrals[peer] < 3)
-            deferrals[peer] = deferrals[peer] + 1 if plan.defer_to else 0
-            if plan.switch is not None:
-                moves.append((peer, where[peer], plan.switch.model))
-                where[peer] = plan.switch.model
+            switch = switchers[peer].check({"a": 4, "b": 4}, seen, {"a": 4, "b": 4}, CAPACITY)
+            if switch is not None:
+                moves.append((peer, where[peer], switch.model))
+                where[peer] = switch.model
         assert all(m in where.values() for m in "ab"), f"a model lost its last server: {where}"
         history.append(moves)
     return history
@@ -113,3 +113,51 @@ def test_demand_shifts_move_servers_once_per_shift_without_oscillating():
         # balanced: one a -> b (3:3). Each time the smallest peer id that can moves, the others wait.
         assert [len(m) for m in history] == [1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0]
         assert {dst for moves in history[5:7] for _, _, dst in moves} == {"b"}
+
+
+def simulate_halves(seed: int) -> list[list[tuple[str, str, str]]]:
+    """As :func:`simulate`, with servers of two blocks each (of 4) and p0 started with a model (it
+    never re-checks, and has the smallest peer id: the others wait for it once, then not again).
+    Every block of both models stays covered after every single move."""
+    rng = random.Random(seed)
+    low, high = BlockRange(0, 2), BlockRange(2, 4)
+    where = {"p0": ("a", low), "p1": ("a", high), "p2": ("b", low), "p3": ("b", high), "p4": ("a", low),
+             "p5": ("a", high), "p6": ("b", low), "p7": ("b", high), "p8": ("a", high)}  # fmt: skip
+    switchers = {peer: Switcher(peer) for peer in where if peer != "p0"}
+    history = []
+    for demand in DEMAND:
+        load = dict(zip("ab", demand, strict=True))
+
+        def covering(model: str, block: int) -> int:
+            return sum(1 for m, span in where.values() if m == model and span.start <= block < span.end)
+
+        seen = [
+            host(p, m, span, max(0, round(CAPACITY - load[m] / min(covering(m, i) for i in span.blocks()))))
+            for p, (m, span) in sorted(where.items())
+        ]
+        moves = []
+        for peer in rng.sample(sorted(switchers), len(switchers)):
+            switch = switchers[peer].check({"a": 4, "b": 4}, seen, {"a": 2, "b": 2}, CAPACITY)
+            if switch is not None:
+                moves.append((peer, where[peer][0], switch.model))
+                where[peer] = (switch.model, switch.blocks)
+                assert all(covering(m, i) for m in "ab" for i in range(4)), f"a block left uncovered: {where}"
+        history.append(moves)
+    return history
+
+
+def test_servers_of_part_of_a_model_never_uncover_a_block_and_settle():
+    for seed in range(5):
+        history = simulate_halves(seed)
+        for moves in history:
+            assert len({peer for peer, _, _ in moves}) == len(moves)
+        for start in range(0, 20, 5):
+            window = [m for moves in history[start : start + 5] for m in moves]
+            counts = [len(moves) for moves in history[start : start + 5]]
+            counts = counts[next((i for i, c in enumerate(counts) if c), 5) :]  # from the first move (after a wait)
+            assert counts == sorted(counts, reverse=True), f"moving again after settling: {history}"
+            assert len({(src, dst) for _, src, dst in window}) <= 1, f"both ways under steady demand: {window}"
+        # a server lifts half of the short model's blocks, the next the other half: one move a period
+        # (each waits once for a smaller peer id), 2 to 4 a shift
+        assert [len(m) for m in history] == [1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0]
+        assert all("p0" not in {peer for peer, _, _ in moves} for moves in history)
