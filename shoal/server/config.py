@@ -101,15 +101,15 @@ class ServerConfig:
 
     def __post_init__(self):
         check_device(self.device)
-        if self.blocks is None and not (self.new_swarm or self.join):
-            raise UsageError(
-                "--blocks START:END is required outside a swarm; to let the server choose its blocks, "
-                "start it in a swarm (--new-swarm, or --join TICKET)"
-            )
         if not self.model and not (self.join and self.blocks is None):
             raise UsageError(
                 "a server without a model chooses one in the swarms it joins: give --join TICKET (and no --blocks), "
                 "or name the model"
+            )
+        if self.blocks is None and not (self.new_swarm or self.join):
+            raise UsageError(
+                "--blocks START:END is required outside a swarm; to let the server choose its blocks, "
+                "start it in a swarm (--new-swarm, or --join TICKET)"
             )
         if self.new_swarm and self.join:
             raise UsageError(
