@@ -155,6 +155,7 @@ async def serve_where_needed(
     finally:
         await looker.close()
     choice = choose_model(swarms.models, swarms.hosted, spans.of(swarms.models), config.cache_tokens)
+    swarm = swarms.swarm_of[choice.model] if choice is not None else None
     while not stop.is_set():
         if choice is None:
             raise UsageError(
@@ -162,11 +163,10 @@ async def serve_where_needed(
                 f"DIR/NAME for one of: {', '.join(sorted(swarms.models)) or 'none (no model record)'}"
             )
         log.info("serving %s (the swarm's %s before this server)", choice.model, _describe(choice))
-        swarm = swarms.swarm_of[choice.model]
         chosen = replace(config, model=model_source(choice.model, roaming.models_dirs),
                          join=tuple(t for t in config.join if t.swarm_id == swarm))  # fmt: skip
         inner = asyncio.Event()  # set by ``stop``, or by the watcher to switch
-        found: list[Choice] = []
+        found: list[tuple[Choice, str]] = []  # the switch, and the swarm of its model
         relay = asyncio.create_task(_relay(stop, inner))
         try:
             watch = _watcher(config, roaming, spans, inner, found)
@@ -175,10 +175,12 @@ async def serve_where_needed(
             relay.cancel()
         if not found or stop.is_set():
             return
-        choice = found[0]
+        choice, swarm = found[0]
 
 
-def _watcher(config: ServerConfig, roaming: Roaming, spans: _Spans, stop: asyncio.Event, found: list[Choice]):
+def _watcher(
+    config: ServerConfig, roaming: Roaming, spans: _Spans, stop: asyncio.Event, found: list[tuple[Choice, str]]
+):
     """The re-check run beside the server (:func:`shoal.server.app.serve`'s ``beside``): a switch
     found goes into ``found`` and sets ``stop``."""
     rng = random.Random()
@@ -192,7 +194,7 @@ def _watcher(config: ServerConfig, roaming: Roaming, spans: _Spans, stop: asynci
             switch = switcher.check(swarms.models, swarms.hosted, spans.of(swarms.models), config.cache_tokens)
             if switch is not None:
                 log.info("switching from %s to %s (%s)", presence.model, switch.model, _describe(switch))
-                found.append(switch)
+                found.append((switch, swarms.swarm_of[switch.model]))
                 stop.set()
                 return
 
