@@ -299,6 +299,7 @@ class RemoteSession(SessionPositions):
             position=self._position,
             replay=driver.replay,
             drain=drain,
+            migrate=driver.migrate,
         )
         if rebuilt is None:  # draining, and nobody can take over yet
             driver.keep_serving(driver.hops[index], DRAIN_RETRY_SECONDS)
