@@ -85,8 +85,17 @@ REQUESTS: dict[str, Meta] = {
     "close": Empty(),
     "evidence": EvidenceRequest(model="m", accused="ab" * 32, start=2, end=4, steps=3),
     "migrate": MigrateRequest(session="s-1", position=40, step=12, to=HOP),
-    "pages": PagesRequest(session="s-2", token="k", position=40, step=12, model="m", blocks=BlockRange(2, 4),
-                          weights=bytes(16), dtype="float32", adapter="style-v1"),  # fmt: skip
+    "pages": PagesRequest(
+        session="s-2",
+        token="k",
+        position=40,
+        step=12,
+        model="m",
+        blocks=BlockRange(2, 4),
+        weights=bytes(16),
+        dtype="float32",
+        adapter="style-v1",
+    ),
     "gossip": Gossip(op="table"),
     "error": ErrorReply(code="wire", message="bad frame", reason="bad_frame"),
 }
