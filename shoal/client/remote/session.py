@@ -109,6 +109,11 @@ class RemoteSession(SessionPositions):
         return list(self._chain)
 
     @property
+    def migration_mismatches(self) -> int:
+        """Replacements that reported KV pages of other inputs than this session's (then replayed)."""
+        return self._driver.migration_mismatches
+
+    @property
     def cache_tokens(self) -> int:
         return self.batch_size * self.max_length
 
