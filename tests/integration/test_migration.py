@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
+from shoal.checkpoints.fetch import model_cache_dir
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.models.base import CacheGeometry
@@ -134,7 +134,7 @@ def test_pages_read_from_one_pool_are_written_into_another_bit_for_bit():
 
 
 # ---- the target: 2,000 tokens of SmolLM2 -------------------------------------------------
-SMOLLM2 = Path("/root/.cache/shoal/models/smollm2")
+SMOLLM2 = model_cache_dir("smollm2")
 
 
 @pytest.mark.slow
@@ -147,7 +147,7 @@ def test_a_2000_token_smollm2_session_drained_keeps_its_tokens():
     if not SMOLLM2.is_dir():
         pytest.skip("SmolLM2 is not fetched (shoal models list)")
     prompt = torch.randint(100, 40000, (1, 2000), generator=torch.Generator().manual_seed(0))
-    reference = AutoModelForCausalLM.from_pretrained(SMOLLM2, torch_dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32)
     expected = reference.generate(prompt, max_new_tokens=12, do_sample=False)
     span = BlockRange(0, reference.config.num_hidden_layers)
     del reference
