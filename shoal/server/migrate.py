@@ -16,9 +16,11 @@ and ``c_position``), then acknowledges the sender, which acknowledges the client
 over only when that digest is its own chain's for the old hop (what it sent it); on an error, a
 timeout or a mismatch it replays the history to the same replacement, as before migration existed.
 
-Whom a draining server sends to: the peer the client's token is bound to, and only one serving the
-very same span: in a swarm, an online member reached from here whose record states the same model
-and blocks; standalone, one that answers ``info`` with the same model, blocks, weights and dtype.
+Only a draining server sends pages, at most :data:`MAX_HAND_OVERS` times per session (a client cannot
+make a serving server ship its sessions around), and only to the peer the client's token is bound to
+if it serves the very same span: in a swarm, an online member reached from here whose record states
+the same model and blocks; standalone, one that answers ``info`` with the same model, blocks,
+weights and dtype.
 
 What the check guards, and what it does not: the chain digest names the inputs the pages were
 computed from, not that they were computed right. The replacement cannot recompute the pages (a full
@@ -64,6 +66,7 @@ log = logging.getLogger(__name__)
 
 MIGRATE_TIMEOUT = 30.0  # seconds for the pages to reach the replacement and be taken
 DIAL_TIMEOUT = 2.0  # dialling the replacement, and (standalone) its answer to ``info``
+MAX_HAND_OVERS = 3  # tries per session (a client that fails one may try another replacement)
 
 
 def _slots(cache: PagedCache, position: int) -> torch.Tensor:
@@ -116,6 +119,11 @@ class Migrations:
         assert isinstance(meta, MigrateRequest)
         started = time.perf_counter()
         try:
+            if not server.draining:  # a client cannot make a serving server ship its pages around
+                raise Unavailable("only a draining server hands its sessions over")
+            if session.handed_over >= MAX_HAND_OVERS:
+                raise Unavailable(f"session {session.id} was handed over {session.handed_over} times already")
+            session.handed_over += 1
             if server.signer is None:
                 raise Unavailable("this server keeps no state chain (no key): it cannot migrate sessions")
             if server.pusher.node is None:
