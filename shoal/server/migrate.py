@@ -18,9 +18,9 @@ timeout or a mismatch it replays the history to the same replacement, as before 
 
 Only a draining server sends pages, at most :data:`MAX_HAND_OVERS` times per session (a client cannot
 make a serving server ship its sessions around), and only to the peer the client's token is bound to
-if it serves the very same span: in a swarm, an online member reached from here whose record states
-the same model and blocks; standalone, one that answers ``info`` with the same model, blocks,
-weights and dtype.
+if it serves the very same span: in a swarm, an online member not found unreachable from here whose
+record states the same model and blocks, dialled at the addresses it announces; and in any case one
+that answers ``info`` with the same model, blocks, weights and dtype.
 
 What the check guards, and what it does not: the chain digest names the inputs the pages were
 computed from, not that they were computed right. The replacement cannot recompute the pages (a full
@@ -182,9 +182,10 @@ class Migrations:
         if table is not None:
             signed = table.get(f"s:{ticket.peer_id}")
             record = signed.record if signed is not None else None
+            # probed or not (servers of one span never push to each other), but not found unreachable
             if (not isinstance(record, ServerRecord) or record.state is not State.ONLINE
-                    or record.expires <= time.time() or table.reach(record) is not Reach.REACHABLE):  # fmt: skip
-                raise Forbidden(f"peer {ticket.peer_id[:10]} is not an online member reached from here")
+                    or record.expires <= time.time() or table.reach(record) is Reach.UNREACHABLE):  # fmt: skip
+                raise Forbidden(f"peer {ticket.peer_id[:10]} is not an online member reachable from here")
             if record.model != server.info.model or record.blocks != server.info.blocks:
                 raise Forbidden(f"member {ticket.peer_id[:10]} does not serve this span")
             ticket = Ticket(record.peer, record.addrs, record.relay, record.swarm)

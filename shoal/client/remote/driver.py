@@ -307,12 +307,9 @@ class ChainDriver:
         either server cannot (no receipts asked, no :data:`MIGRATE`, other weights), refused, failed,
         timed out, or reported another digest (counted in :attr:`migration_mismatches`)."""
         signed = self._signed.get(source)
-        if signed is None or not (self._asks(source) and self._asks(target)) or len(signed.chain) < position:
-            return False
-        if not (source.span.supports(MIGRATE) and target.span.supports(MIGRATE)):
-            return False
-        a, b = source.span.info, target.span.info  # the servers check dtype too (records may not say it)
-        if (source.span.blocks, a.fingerprints, a.quantization) != (target.span.blocks, b.fingerprints, b.quantization):
+        why = self._cannot_migrate(source, target) or (None if signed and len(signed.chain) >= position else "no chain")
+        if why is not None:
+            log.info("no migration from %s: %s; replaying instead", source.span.peer_id[:10], why)
             return False
         step_id = self.next_id()
         to = target.migrate_hop(source.span.peer_id, step=step_id, position=position)
@@ -333,6 +330,17 @@ class ChainDriver:
         chain.commit(0, signed.chain.digests(position))
         self._signed[target] = _Signed(chain)
         return True
+
+    def _cannot_migrate(self, source: Hop, target: Hop) -> str | None:
+        """Why ``source``'s pages cannot go to ``target`` (None: they can be offered)."""
+        if not (self._asks(source) and self._asks(target)):
+            return "receipts are not asked of both (no chain to check the pages against)"
+        if not (source.span.supports(MIGRATE) and target.span.supports(MIGRATE)):
+            return "a server does not announce the migrate capability"
+        a, b = source.span.info, target.span.info  # the servers check dtype too (records may not say it)
+        if (source.span.blocks, a.fingerprints, a.quantization) != (target.span.blocks, b.fingerprints, b.quantization):
+            return "the servers hold other blocks or weights"
+        return None
 
     async def replay(self, hop: Hop, tensors: list[Tensor], n: int, position: int = 0) -> Tensor:
         """One step over positions ``[position, position + n)`` on ``hop`` (not pushed on): its
