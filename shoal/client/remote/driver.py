@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 MIN_DEADLINE = 0.25  # seconds before a late reply makes the client check that the server lives
 DEADLINE_FACTOR = 4.0  # ... or this many times the expected reply time, if longer
 
+log = logging.getLogger(__name__)
+
 
 class HopFailed(Exception):
     """Hop ``index`` of the chain failed this step (its server is dead, broke the stream, or erred)."""
@@ -382,12 +384,13 @@ class ChainDriver:
             start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
             session=hop.session, position=position, step=step_id, sent=sent, output=output, codec=codec,
             adapter=announced_adapter(span, self.adapter), prompts=self.prompts, dtype=info.dtype,
-            state=signed.chain.at(position), compute=signed.compute,
+            state=signed.chain.at(position), compute=signed.compute or info.compute,
         )  # fmt: skip
         previous = pushed_by.span.peer_id if pushed_by is not None else None
         try:
             checked = verify_receipt(receipt, span.peer_id, expected, hop=index, previous=previous)
-        except ReceiptError as exc:
+        except ReceiptError as exc:  # a protocol violation: other weights or compute than announced, ...
+            log.warning("refused a receipt of server %s on blocks %s: %s", exc.peer[:10], span.blocks, exc)
             self.feedback.failed(exc.peer, LIAR_BAN_SECONDS)
             raise
         signed.compute = checked.compute
