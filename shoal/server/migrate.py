@@ -120,8 +120,8 @@ class Migrations:
     async def send(self, session: ServedSession, message: Message) -> Message:
         """Hand ``session``'s pages to the replacement ``message`` (a ``migrate``) names; the reply to
         the client: an empty result once the replacement took them. Raises a remote error."""
-        server, meta = self.server, message.meta
-        assert isinstance(meta, MigrateRequest)
+        server = self.server
+        meta: MigrateRequest = message.meta
         started = time.perf_counter()
         try:
             if not server.draining:  # a client cannot make a serving server ship its pages around
@@ -208,8 +208,8 @@ class Migrations:
     async def receive(self, message: Message, peer_id: PeerId) -> Message:
         """Take the pages of ``message`` (a ``pages`` from ``peer_id``) into the session it names and
         report to that session's client; the reply to the sender. Raises a remote error."""
-        server, meta = self.server, message.meta
-        assert isinstance(meta, PagesRequest)
+        server = self.server
+        meta: PagesRequest = message.meta
         try:
             session = server.sessions.get(meta.session)
             if session is None or not migrate_allowed(session.token, meta.token, peer_id, step=meta.step,
