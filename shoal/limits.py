@@ -91,6 +91,7 @@ class Limits:
             "info": 0,
             "close": 0,
             "error": 0,
+            "migrate": 0,
             "ping": min(self.max_ping_bytes, self.max_message_bytes),
             "gossip": min(self.max_gossip_bytes, self.max_message_bytes),
         }

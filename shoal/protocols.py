@@ -11,6 +11,13 @@ Every message's metadata is a typed struct of :mod:`shoal.wire.schema` (named be
     step     StepRequest {session, position, push} [hidden, position_ids, attention_mask?]
              -> result StepReply {position, pushed, draining} [hidden]
     close    Empty -> result (the stream ends; a vanished client also frees the session)
+    migrate  MigrateRequest {session, position, step, to: PushHop}           (capability ``migrate``)
+             -> result (once the replacement took the pages)
+then, server to server, on a stream of its own:
+    pages    PagesRequest {session, token, position, step, model, blocks, weights, dtype, adapter?,
+             prompts} [keys, values, states u8] -> result; the replacement also answers the
+             session's client, under ``step``: result MigratedReply {position, state}
+             (:mod:`shoal.server.migrate`)
 
 ``push`` (capability ``push``): the rest of the chain, as :class:`~shoal.wire.schema.PushHop`
 entries ``[ticket, session, token]``. The server sends its output on to the first of them as a

@@ -46,7 +46,7 @@ from shoal.swarm.swarmid import model_digest, new_swarm_id, owner_tag, parse_swa
 from shoal.transport import BaseNode, StartNode, load_or_create_identity
 from shoal.transport.identity import generate_key
 from shoal.verify.receipts import ReceiptSigner, announced_compute
-from shoal.wire.schema import CAPABILITIES, RECEIPTS, ServerCounters, SpanInfo
+from shoal.wire.schema import CAPABILITIES, MIGRATE, RECEIPTS, ServerCounters, SpanInfo
 
 log = logging.getLogger(__name__)
 #: Turns a loaded server into the one that serves (e.g. :func:`testkit.faulty.make_faulty`).
@@ -214,7 +214,7 @@ def load_block_server(
         version=__version__,
         quantization=config.quant,
         adapters=adapters.infos() if adapters is not None else (),
-        capabilities=CAPABILITIES if signer is not None else CAPABILITIES - {RECEIPTS},
+        capabilities=CAPABILITIES if signer is not None else CAPABILITIES - {RECEIPTS, MIGRATE},  # no key: no chain
     )
     log.info(
         "loaded blocks %d:%d of %s (%s weights) in %.1f s", start, end, info.model,

@@ -47,8 +47,11 @@ from shoal.wire.schema import (
     HelloReply,
     InfoReply,
     Meta,
+    MigratedReply,
+    MigrateRequest,
     OpenReply,
     OpenRequest,
+    PagesRequest,
     Ping,
     PushHop,
     PushRequest,
@@ -81,6 +84,18 @@ REQUESTS: dict[str, Meta] = {
     "push": PushRequest(session="s-2", token="k", position=4, step=9, push=(HOP,), receipt=True),
     "close": Empty(),
     "evidence": EvidenceRequest(model="m", accused="ab" * 32, start=2, end=4, steps=3),
+    "migrate": MigrateRequest(session="s-1", position=40, step=12, to=HOP),
+    "pages": PagesRequest(
+        session="s-2",
+        token="k",
+        position=40,
+        step=12,
+        model="m",
+        blocks=BlockRange(2, 4),
+        weights=bytes(16),
+        dtype="float32",
+        adapter="style-v1",
+    ),
     "gossip": Gossip(op="table"),
     "error": ErrorReply(code="wire", message="bad frame", reason="bad_frame"),
 }
@@ -107,6 +122,7 @@ REPLIES: list[Meta] = [
     ForwardReply(),
     EvidenceReply(confirmed=True),
     EvidenceReply(confirmed=False, reason="framing", detail="recomputed outputs agree"),
+    MigratedReply(position=40, state=bytes(range(16))),
     Empty(),
 ]
 
