@@ -21,7 +21,7 @@ from typing import Annotated
 import blake3
 import msgspec
 
-from shoal.checkpoints.loading import CheckpointError, load_config, weight_map
+from shoal.checkpoints.loading import CheckpointError, holds_every_block, load_config, weight_map
 from shoal.models import get_family
 
 FORMAT = "shoal/manifest/1"
@@ -190,7 +190,7 @@ def build_manifest(model_dir: str | Path, name: str, chunk_size: int = CHUNK_SIZ
     family = get_family(config)
     num_blocks = family.num_blocks(config)
     where = weight_map(model_dir)
-    if not all((model_dir / shard).is_file() for shard in set(where.values())):
+    if not all((model_dir / shard).is_file() for shard in set(where.values())) or not holds_every_block(config, where):
         return None
     prefixes = [family.block_tensor_prefix(config, i) for i in range(num_blocks)]
     layouts = _layouts(model_dir)

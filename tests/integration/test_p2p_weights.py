@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
 import time
 
 import pytest
@@ -23,7 +24,8 @@ from transformers import AutoModelForCausalLM
 from shoal.checkpoints import load_tensors, model_fingerprints, model_name, swarm_weights_dir
 from shoal.checkpoints.manifest import cached_manifest, safetensors_layout
 from shoal.ids import BlockRange
-from shoal.launch import InProcessSwarm
+from shoal.launch import InProcessSwarm, LocalSwarm, ServerProcess
+from shoal.launch.process import serve_args
 from shoal.swarm.records import State
 from shoal.swarm.swarmid import model_digest, new_swarm_id
 from shoal.weights.fetch import STREAMS_PER_GIVER, WeightsError
@@ -168,3 +170,38 @@ def test_a_fetch_cut_halfway_resumes_and_fetches_only_what_it_lacks(swarm, model
     source = load_tensors(model_dir, lambda n: n.startswith(("model.layers.1.", "model.layers.2.")))
     fetched = load_tensors(swarm_weights_dir("tiny"), lambda n: n.startswith(("model.layers.1.", "model.layers.2.")))
     assert all(torch.equal(fetched[n].view(torch.uint8), t.view(torch.uint8)) for n, t in source.items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_shoal_serve_killed_while_fetching_resumes_after_a_restart(model_dir, tmp_path):
+    """``shoal serve tiny --blocks 1:3 --join TICKET`` with no files: SIGKILLed halfway through the
+    fetch, then started again, it fetches only the chunks it lacks, and serves."""
+    home = {"SHOAL_HOME": str(tmp_path / "home")}
+    journal = tmp_path / "home" / "swarm-weights" / "tiny" / PARTIAL / JOURNAL
+    slow = ["--give-rate", "0.25"]  # MB/s: the fetch takes seconds
+    with LocalSwarm(model_dir, [(0, 2), (2, 4)], slow, swarm=True) as swarm:
+        swarm.wait_converged()
+        total = span_chunks_default(model_dir, SPAN)
+        args = serve_args("tiny", SPAN, "--join", str(swarm.tickets[0]), "--throughput", "100")
+        first = ServerProcess(args, ready_timeout=None, env=home)
+        try:
+            wait_until(lambda: journal.is_file() and len(journal.read_text().splitlines()) >= total // 2, 120.0,
+                       what="half the chunks in")  # fmt: skip
+        finally:
+            first.kill()
+        kept = len(journal.read_text().splitlines())
+        assert kept < total, "the fetch finished before it was killed"
+        second = ServerProcess(args, ready_timeout=120.0, env=home)
+        try:
+            line = next(line for line in second.output if "fetched blocks 1:3 of tiny" in line)
+            fetched, resumed = (int(n) for n in re.search(r"(\d+) chunks, (\d+) kept from before", line).groups())
+            assert resumed >= kept - 1 and fetched + resumed == total, line  # at most the chunk being written is lost
+        finally:
+            second.stop()
+
+
+def span_chunks_default(model_dir, span: BlockRange) -> int:
+    """Chunks of ``span`` in the manifest a server builds by default (4 MiB chunks)."""
+    manifest, _ = cached_manifest(model_dir, "tiny")
+    return sum(len(manifest.items[i].chunks) for i in manifest.span_items(span.start, span.end))
