@@ -12,7 +12,7 @@ def tamper(giver: Giver, chunks: set[tuple[int, int]] | None = None) -> Giver:
     honest = giver.give
     giver.tampered = 0
 
-    async def give(item: int, index: int) -> bytes:
+    async def give(item: int, index: int) -> bytes | bytearray:
         data = await honest(item, index)
         if chunks is None or (item, index) in chunks:
             giver.tampered += 1

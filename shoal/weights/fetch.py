@@ -50,11 +50,12 @@ class FetchReport:
     by_giver: Counter = field(default_factory=Counter)
 
 
-def _payload(reply: Message) -> bytes:
+def _payload(reply: Message) -> memoryview:
+    """The reply's bytes, as a view of its one u8 tensor (no copy)."""
     tensors = reply.tensors
     if len(tensors) != 1 or tensors[0].dim() != 1 or tensors[0].element_size() != 1:
         raise WireError("bad_reply", "a weights reply carries one 1-d u8 tensor")
-    return tensors[0].numpy().tobytes()
+    return memoryview(tensors[0].numpy()).cast("B")
 
 
 async def fetch_manifest(node: BaseNode, givers: list[Ticket], model: str, digest: bytes, timeout: float) -> Manifest:
@@ -63,6 +64,7 @@ async def fetch_manifest(node: BaseNode, givers: list[Ticket], model: str, diges
         try:
             data = _payload(await node.request(ticket, WEIGHTS, Message("manifest", 1, ManifestRequest(model=model)),
                                                timeout))  # fmt: skip
+            data = bytes(data)
             if manifest_digest(data) != digest:
                 log.warning("giver %s sent a manifest that is not the model record's", ticket.peer_id[:12])
                 continue

@@ -45,13 +45,15 @@ class Pace:
             await asyncio.sleep(start - now)
 
 
-def _pread(stored: Stored, offset: int, size: int) -> bytes:
+def _pread(stored: Stored, offset: int, size: int) -> bytearray:
+    """``size`` bytes of ``stored``'s item from ``offset``, read straight into a buffer the reply sends."""
+    data = bytearray(size)
     fd = os.open(stored.path, os.O_RDONLY)
     try:
-        data = os.pread(fd, size, stored.offset + offset)
+        got = os.preadv(fd, [data], stored.offset + offset)
     finally:
         os.close(fd)
-    if len(data) != size:
+    if got != size:
         raise OSError(f"{stored.path}: short read")
     return data
 
@@ -102,9 +104,10 @@ class Giver:
         if where is None:
             return error_message(request.id, "not_found", f"item {meta.item} chunk {meta.chunk} is not held here")
         data = await self.give(meta.item, meta.chunk)
-        return Message("result", request.id, tensors=[torch.frombuffer(bytearray(data), dtype=torch.uint8)])
+        buffer = data if isinstance(data, bytearray) else bytearray(data)
+        return Message("result", request.id, tensors=[torch.frombuffer(buffer, dtype=torch.uint8)])
 
-    async def give(self, item: int, index: int) -> bytes:
+    async def give(self, item: int, index: int) -> bytes | bytearray:
         """The bytes of chunk ``index`` of item ``item`` (held here: see :meth:`chunk`), at this giver's pace."""
         where = self.chunk(item, index)
         if where is None:

@@ -105,7 +105,7 @@ class PartialSpan:
     def missing(self) -> list[tuple[int, int]]:
         return [key for key in self.chunks if key not in self.done]
 
-    def write(self, item: int, chunk: int, data: bytes) -> None:
+    def write(self, item: int, chunk: int, data: bytes | memoryview) -> None:
         """Keep a chunk already checked against the manifest (blocking: call it off the event loop)."""
         fd, offset, size = self._where(item, chunk)
         if len(data) != size:
