@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,8 +228,10 @@ def cached_manifest(model_dir: str | Path, name: str, chunk_size: int = CHUNK_SI
     if manifest is None:
         return None
     data = encode_manifest(manifest)
-    try:
-        cache.write_bytes(stamp + data)
+    try:  # whole or not at all: servers of the same checkpoint may build it at once
+        partial = cache.with_name(f"{CACHE_FILE}.{os.getpid()}")
+        partial.write_bytes(stamp + data)
+        os.replace(partial, cache)
     except OSError:
         pass
     return manifest, data
