@@ -45,7 +45,8 @@ RECEIPTS = "receipts"  # ``receipt`` on step, push and forward: the reply carrie
 #: announced in a server record (not a blocks capability): the server gives its model's chunks (shoal/weights)
 WEIGHTS = "weights"
 EVIDENCE = "evidence"  # the evidence kind: the server judges another's signed lie (shoal.server.judge)
-CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, RECEIPTS, EVIDENCE, *(codec.capability for codec in Codec)})
+SUB_SPAN = "sub-span"  # ``blocks`` on forward: run only those blocks of the span (an audit through pieces)
+CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, RECEIPTS, EVIDENCE, SUB_SPAN, *(codec.capability for codec in Codec)})
 
 Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
 StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
@@ -210,6 +211,9 @@ class ForwardRequest(Meta):
     prompts: bool = False  # needs TRAIN: the last tensor is the span's deep prompts (as OpenRequest's)
     adapter: AdapterName | None = None  # needs ADAPTERS
     receipt: bool = False  # needs RECEIPTS: answer with a ForwardReply carrying a signed Receipt
+    # needs SUB_SPAN: only these blocks of the span (model indices, inside the server's span: checked
+    # where it is served), without deep prompts or a receipt; None: the whole span
+    blocks: BlockRange | None = None
 
 
 class Receipt(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -428,6 +432,7 @@ __all__ = [
     "MAX_SESSION_LENGTH",
     "PUSH",
     "RECEIPTS",
+    "SUB_SPAN",
     "TRAIN",
     "WEIGHTS",
     "AdapterInfo",

@@ -263,6 +263,9 @@ class Servers:
     def route_replica(self, like: ServerSpan, *, exclude=(), cache_tokens: int = 0, needs=()) -> ServerSpan | None:
         return next((span_of(p) for p in self.peers if p not in exclude and p != like.peer_id), None)
 
+    def route_cover(self, like: ServerSpan, *, exclude=(), needs=()) -> None:
+        return None  # one span only: no pieces of other spans
+
     def failed_peer(self, peer: str, ban_seconds: float | None = None) -> None:
         self.failed.append(peer)
 

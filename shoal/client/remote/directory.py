@@ -23,6 +23,7 @@ from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
 from shoal.routing import (
+    UNAUDITED_PENALTY_MS,
     AdapterChoice,
     BanList,
     LatencyModel,
@@ -34,6 +35,7 @@ from shoal.routing import (
     route_with_bans,
     uncovered_blocks,
 )
+from shoal.routing.audits import Piece, auditable, plan_cover, replicas
 from shoal.swarm.service import report_unreachable
 from shoal.transport import BaseNode, Ticket
 from shoal.wire import Message
@@ -48,22 +50,6 @@ SILENT_GRACE = 0.5  # seconds a listed server may answer after the others cover 
 SILENT_AFTER = 1.0  # ... and never less than this after the measurement began (a busy live one answers)
 SILENT_BAN = 10.0  # at least this long out of routes for a listed server that did not answer
 REPORT_TO = 2  # swarm members told which listed servers did not answer
-
-
-def replicas(spans: Sequence[ServerSpan], like: ServerSpan) -> list[ServerSpan]:
-    """The servers of ``spans`` other than ``like``'s whose span is exactly ``like``'s and whose
-    honest outputs equal its own within the comparison tolerance: the same weight format and the
-    same LoRA adapters and compute dtype, where known (a server in int8 and one in fp32 differ by
-    far more than honest rounding, and an audit between them would convict whichever is alone)."""
-    return [
-        s
-        for s in spans
-        if s.blocks == like.blocks
-        and s.peer_id != like.peer_id
-        and s.info.quantization == like.info.quantization
-        and s.info.adapters == like.info.adapters
-        and s.info.dtype == like.info.dtype
-    ]
 
 
 def _answer(task: asyncio.Future) -> ServerSpan | None:
@@ -264,9 +250,12 @@ class ServerDirectory:
         ``replay_ms`` more (they would have to be replayed). ``needs``: capabilities every server
         of the chain must announce."""
         latency = self.latency
+        unchecked = self._unauditable() if self.config.verify != "off" else set()
 
         def cost(span: ServerSpan, previous: ServerSpan | None) -> float:
             price = latency.inference_cost(span, previous, push=push, cache_tokens=cache_tokens)
+            if (span.peer_id, span.start, span.end) in unchecked:
+                price += UNAUDITED_PENALTY_MS
             return price if (span.peer_id, span.start, span.end) in reuse else price + replay_ms
 
         return self._route(start, self.num_blocks, cost, exclude, needs)
@@ -282,13 +271,36 @@ class ServerDirectory:
         spans, bans = self.usable(), self.bans
         return route_with_bans(spans, start, end, cost, bans, exclude, self.min_quality, needs, self.adapter)
 
+    def _unauditable(self) -> set[tuple[str, int, int]]:
+        """The spans (peer, start, end) no other live server could check (an auditing client
+        routes around them when it can: :data:`~shoal.routing.UNAUDITED_PENALTY_MS`)."""
+        live = self._checkers()
+        return {(s.peer_id, s.start, s.end) for s in self.usable() if not auditable(live, s)}
+
+    def _checkers(self, exclude: Collection[str] = ()) -> list[ServerSpan]:
+        """The servers that may check another's hop: usable, meeting the client's quality and
+        adapter, outside ``exclude``, and not banned now. A listed server that has not answered
+        the client (a record nobody reached, :meth:`_measure`) is banned: it never uses up an
+        auditor try, as a route that needs it might."""
+        offered = offering(meeting(self.usable(), self.min_quality), (), self.adapter)
+        return [s for s in offered if s.peer_id not in exclude and not self.bans.banned(s.peer_id)]
+
+    def route_cover(
+        self, like: ServerSpan, *, exclude: Collection[str] = (), needs: Collection[str] = ()
+    ) -> list[Piece] | None:
+        """Pieces of other live servers' spans (announcing ``needs``) that together run exactly
+        ``like``'s blocks and compute what it does (:func:`~shoal.routing.audits.plan_cover`),
+        outside ``exclude``: the cheapest for a stateless forward; None when there are none."""
+        latency, checkers = self.latency, offering(self._checkers(exclude), needs, None)
+        return plan_cover(checkers, like, lambda span, _: latency.compute_ms(span) + 1.0)
+
     def route_replica(
         self, like: ServerSpan, *, exclude: Collection[str] = (), cache_tokens: int = 0, needs: Collection[str] = ()
     ) -> ServerSpan | None:
-        """Another server whose span is exactly ``like``'s and that computes what it does (see
-        :func:`replicas`), outside ``exclude``: the cheapest for a step (an auditor, a third
-        opinion), or None when there is none."""
-        candidates = [s for s in replicas(self.usable(), like) if s.peer_id not in exclude]
+        """Another live server whose span is exactly ``like``'s and that computes what it does (see
+        :func:`~shoal.routing.audits.replicas`: its dtype may differ), outside ``exclude``: the
+        cheapest for a step (an auditor, a third opinion), or None when there is none."""
+        candidates = [s for s in replicas(self._checkers(exclude), like) if s.peer_id not in exclude]
         latency = self.latency
 
         def cost(span: ServerSpan, previous: ServerSpan | None) -> float:

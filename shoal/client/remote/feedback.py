@@ -15,6 +15,7 @@ from typing import Protocol
 
 from shoal.ids import PeerId
 from shoal.routing import ServerSpan
+from shoal.routing.audits import Piece
 
 #: ``(peer id, first block, end block)``: a span that already holds a session's state.
 SpanKey = tuple[str, int, int]
@@ -73,6 +74,14 @@ class RoutePlanner(Protocol):
     ) -> ServerSpan | None:
         """Another server with exactly ``like``'s span computing what it does (an auditor, a third
         opinion), outside ``exclude``; None if there is none."""
+        ...
+
+    def route_cover(
+        self, like: ServerSpan, *, exclude: Collection[str] = (), needs: Collection[str] = ()
+    ) -> list[Piece] | None:
+        """Pieces of other servers' spans (announcing ``needs``) that together run exactly ``like``'s
+        blocks (a stateless checker of its hop, :mod:`shoal.routing.audits`), outside ``exclude``;
+        None if there are none."""
         ...
 
     def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:

@@ -34,7 +34,7 @@ from shoal.client.remote.history import SpanHistory, cat_serial
 from shoal.client.remote.hops import Hop, close_all
 from shoal.client.remote.pipeline import Chunk, chunk_bounds, positions, run_pipelined
 from shoal.client.remote.recovery import DRAIN_RETRY_SECONDS, MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
-from shoal.client.verification.audit import Conviction, LieDetected, Verification
+from shoal.client.verification.audit import Conviction, LieDetected, UnverifiedBlocks, Verification
 from shoal.client.verification.auditors import Audits
 from shoal.errors import BadRequest, ShoalError
 from shoal.routing import ServerSpan
@@ -85,6 +85,7 @@ class RemoteSession(SessionPositions):
         self.recoveries: list[RecoveryRecord] = []  # what happened, in order
         self.verification: Verification = sequence.verification
         self._push = config.push
+        self._require_verified = config.require_verified  # no step with a block nothing checks
         self._sequence = sequence  # its prefill_chunk, read at every step (a model reuses its session)
         self._audits: Audits | None = None
         if self.verification.auditing:
@@ -142,6 +143,13 @@ class RemoteSession(SessionPositions):
         """The audits follow the chain just installed (``adopted``: blocks whose history a replay made)."""
         if self._audits is not None:
             await self._audits.follow(self._driver.hops, self._history, self._position, adopted)
+        self._check_verified()
+
+    def _check_verified(self) -> None:
+        """With ``require_verified``: :class:`UnverifiedBlocks` if a block of the chain has no checker
+        (nothing is computed on them: the chain is checked before every step is sent)."""
+        if self._require_verified and self.verification.unverified:
+            raise UnverifiedBlocks(self.verification.unverified)
 
     def close(self) -> None:
         if not self._closed:
@@ -180,6 +188,7 @@ class RemoteSession(SessionPositions):
         conviction = await self._audits.round(self._history, self._position)
         if conviction is not None:
             await self._repair(conviction)
+        self._check_verified()
 
     async def _repair(self, conviction: Conviction) -> None:
         """Roll back to the first wrong output, replace the liar's hop if it is still on the chain,

@@ -1,25 +1,47 @@
-"""Audit mode (``verify="audit"``): a second server checks every hop of a session, a third settles a dispute.
+"""Audit mode (``verify="audit"``): other servers check every hop of a session, a third opinion settles a dispute.
 
-For each hop ``[a, b)`` of a session's chain the client keeps an *auditor*: an ordinary inference
-session on another server whose span is exactly ``[a, b)`` and which computes what the hop's server
-does (same weight format and adapters, :func:`shoal.client.remote.directory.replicas`). Every ``K`` new
-positions (``audit_every``), and once more before ``generate`` returns, each auditor gets ONE step
-with the positions it has not seen, ``[audited, position)``: the audited hop's recorded inputs there
-(the session's history at block ``a``). Its outputs are compared with what the audited server
-returned for the same positions (the history at block ``b``) within the calibrated tolerance
-(:mod:`shoal.verify.compare`). The audited server cannot tell an audit from other traffic: it is a
-session elsewhere. The cost is one step per ``K`` positions per hop, on other servers. This module
-holds the decisions; :mod:`shoal.client.verification.auditors` the sessions, steps and forwards.
+For each hop ``[a, b)`` of a session's chain the client keeps a *checker*. The first choice is an
+*auditor*: an ordinary inference session on another server whose span is exactly ``[a, b)`` and which
+computes what the hop's server does (same weight format and adapters; its compute dtype may differ,
+see below: :func:`shoal.routing.audits.replicas`). Every ``K`` new positions (``audit_every``), and once
+more before ``generate`` returns, each auditor gets ONE step with the positions it has not seen,
+``[audited, position)``: the audited hop's recorded inputs there (the session's history at block
+``a``). Its outputs are compared with what the audited server returned for the same positions (the
+history at block ``b``) within the calibrated tolerance (:mod:`shoal.verify.compare`). The audited
+server cannot tell an audit from other traffic: it is a session elsewhere. The cost is one step per
+``K`` positions per hop, on other servers. This module holds the decisions;
+:mod:`shoal.client.verification.auditors` the sessions, steps and forwards.
 
-A disagreement at position ``p`` is settled by a third replica: a stateless ``forward`` of positions
-``[0, end)`` of the recorded inputs (no cache needed), compared at ``[p, end)`` with both. The two
-that agree are the majority; the third is the liar, banned for good
-(:meth:`~shoal.client.remote.feedback.RouteFeedback.convicted`). A lying auditor is replaced (nothing was
-computed from its outputs). A lying hop is repaired by the session: it rolls back to the first wrong
-position, replaces the hop and raises :class:`LieDetected` for ``generate`` to regenerate from there
-(:mod:`shoal.client.verification.repair`). Without a third replica the dispute is *unsettled*: nobody is banned,
-and the span is reported unverified from then on (its auditor closed), as is a span for which no
-second replica exists at all. Generation never waits for a replica to appear.
+When no auditor session can be had (no exact replica; or none opens one: busy, e.g. a throwaway
+client holds the replicas' caches) the checker is *stateless*: a *cover* of ``[a, b)`` by pieces of
+other servers' spans (:func:`shoal.routing.audits.plan_cover`: a lone replica, or e.g. blocks
+``[0, 2)`` of a ``[0, 3)`` server for a liar alone on ``[0, 2)``, or ``[2, 3)`` of one server then
+``[3, 6)`` of another), each run as a stateless ``forward`` of just those blocks
+(``ForwardRequest.blocks``, capability ``sub-span``). Having no cache, it re-runs positions
+``[0, position)`` of the recorded inputs at each audit (the only correct stateless pass: attention
+needs every earlier position) and its outputs at ``[audited, position)`` are compared: quadratic in
+the session's length, which is why a session auditor is preferred. Servers listed but never reached
+by the client (banned after its measurement) are never checkers, so fake records use up no tries.
+Checkers may compute in another dtype than the hop (fp32 beside bf16): the comparison then uses
+the coarser tolerance (:func:`~shoal.verify.compare.tolerance_of`), and where the history was made by
+a hop since replaced, that hop's dtype counts too. An auditing client's routes avoid hops nobody
+can check (:data:`~shoal.routing.audits.UNAUDITED_PENALTY_MS`), and with ``require_verified`` a
+session with a block nobody checks fails (:class:`UnverifiedBlocks`) instead of generating.
+
+A disagreement at position ``p`` is settled by a third opinion: a stateless ``forward`` of positions
+``[0, end)`` of the recorded inputs (no cache needed) on servers that are neither the hop's nor the
+checker's (an exact replica, else a cover), compared at ``[p, end)`` with both. The two that agree
+are the majority (:func:`majority`); the odd one out lied. If that is the hop, its server is banned
+for good (:meth:`~shoal.client.remote.feedback.RouteFeedback.convicted`): two independent
+computations by other servers agreed with each other against it. If it is the checker, a single
+server (an auditor, a one-piece cover) is banned likewise; a cover of several pieces is only dropped
+(which piece lied is not known, and an honest server must never be convicted) and the hop is
+checked again by others. A lying auditor is replaced (nothing was computed from its outputs). A lying
+hop is repaired by the session: it rolls back to the first wrong position, replaces the hop and
+raises :class:`LieDetected` for ``generate`` to regenerate from there
+(:mod:`shoal.client.verification.repair`). Without a third opinion the dispute is *unsettled*: nobody is
+banned, and the span is reported unverified from then on (its checker dropped), as is a span no
+other server can check at all. Generation never waits for a checker to appear.
 
 Redundant mode (``verify="redundant"``) is this machinery with an audit after EVERY step
 (``audit_every`` is 1: it must be left unset or be 1) and auditors that form a second chain
@@ -29,11 +51,14 @@ second chain, the hops' outputs are compared on the same inputs (all hops in par
 disagreement is settled by a third replica, and a lie is caught at the step that told it, before
 the next token is chosen from it. A ``hold_back`` streamer lags by one step at most.
 
-Limits: stateless forwards (``use_cache=False``, training) are not audited; a span's auditor is an
-exact replica (same span, announced compute dtype, quantisation and adapter:
-:func:`shoal.client.remote.directory.replicas`), so a span nobody else serves alike goes unaudited; the
-receipts of a pushed hop (:mod:`shoal.client.remote.driver`) are what makes its recorded inputs the ones
-it computed on, so without them the session does not push (:meth:`RemoteSession._install`).
+Limits: stateless forwards (``use_cache=False``, training) are not audited; a span is checked only
+if some other servers compute it alike (same quantisation and adapters) and, for pieces of longer
+spans, announce ``sub-span``: a span nobody else serves alike goes unaudited (and is priced as such by
+routing); a cover of several pieces that lies is dropped, not convicted; a stateless check re-runs
+the whole prefix at each audit (a session longer than a piece's ``--max-forward-positions`` loses
+that check); with deep prompts only whole spans are pieces; the receipts of a
+pushed hop (:mod:`shoal.client.remote.driver`) are what makes its recorded inputs the ones it
+computed on, so without them the session does not push (:meth:`RemoteSession._install`).
 """
 
 from __future__ import annotations
@@ -45,6 +70,7 @@ from dataclasses import dataclass
 from shoal.client.remote.hops import Hop
 from shoal.errors import ShoalError, UsageError
 from shoal.ids import BlockRange, PeerId
+from shoal.routing.audits import Piece
 from shoal.verify.compare import tolerance_of
 
 VERIFY_MODES = ("off", "audit", "redundant")
@@ -56,6 +82,7 @@ __all__ = [
     "Conviction",
     "LieDetected",
     "Track",
+    "UnverifiedBlocks",
     "Verdict",
     "Verification",
     "audit_due",
@@ -158,6 +185,16 @@ class LieDetected(ShoalError):
         self.blocks = blocks
 
 
+class UnverifiedBlocks(ShoalError):
+    """``require_verified=True`` and no other server can check ``blocks`` (no replica, no cover of
+    pieces, or a dispute over them that nobody could settle): nothing is generated with them."""
+
+    def __init__(self, blocks: Sequence[int]):
+        super().__init__(f"require_verified: no other server can check blocks {list(blocks)}, so nothing is "
+                         "generated with them (add servers of those blocks, or drop require_verified)")  # fmt: skip
+        self.blocks = tuple(blocks)
+
+
 class Verdict(enum.Enum):
     AUDITED = "audited"  # the audited server is the odd one out: it lied
     AUDITOR = "auditor"  # the auditor did
@@ -181,9 +218,11 @@ def majority(audited_vs_third: int | None, auditor_vs_third: int | None) -> Verd
 
 @dataclass
 class Track:
-    """The audit of one hop: its auditor (None: nobody checks it) and the positions ``[0, audited)``
-    checked so far (the auditor's cache holds at least those). ``unverified``: no auditor could be
-    had, or a dispute stayed unsettled; the span is reported unverified and no longer audited.
+    """The audit of one hop: its auditor (a session on an exact replica) or, when no auditor session
+    opens, ``pieces`` (a cover of the span by other servers, run statelessly; see
+    :mod:`shoal.routing.audits`), and the positions ``[0, audited)`` checked so far. ``unverified``:
+    no checker could be had, or a dispute stayed unsettled; the span is reported unverified and no
+    longer audited.
 
     The history at the hop's end block holds its own outputs from ``since`` on; before that, those
     of the hop it replaced (``before``: that server, when it had exactly this span; None when the
@@ -193,12 +232,19 @@ class Track:
     audited: int
     since: int = 0
     before: PeerId | None = None
+    before_dtypes: tuple[str, ...] = ()  # how the old hops computed the history before ``since`` (its tolerance)
     auditor: Hop | None = None
     unverified: bool = False
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def checked(self) -> bool:
-        return self.auditor is not None and not self.unverified
+        return (self.auditor is not None or bool(self.pieces)) and not self.unverified
+
+    def checkers(self) -> set[PeerId]:
+        """The servers that check this hop now."""
+        peers = {p.server.peer_id for p in self.pieces}
+        return peers | {self.auditor.span.peer_id} if self.auditor is not None else peers
 
     def producer(self, position: int) -> PeerId | None:
         """The server whose output the history holds at ``position`` of the hop's end block."""
@@ -229,7 +275,8 @@ def successor(hop: Hop, left: Sequence[Track], position: int, adopted: bool) -> 
     overlapping = [t for t in left if t.hop.span.start < span.end and span.start < t.hop.span.end]
     audited = min((t.audited for t in overlapping), default=position)
     before = next((t.hop.span.peer_id for t in overlapping if t.hop.span.blocks == span.blocks), None)
-    return Track(hop, audited=min(audited, position), since=position, before=before)
+    dtypes = tuple(d for t in overlapping for d in (t.hop.span.info.dtype, *t.before_dtypes) if d)
+    return Track(hop, audited=min(audited, position), since=position, before=before, before_dtypes=dtypes)
 
 
 def take_spare(spare: list[Hop], hop: Hop, banned: Collection[str]) -> Hop | None:
