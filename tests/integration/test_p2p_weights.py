@@ -63,7 +63,7 @@ def swarm(model_dir, tmp_path, monkeypatch):
                 for t in tables
             )  # fmt: skip
 
-        wait_until(ready, 15.0, what="both givers online and the manifest in every table")
+        wait_until(ready, 60.0, what="both givers online and the manifest in every table")
         yield swarm
 
 
