@@ -178,3 +178,11 @@ def test_a_cancelled_queued_task_is_skipped(scheduler):
     gate.open()
     kept.result(WAIT)
     assert ran == ["kept"]
+
+
+def test_giving_weights_waits_for_every_other_class(scheduler):
+    """A chunk read for a peer fetching the model (shoal.weights.give) runs only when no step,
+    forward or backward chunk waits, whenever it was queued."""
+    tasks = [(G, "g1"), (T, "t1"), (F, "f1"), (G, "g2"), (INF, "i1")]
+    assert run_order(scheduler, tasks) == ["i1", "f1", "t1", "g1", "g2"]
+    assert scheduler.counts().jumped[INF, G] == 1 and scheduler.counts().jumped[T, G] == 1
