@@ -29,6 +29,7 @@ MAX_BATCH = 1024
 MAX_PUSH_HOPS = 64
 MAX_STEP_ID = 1 << 32
 MAX_EVIDENCE_STEPS = 1 << 16  # receipts in one piece of evidence
+MAX_DISPUTED_STEPS = 64  # of them, the last steps whose outputs it carries (what one audit compared)
 
 #: Every capability this version of shoal knows, announced by servers (``info``, records) and by
 #: every node (``hello``). Gate each new optional field or kind on one of these.
@@ -180,6 +181,9 @@ class SpanInfo(Meta):
     # how the weights the fingerprints name are held (left out at full precision, as in records)
     quantization: Quantization = Quantization.NONE
     adapters: Annotated[tuple[AdapterInfo, ...], msgspec.Meta(max_length=64)] = ()  # needs ADAPTERS
+    # how it computes, as its receipts sign it ("bf16/cuda", one of shoal.verify.receipts.COMPUTE_LABELS;
+    # "" from a server predating the field): a receipt signing another label is refused
+    compute: Annotated[str, msgspec.Meta(max_length=24)] = ""
 
 
 class InfoReply(Meta):
@@ -323,8 +327,11 @@ class EvidenceRequest(Meta):
 
     ``receipts``: msgpack of a list of ``steps`` :class:`Receipt` (they do not fit a header), every
     step the accused signed for one session, in order, covering its cache positions ``[0, P)``
-    contiguously; the last is the disputed step. ``output``: what the disputed step answered, as
-    its receiver decoded it (the last receipt's ``outputs``). ``hidden``, ``position_ids`` and the
+    contiguously; the last ``disputed`` are the disputed steps (the one holding the first wrong
+    position and the steps after it that the client's audit compared: a lie spread over several
+    one-position decode steps is judged by the same window rule the audit applied). ``output``:
+    what the disputed steps answered, end to end, as their receiver decoded them (each one's slice
+    is its receipt's ``outputs``). ``hidden``, ``position_ids`` and the
     mask: the inputs of block ``start`` at those positions as the accused decoded them (each
     receipt's ``inputs`` digests its slice, with the mask of ``[0, its end)`` when anything there
     is padded). The judge recomputes and confirms the lie or rejects the evidence
@@ -335,6 +342,7 @@ class EvidenceRequest(Meta):
     start: Annotated[int, msgspec.Meta(ge=0)]
     end: Annotated[int, msgspec.Meta(ge=1)]
     steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_EVIDENCE_STEPS)]
+    disputed: Annotated[int, msgspec.Meta(ge=1, le=MAX_DISPUTED_STEPS)] = 1
 
 
 class EvidenceReply(Meta):
@@ -427,6 +435,7 @@ __all__ = [
     "EVIDENCE",
     "KINDS",
     "KIND_META",
+    "MAX_DISPUTED_STEPS",
     "MAX_EVIDENCE_STEPS",
     "MAX_PUSH_HOPS",
     "MAX_SESSION_LENGTH",

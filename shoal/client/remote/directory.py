@@ -19,7 +19,7 @@ from dataclasses import replace
 from shoal.client.config import ClientConfig
 from shoal.client.remote.listing import check_consistent, known_spans, missing_servers
 from shoal.errors import ShoalError
-from shoal.ids import PeerId
+from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
 from shoal.routing import (
@@ -86,6 +86,10 @@ class ServerDirectory:
         self.rng = random.Random(config.routing_seed)
         self.spans: list[ServerSpan] = []
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
+        self.excluded: dict[PeerId, str] = {}  # one side of an unsettled dispute (why): routed around, not banned
+        # the blocks this client's audits saw each server compute correctly: only those judges' verdicts
+        # convict for it (shoal.swarm.verdicts.tally); the client's Verification shares its own
+        self.vouched: dict[PeerId, list[BlockRange]] = {}
         self._task: asyncio.Task | None = None
         self._reports: set[asyncio.Future] = set()  # reports of silent servers on their way
         self._looked = False  # whether the server list was pulled before
@@ -109,7 +113,7 @@ class ServerDirectory:
         # the first look (the client starting) asks only the given members; later ones more of them too
         more, self._looked = self._looked, True
         timeout = self.config.listing_timeout
-        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more)
+        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more, self.vouched)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
 
@@ -147,7 +151,8 @@ class ServerDirectory:
                 draining=fresh.draining,
                 capabilities=fresh.span.capabilities,
                 adapters=tuple(sorted((a.name, a.digest) for a in fresh.span.adapters)),
-                dtype=fresh.span.dtype,
+                dtype=span.info.dtype or fresh.span.dtype,  # the signed record's announcement first
+                compute=span.info.compute or fresh.span.compute,
             )
             return replace(span, info=info)
 
@@ -231,8 +236,8 @@ class ServerDirectory:
         await asyncio.gather(*self._reports, return_exceptions=True)
 
     def usable(self) -> list[ServerSpan]:
-        banned = self.banned
-        return [s for s in self.spans if not s.info.draining and s.peer_id not in banned]
+        banned, excluded = self.banned, self.excluded
+        return [s for s in self.spans if not s.info.draining and s.peer_id not in banned and s.peer_id not in excluded]
 
     def route_inference(
         self,
@@ -316,7 +321,8 @@ class ServerDirectory:
 
     def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:
         offered = offering(meeting(self.spans, self.min_quality), needs, self.adapter)
-        live = [s for s in offered if s.peer_id not in exclude and s.peer_id not in self.banned]
+        out = {*exclude, *self.banned, *self.excluded}
+        live = [s for s in offered if s.peer_id not in out]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
 
     async def wait_for_servers(
@@ -350,6 +356,9 @@ class ServerDirectory:
 
     def convicted(self, peer: PeerId) -> None:
         self.banned.add(peer)
+
+    def disputed(self, peer: PeerId, reason: str) -> None:
+        self.excluded.setdefault(peer, reason)
 
     async def alive(self, span: ServerSpan) -> bool:
         """Does the server answer right now? An ``info`` on the pooled blocks connection (no

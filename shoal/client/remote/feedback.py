@@ -1,7 +1,7 @@
 """The two narrow faces of the server directory that remote sessions use.
 
 :class:`RoutePlanner` answers "which servers now?"; :class:`RouteFeedback` is the one way a session
-tells routing what it saw of a server (a step's latency, a success, a failure, a lie) and asks what it
+tells routing what it saw of a server (a step's latency, a success, a failure, a lie, a dispute) and asks what it
 should expect of one (a step's duration, whether it still answers). Sessions never touch the
 latency model or the ban list themselves, so routing can change how it learns without the
 session code changing, and tests can stand a plain object in for the directory.
@@ -47,6 +47,11 @@ class RouteFeedback(Protocol):
     def convicted(self, peer: PeerId) -> None:
         """``peer`` returned wrong hidden states (a majority of replicas said so): never route over
         it again. Unlike :meth:`failed` (a server that may come back), this ban does not expire."""
+        ...
+
+    def disputed(self, peer: PeerId, reason: str) -> None:
+        """``peer`` is one side of a dispute no third replica settled (``reason`` says which): keep
+        it out of this client's routes for good. Not a conviction: it may be the honest side."""
         ...
 
 

@@ -39,9 +39,16 @@ server (an auditor, a one-piece cover) is banned likewise; a cover of several pi
 checked again by others. A lying auditor is replaced (nothing was computed from its outputs). A lying
 hop is repaired by the session: it rolls back to the first wrong position, replaces the hop and
 raises :class:`LieDetected` for ``generate`` to regenerate from there
-(:mod:`shoal.client.verification.repair`). Without a third opinion the dispute is *unsettled*: nobody is
-banned, and the span is reported unverified from then on (its checker dropped), as is a span no
-other server can check at all. Generation never waits for a checker to appear.
+(:mod:`shoal.client.verification.repair`).
+
+Without a third opinion (or when it agrees with neither) the dispute is *unsettled*, and a lie that
+was detected is never kept: nobody knows which side lied, so nobody is convicted nor reported to
+judges, but this client routes around the hop's server and its checker(s) for good (:class:`Disputed`,
+kept with its reason by :meth:`~shoal.client.remote.feedback.RouteFeedback.disputed`: an exclusion
+from its own routes, not a ban anyone testifies to). The session rolls back to ``p`` exactly as for
+a conviction, replaces the hop and ``generate`` regenerates from there; when no route is left without
+them, it fails with :class:`UnsettledDispute` rather than generate on over either. A span no other
+server can check at all is reported unverified. Generation never waits for a checker to appear.
 
 Redundant mode (``verify="redundant"``) is this machinery with an audit after EVERY step
 (``audit_every`` is 1: it must be left unset or be 1) and auditors that form a second chain
@@ -65,11 +72,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal.client.remote.hops import Hop
 from shoal.errors import ShoalError, UsageError
 from shoal.ids import BlockRange, PeerId
+from shoal.routing import NoRouteError, format_blocks
 from shoal.routing.audits import Piece
 from shoal.verify.compare import tolerance_of
 
@@ -80,8 +88,10 @@ __all__ = [
     "DEFAULT_AUDIT_EVERY",
     "Caught",
     "Conviction",
+    "Disputed",
     "LieDetected",
     "Track",
+    "UnsettledDispute",
     "UnverifiedBlocks",
     "Verdict",
     "Verification",
@@ -116,6 +126,10 @@ def verification_for(verify: str, audit_every: int | None = None) -> Verificatio
     return Verification(mode, every)
 
 
+#: block ranges remembered per vouched-for server (the latest)
+MAX_VOUCHED_RANGES = 8
+
+
 @dataclass
 class Verification:
     """What audits did, over every session of one client (``model.verification``). Counts: ``audits``
@@ -126,7 +140,8 @@ class Verification:
     (``unverified`` lists them). Evidence of a conviction (:mod:`shoal.client.verification.witness`): pieces
     ``evidence_sent`` to judges, and the judges' findings, ``evidence_confirmed`` / ``evidence_rejected``.
     ``caught``: each conviction, with the blocks and the first position its comparison (or its
-    receipt) proved wrong."""
+    receipt) proved wrong. ``disputes``: the unsettled ones, whose servers this client routes around
+    (``excluded`` names them)."""
 
     mode: str = "off"
     audit_every: int = DEFAULT_AUDIT_EVERY
@@ -144,6 +159,11 @@ class Verification:
     banned: tuple[PeerId, ...] = ()
     unverified: tuple[int, ...] = ()
     caught: tuple[Caught, ...] = ()
+    disputes: tuple[Disputed, ...] = ()
+    #: the blocks this client's own audits saw each server compute correctly (a hop audited clean, a
+    #: checker that agreed, a third opinion in a settled majority): only such servers' verdicts count
+    #: for this client (:func:`shoal.swarm.verdicts.tally`)
+    vouched: dict[PeerId, list[BlockRange]] = field(default_factory=dict, repr=False)
 
     @property
     def auditing(self) -> bool:
@@ -155,9 +175,27 @@ class Verification:
         """Whether every step is checked, on a second chain disjoint from the main one."""
         return self.mode == "redundant"
 
+    @property
+    def excluded(self) -> tuple[PeerId, ...]:
+        """The servers of unsettled disputes: out of this client's routes, convicted of nothing."""
+        return tuple(dict.fromkeys(peer for dispute in self.disputes for peer in dispute.peers))
+
+    def disputed(self, dispute: Disputed) -> None:
+        self.disputes = (*self.disputes, dispute)
+
+    def vouch(self, peer: PeerId, blocks: BlockRange) -> None:
+        """``peer`` was seen computing ``blocks`` correctly (bounded: a few ranges per peer)."""
+        if peer in self.banned:
+            return
+        seen = self.vouched.setdefault(peer, [])
+        if blocks not in seen:
+            seen.append(blocks)
+            del seen[:-MAX_VOUCHED_RANGES]
+
     def convicted(self, peer: PeerId, blocks: BlockRange | None = None, position: int | None = None) -> None:
         self.bans += 1
         self.banned = (*self.banned, peer)
+        self.vouched.pop(peer, None)
         if blocks is not None and position is not None:
             self.caught = (*self.caught, Caught(peer, blocks, position))
 
@@ -171,18 +209,49 @@ class Caught:
     position: int
 
 
+@dataclass(frozen=True)
+class Disputed:
+    """A dispute no third replica settled: ``peers`` (the audited server, when the disputed outputs
+    are one server's, and its auditor) disagree on ``blocks`` from cache position ``position``.
+    One of them lied and nobody can tell which: the client routes around both."""
+
+    peers: tuple[PeerId, ...]
+    blocks: BlockRange
+    position: int
+
+    @property
+    def reason(self) -> str:
+        """Why the servers are out of this client's routes, in one line."""
+        who = " and ".join(peer[:10] for peer in self.peers)
+        return (f"{who} disagree on blocks {format_blocks(list(self.blocks.blocks()))} from position "
+                f"{self.position} and no third replica settled it")  # fmt: skip
+
+
+class UnsettledDispute(NoRouteError):
+    """A dispute no third replica settled (:class:`Disputed`) left no route for its blocks without
+    both of its servers: generating on over either could keep the lie, so the generation stops."""
+
+    def __init__(self, dispute: Disputed, missing: list[int]):
+        super().__init__(f"servers {dispute.reason}; no route is left without both for blocks "
+                         f"{format_blocks(missing)}: not generating on over either", missing)  # fmt: skip
+        self.dispute = dispute
+
+
 class LieDetected(ShoalError):
     """A server of the session's chain returned wrong hidden states from ``position`` on (a majority
     of replicas said so). The session is rolled back to ``position`` and the liar replaced; the token
     at ``position`` (computed from honest logits before it) and everything before stand. ``generate``
     handles it (it regenerates from there); a caller stepping a session by hand re-sends from there."""
 
-    def __init__(self, position: int, peer: PeerId | None, blocks: BlockRange):
+    def __init__(self, position: int, peer: PeerId | None, blocks: BlockRange, disputed: tuple[PeerId, ...] = ()):
         who = f"server {peer[:10]}" if peer is not None else "a server since replaced"
+        if disputed:  # an unsettled dispute: one of them lied, both are routed around
+            who = f"one of {' and '.join(p[:10] for p in disputed)} (no third replica to tell which)"
         super().__init__(f"{who} lied on blocks {blocks} from position {position}: rolled back there")
         self.position = position
         self.peer = peer
         self.blocks = blocks
+        self.disputed = disputed
 
 
 class UnverifiedBlocks(ShoalError):
@@ -221,7 +290,7 @@ class Track:
     """The audit of one hop: its auditor (a session on an exact replica) or, when no auditor session
     opens, ``pieces`` (a cover of the span by other servers, run statelessly; see
     :mod:`shoal.routing.audits`), and the positions ``[0, audited)`` checked so far. ``unverified``:
-    no checker could be had, or a dispute stayed unsettled; the span is reported unverified and no
+    no checker could be had; the span is reported unverified and no
     longer audited.
 
     The history at the hop's end block holds its own outputs from ``since`` on; before that, those
@@ -255,13 +324,16 @@ class Track:
 class Conviction:
     """An audit proved the outputs of hop ``index``'s span wrong from ``position`` on: the session
     rolls back there and, if they are the hop's own (``replace``), replaces the hop. ``peer``: who
-    computed them (None: not one server, see :attr:`Track.before`); convicted already."""
+    computed them (None: not one server, see :attr:`Track.before`); convicted already. ``dispute``:
+    instead, an unsettled dispute put the outputs in doubt; its servers are routed around already,
+    and a hop it leaves without a route fails the session (:class:`UnsettledDispute`)."""
 
     index: int
     peer: PeerId | None
     blocks: BlockRange
     position: int
     replace: bool
+    dispute: Disputed | None = None
 
 
 def successor(hop: Hop, left: Sequence[Track], position: int, adopted: bool) -> Track:

@@ -5,8 +5,9 @@ What is decided (who lied, when an audit is due, what a new hop's track inherits
 :mod:`shoal.client.verification.audit`, with the design; this module opens the sessions, sends the steps and
 forwards, and compares the answers. In redundant mode (``verification.redundant``) the auditors
 are the second chain: no server of the session's chain is ever taken as an auditor, and one that
-joins the chain (a repair put it there) is replaced. Everything runs on the client's event loop, called
-by the session (:mod:`shoal.client.remote.session`), which does the repair a
+joins the chain (a repair put it there) is replaced. A dispute nobody settles takes both of its
+servers off this client's routes (:meth:`Audits._route_around`). Everything runs on the client's event
+loop, called by the session (:mod:`shoal.client.remote.session`), which does the repair a
 :class:`~shoal.client.verification.audit.Conviction` asks for.
 """
 
@@ -25,6 +26,7 @@ from shoal.client.remote.hops import Hop, close_all
 from shoal.client.remote.recovery import RECOVERY_TIMEOUT, ChainRecovery, Replay
 from shoal.client.verification.audit import (
     Conviction,
+    Disputed,
     Track,
     Verdict,
     Verification,
@@ -107,12 +109,12 @@ class Audits:
         left = [t for t in self.tracks if id(t.hop) not in staying]
         spare = [t.auditor for t in left if t.auditor is not None]
         tracks, staff = [], []
-        shunned = {*self.verification.banned, *self._chain_peers(hops)}
+        shunned = {*self._distrusted(), *self._chain_peers(hops)}
         for hop in hops:
             track = kept.get(id(hop))
             if track is not None and track.checkers() & shunned:
                 if track.auditor is not None:
-                    spare.append(track.auditor)  # redundant: it joined the main chain, so it checks nothing
+                    spare.append(track.auditor)  # disputed, or (redundant) it joined the main chain
                 track.auditor, track.pieces = None, ()
                 staff.append(track)
             if track is None:
@@ -133,7 +135,7 @@ class Audits:
         pieces of a cover (:meth:`~shoal.client.remote.directory.ServerDirectory.route_cover`; a
         lone replica is a cover of one piece). None to be had: the track is unverified."""
         span = track.hop.span
-        tried = {span.peer_id, *exclude, *self.verification.banned, *self._chain_peers(t.hop for t in self.tracks)}
+        tried = {span.peer_id, *exclude, *self._distrusted(), *self._chain_peers(t.hop for t in self.tracks)}
         shunned = set(tried)  # never a checker, session or stateless
         track.pieces = ()
         for _ in range(STAFF_TRIES):
@@ -180,6 +182,10 @@ class Audits:
             return None
         return pieces
 
+    def _distrusted(self) -> set[PeerId]:
+        """Servers no auditor or third replica may be: the convicted, and both sides of unsettled disputes."""
+        return {*self.verification.banned, *self.verification.excluded}
+
     def _chain_peers(self, hops: Iterable[Hop]) -> set[PeerId]:
         """The servers no auditor may be: in redundant mode, every server of the main chain."""
         return {hop.span.peer_id for hop in hops} if self.verification.redundant else set()
@@ -199,9 +205,11 @@ class Audits:
         return {(t.hop.span.start, t.hop.span.end): t.checked for t in self.tracks}
 
     def checked_up_to(self, position: int) -> int:
-        """Positions ``[0, result)`` every checked hop has been audited for (a streamer holding
-        tokens back releases those)."""
-        return min((t.audited for t in self.tracks if t.checked), default=position)
+        """Positions ``[0, result)`` every hop has been audited for (a streamer holding tokens back
+        releases those). A hop nobody can check (``unverified``: no replica) holds nothing back; one
+        whose auditor is gone for now (a dispute, a replacement being opened) holds back what its
+        auditor has not confirmed."""
+        return min((t.audited for t in self.tracks if not t.unverified), default=position)
 
     def due(self, position: int) -> bool:
         return any(t.checked and audit_due(t.audited, position, self.every) for t in self.tracks)
@@ -233,9 +241,11 @@ class Audits:
     async def round(self, history: SpanHistory, position: int) -> Conviction | None:
         """Audit every checked hop up to ``position`` (in parallel: the auditors are different
         servers), then settle the disputes, earliest position first. Returns the first lie of an
-        audited server (the session repairs it; later disputes are moot: they are at or after it)."""
-        for track in self.tracks:  # a checker convicted meanwhile (as another hop's server) is replaced
-            if track.checkers() & set(self.verification.banned):
+        audited server, or the first dispute no third opinion settles (the session repairs it; later
+        disputes are moot: they are at or after it)."""
+        distrusted = self._distrusted()
+        for track in self.tracks:  # a checker convicted or disputed meanwhile (elsewhere) is replaced
+            if track.checkers() & distrusted:
                 auditor, track.auditor = track.auditor, None
                 if auditor is not None:
                     await auditor.abort()
@@ -253,7 +263,7 @@ class Audits:
                     if liar is not None:
                         self.convict(liar, track.hop.span.blocks, wrong)
                         if self.witness is not None:  # before the session rolls its history back
-                            self.witness.report(track.hop.span, liar, wrong, history)
+                            self.witness.report(track.hop.span, liar, wrong, history, dispute.end)
                     replace = wrong >= track.since
                     return Conviction(dispute.index, liar, track.hop.span.blocks, wrong, replace)
                 if verdict is Verdict.AUDITOR:
@@ -267,13 +277,32 @@ class Audits:
                     # its hop's positions since `audited` are audited again, by others
                     await self._staff(track, history, exclude=dropped)
                 else:
-                    self.verification.unsettled += 1
-                    track.unverified = True
-                    log.warning("dispute over blocks %s at position %d unsettled: they are unverified from now on",
-                                track.hop.span.blocks, dispute.position)  # fmt: skip
+                    return await self._route_around(dispute, history)
             return None
         finally:
             self._report()
+
+    async def _route_around(self, dispute: _Dispute, history: SpanHistory) -> Conviction:
+        """An unsettled dispute: both servers leave this client's routes (neither is convicted: nobody
+        knows which lied) and the session rolls back to where they first disagree. The hop is
+        replaced if the disputed outputs are its own; else the track gets another auditor."""
+        self.verification.unsettled += 1
+        track, position = dispute.track, dispute.position
+        checkers = sorted(track.checkers())  # an auditor, or the servers of a cover's pieces
+        auditor, track.auditor, track.pieces = track.auditor, None, ()
+        track.audited = position  # before it they agreed, and one of them is honest
+        peers = [track.producer(position), *checkers]
+        disputed = Disputed(tuple(dict.fromkeys(p for p in peers if p is not None)), track.hop.span.blocks, position)
+        self.verification.disputed(disputed)
+        for peer in disputed.peers:
+            self.feedback.disputed(peer, disputed.reason)
+        log.warning("servers %s: routing around both, rolling back to position %d", disputed.reason, position)
+        if auditor is not None:
+            await auditor.abort()
+        replace = position >= track.since
+        if not replace:  # the outputs were an earlier server's: this hop stays, with another auditor
+            await self._staff(track, history)
+        return Conviction(dispute.index, None, track.hop.span.blocks, position, replace, disputed)
 
     def convict(self, peer: PeerId, blocks: BlockRange | None = None, position: int | None = None) -> None:
         """Ban ``peer`` for good and count it (once), with the blocks and position it was caught at."""
@@ -310,6 +339,8 @@ class Audits:
         first = first_disagreement(recorded, out, self._tolerance(track, recorded, start=start), mask)
         if first is None:
             track.audited = end
+            self.verification.vouch(span.peer_id, span.blocks)  # both sides seen computing correctly
+            self._vouch_checkers(track, auditor)
             return None
         self.verification.disagreements += 1
         log.warning("checker %s disagrees with %s on blocks %s at position %d",
@@ -327,7 +358,7 @@ class Audits:
         span = track.hop.span
         checkers = track.checkers()
         checker = next(iter(checkers)) if len(checkers) == 1 else None
-        tried = {span.peer_id, *checkers, *self.verification.banned}
+        tried = {span.peer_id, *checkers, *self._distrusted()}
         tensors = history.window(span.start, 0, end)
         mask = _window_mask(tensors, 0)
         mask = mask[:, p:] if mask is not None else None
@@ -349,10 +380,26 @@ class Audits:
             vs_audited = first_disagreement(recomputed, recorded, tolerance, mask)
             vs_auditor = first_disagreement(recomputed, dispute.auditor_out[:, p - dispute.start :], tolerance, mask)
             verdict = majority(vs_audited, vs_auditor)
+            if verdict in (Verdict.AUDITED, Verdict.AUDITOR):  # the third opinion sided with the honest one
+                for q in pieces:
+                    self.verification.vouch(q.server.peer_id, q.blocks)
+                if verdict is Verdict.AUDITOR:
+                    self.verification.vouch(span.peer_id, span.blocks)
+                else:
+                    self._vouch_checkers(track, track.auditor)
             log.warning("third opinion %s on blocks %s at position %d: %s lied",
                         ", ".join(q.server.peer_id[:10] for q in pieces), span.blocks, p, verdict.value)  # fmt: skip
             return verdict, p + (vs_audited or 0), checker
         return Verdict.UNSETTLED, p, checker
+
+    def _vouch_checkers(self, track: Track, auditor: Hop | None) -> None:
+        """The checkers of ``track`` computed correctly: its ``auditor`` the hop's blocks, or each
+        piece of its cover its own blocks (who may judge for this client, :mod:`shoal.swarm.verdicts`)."""
+        if auditor is not None:
+            self.verification.vouch(auditor.span.peer_id, track.hop.span.blocks)
+            return
+        for piece in track.pieces:
+            self.verification.vouch(piece.server.peer_id, piece.blocks)
 
     async def _recompute(self, pieces: Sequence[Piece], tensors: list[Tensor]) -> Tensor:
         """A stateless forward of ``tensors`` (raw: exactly the recorded inputs) through ``pieces``,
