@@ -52,7 +52,7 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from shoal.cli.swarm import read_member_cert
+    from shoal.cli.swarm import fetch_span, read_member_cert, weights_from_swarm
     from shoal.devices import check_device
     from shoal.swarm.service import check_join
     from shoal.transport.loop import run as run_loop
@@ -61,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     join = tuple(join_ticket(t) for t in args.join)
     if join and not args.join_anyway and not args.new_swarm:  # a dead ticket fails before transformers loads
         run_loop(check_join(join, transport_config(args, f"{args.host}:0")))
+    if join and args.model and weights_from_swarm(args.model):  # no files here: the swarm's members give the span's
+        fetch_span(args, join, transport_config(args, f"{args.host}:0"))
 
     from shoal.heap import freeze_startup_heap
     from shoal.quantization import parse_quantization
@@ -116,6 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         share_counters=args.share_counters,
         adapters=tuple(parse_adapter(text) for text in args.adapter),
+        give_weights=args.give_rate > 0,
+        give_rate=args.give_rate * 1e6 if args.give_rate > 0 else 1.0,
     )
     freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
 
@@ -184,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         help="local Hugging Face directory, known model name (smollm2), Hub id, or a known model's GGUF file "
-        "(served as stored: --quant gguf); none, with --join: the model the joined swarms are shortest of",
+        "(served as stored: --quant gguf); with --join and no files here, the swarm's model name: the span "
+        "(--blocks) is fetched from members; none, with --join: the model the joined swarms are shortest of",
     )
     serve.add_argument(
         "--blocks", metavar="START:END", help="START:END, half-open (e.g. 0:10); omit it to be placed automatically"
@@ -279,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--member-cert", metavar="FILE",
         help="member certificate of a private swarm for the --identity key (shoal swarm invite); with --new-swarm: "
         "the new swarm is private, owned by the certificate's owner",
+    )  # fmt: skip
+    swarm.add_argument(
+        "--give-rate", type=float, default=256.0, metavar="MB/S",
+        help="holding every file of the model: give its verified chunks to joining members at most this fast, "
+        "as the lowest-priority work (0: give none)",
     )  # fmt: skip
     swarm.add_argument("--throughput", type=float, help="tokens/s per block to announce (default: measure, cached)")
     swarm.add_argument(

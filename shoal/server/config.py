@@ -98,6 +98,9 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     share_counters: bool = False  # info answers any peer with this server's counters (else: the metrics endpoint)
     adapters: tuple[tuple[str, Path], ...] = ()  # LoRA adapters (name, peft directory) for the span
+    give_weights: bool = True  # in a swarm, holding every file: give the model's chunks to peers (shoal.weights)
+    give_rate: float = 256e6  # bytes/s given to all peers together, at most (reads are the lowest-priority work)
+    weights_chunk: int = 4 << 20  # bytes per chunk of the manifest this server builds (every giver must agree)
 
     def __post_init__(self):
         check_device(self.device)

@@ -44,6 +44,8 @@ CODEC_Q8 = Codec.Q8.capability  # float32 tensors as int8 blocks of 64 with a sc
 TRAIN = "train"  # the backward kind; deep prompts (``prompts``) on forward, backward and open
 ADAPTERS = "adapters"  # ``adapter`` on forward, backward and open: run with one of the server's LoRA adapters
 RECEIPTS = "receipts"  # ``receipt`` on step, push and forward: the reply carries a signed Receipt
+#: announced in a server record (not a blocks capability): the server gives its model's chunks (shoal/weights)
+WEIGHTS = "weights"
 EVIDENCE = "evidence"  # the evidence kind: the server judges another's signed lie (shoal.server.judge)
 SUB_SPAN = "sub-span"  # ``blocks`` on forward: run only those blocks of the span (an audit through pieces)
 # the migrate and pages kinds: a session's KV pages handed to a replacement of the same span (shoal.server.migrate)
@@ -333,6 +335,27 @@ class EvidenceReply(Meta):
     detail: Text = ""
 
 
+# ---- shoal/weights -----------------------------------------------------------------------------
+
+
+class ManifestRequest(Meta):
+    """The chunk manifest of ``model`` (:mod:`shoal.checkpoints.manifest`), asked of a server that
+    announced :data:`WEIGHTS`. Reply: ``result`` Empty ``[manifest u8]``, checked by the asker against
+    the digest in the swarm's model record."""
+
+    model: Text
+
+
+class ChunkRequest(Meta):
+    """Chunk ``chunk`` of item ``item`` of the manifest whose BLAKE3 digest is ``manifest`` (hex). Reply:
+    ``result`` Empty ``[chunk u8]``, its size and digest checked by the asker; ``not_found`` when this
+    peer gives another manifest or lacks the item, ``busy`` while it is giving all it may."""
+
+    manifest: Digest
+    item: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    chunk: Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
+
+
 # ---- shoal/swarm -------------------------------------------------------------------------------
 
 
@@ -355,6 +378,8 @@ KIND_META: dict[str, type[Meta] | None] = {
     "pages": PagesRequest,  # a session's KV pages, server to server (needs MIGRATE)
     "close": Empty,  # close a session
     "gossip": Gossip,  # swarm record exchange; payload as one u8 tensor
+    "manifest": ManifestRequest,  # a model's chunk manifest (shoal/weights)
+    "chunk": ChunkRequest,  # one verified chunk of a model's weights (shoal/weights)
     "result": None,  # a successful reply
     "error": ErrorReply,  # an error reply
 }
@@ -402,9 +427,11 @@ __all__ = [
     "RECEIPTS",
     "SUB_SPAN",
     "TRAIN",
+    "WEIGHTS",
     "AdapterInfo",
     "AdapterName",
     "BackwardRequest",
+    "ChunkRequest",
     "Empty",
     "ErrorReply",
     "EvidenceReply",
@@ -415,6 +442,7 @@ __all__ = [
     "Hello",
     "HelloReply",
     "InfoReply",
+    "ManifestRequest",
     "Meta",
     "MigrateRequest",
     "MigratedReply",

@@ -36,6 +36,7 @@ from shoal.wire import (
 from shoal.wire.schema import (
     KIND_META,
     BackwardRequest,
+    ChunkRequest,
     Empty,
     ErrorReply,
     EvidenceReply,
@@ -46,6 +47,7 @@ from shoal.wire.schema import (
     Hello,
     HelloReply,
     InfoReply,
+    ManifestRequest,
     Meta,
     MigratedReply,
     MigrateRequest,
@@ -97,6 +99,8 @@ REQUESTS: dict[str, Meta] = {
         adapter="style-v1",
     ),
     "gossip": Gossip(op="table"),
+    "manifest": ManifestRequest(model="m"),
+    "chunk": ChunkRequest(manifest="cd" * 32, item=7, chunk=2),
     "error": ErrorReply(code="wire", message="bad frame", reason="bad_frame"),
 }
 REPLIES: list[Meta] = [
