@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.errors import ShoalError
 from shoal.gateway.engine import Engine, GatewayError, Totals
 from shoal.gateway.pool import ModelPool
 from shoal.gateway.swarm import Watchers
@@ -42,6 +43,7 @@ class Coverage:
     uncovered: tuple[int, ...]  # blocks no online server hosts
     servers_online: int
     swarms: tuple[str, ...]  # the swarms whose tables list it
+    peers: frozenset[str] = frozenset()  # its online servers
 
     @property
     def covered(self) -> bool:
@@ -56,6 +58,7 @@ def coverage_of(statuses: Sequence[dict]) -> dict[str, Coverage]:
     """Every model the swarm statuses (:func:`shoal.swarm.status.summarize`) list, coverage merged
     over them; a status no member answered for (``via`` None) is left out."""
     merged: dict[str, tuple[list[int], int, list[str]]] = {}
+    peers: dict[str, set[str]] = {}
     for status in statuses:
         if status.get("via") is None:
             continue
@@ -67,11 +70,13 @@ def coverage_of(statuses: Sequence[dict]) -> dict[str, Coverage]:
                 continue
             counts[:] = [a + b for a, b in zip(counts, model["coverage"], strict=True)]
             online += sum(s["state"] == "online" for s in model["servers"])
+            peers.setdefault(model["name"], set()).update(s["peer"] for s in model["servers"] if s["state"] == "online")
             merged[model["name"]] = (counts, online, [*swarms, status["swarm"]])
-    return {
-        name: Coverage(name, len(counts), tuple(i for i, n in enumerate(counts) if n == 0), online, tuple(swarms))
-        for name, (counts, online, swarms) in sorted(merged.items())
-    }
+    found = {}
+    for name, (counts, online, swarms) in sorted(merged.items()):
+        uncovered = tuple(i for i, n in enumerate(counts) if n == 0)
+        found[name] = Coverage(name, len(counts), uncovered, online, tuple(swarms), frozenset(peers.get(name, ())))
+    return found
 
 
 def model_path(name: str, models_dirs: Sequence[Path]) -> str:
@@ -110,6 +115,7 @@ class Catalog:
         self._make = make
         self._coverage: dict[str, Coverage] = {}
         self._totals: dict[str, Totals] = {}
+        self._seen: dict[str, frozenset[str]] = {}  # the online servers each loaded client last listed
         self._lock = threading.Lock()
         self.pool: ModelPool[Engine] = ModelPool(self._load, lambda name: size(self.path(name)), budget,
                                                  close=lambda engine: engine.model.close())  # fmt: skip
@@ -164,6 +170,28 @@ class Catalog:
                 param="model",
                 code="model_unavailable",
             )
+        if coverage is not None:
+            await self._catch_up(name, coverage)
+
+    async def _catch_up(self, name: str, coverage: Coverage) -> None:
+        """Have ``name``'s loaded client list its servers again when the swarms show servers it has not
+        seen (say a server that came back after the model lost coverage): a session opens only over
+        the servers a client knows, which it otherwise pulls again every ``refresh_period``."""
+        engine = self.pool.peek(name)
+        with self._lock:
+            seen = self._seen.get(name, frozenset())
+        if engine is None or coverage.peers <= seen:
+            return
+        blocks = engine.model.blocks
+        directory, runtime = getattr(blocks, "directory", None), getattr(blocks, "runtime", None)
+        if directory is not None and runtime is not None:
+            future = asyncio.run_coroutine_threadsafe(directory.refresh(), runtime.loop)
+            try:
+                await asyncio.wrap_future(future)
+            except ShoalError as exc:  # the session's own routing says what is missing, if anything
+                log.warning("listing the servers of %s again failed: %s", name, exc)
+        with self._lock:
+            self._seen[name] = coverage.peers
 
     # ---- engines -----------------------------------------------------------------------------------
     def totals(self, name: str) -> Totals:
@@ -180,7 +208,11 @@ class Catalog:
 
     def _load(self, name: str) -> Engine:
         log.info("loading model %s", name)
+        with self._lock:
+            coverage = self._coverage.get(name)
         engine = self._make(name, self.path(name), self._tickets(name))
+        with self._lock:
+            self._seen[name] = coverage.peers if coverage is not None else frozenset()
         engine.totals = self.totals(name)
         return engine
 
