@@ -1,7 +1,7 @@
 """The HTTP side: OpenAI-compatible routes, server-sent events, the dashboard.
 
     GET  /v1/models                 the models this gateway serves, each with its coverage now
-                                    (``"shoal": {"coverage": {...}, "loaded": bool}``)
+                                    (``"shoal": {"coverage": {...}, "loaded", "in_flight"}``)
     POST /v1/chat/completions       chat template, ``stream: true`` as SSE chunks ending in [DONE]
     POST /v1/completions            plain prompt continuation
     GET  /dashboard                 live swarm page (HTML + a little JS, polls /api/swarm)
@@ -162,7 +162,8 @@ class Gateway:
         loaded = set(self.catalog.pool.loaded())
         return [
             {"id": name, "object": "model", "created": self.created, "owned_by": "shoal",
-             "shoal": {"coverage": coverage.as_json() if coverage is not None else None, "loaded": name in loaded}}
+             "shoal": {"coverage": coverage.as_json() if coverage is not None else None, "loaded": name in loaded,
+                       "in_flight": self.catalog.pool.in_flight(name)}}
             for name, coverage in (await self.catalog.served()).items()
         ]  # fmt: skip
 
@@ -257,7 +258,7 @@ def build_app(
     It answers only requests whose
     ``Host`` is one of ``allowed_hosts`` (``"*"``: any; see :func:`shoal.gateway.guards.allowed_hosts`)
     or an IP address, and lets pages of ``cors_origins`` (none by default) read its answers."""
-    catalog = Catalog.of_engine(served) if isinstance(served, Engine) else served
+    catalog = served if served is None or isinstance(served, Catalog) else Catalog.of_engine(served)
     gateway = Gateway(catalog, watchers, api_key, max_concurrency)
 
     @asynccontextmanager

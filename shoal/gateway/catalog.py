@@ -124,7 +124,8 @@ class Catalog:
     def of_engine(cls, engine: Engine) -> Catalog:
         """A catalog of one engine made already (no swarm to check coverage in, never evicted)."""
         catalog = cls((), None, lambda name, path, tickets: engine, lambda path: 0, 1, named={engine.model_id: ""})
-        catalog._totals[engine.model_id] = engine.totals  # the engine's own counters, whichever app shows them
+        if getattr(engine, "totals", None) is not None:  # the engine's own counters, whichever app shows them
+            catalog._totals[engine.model_id] = engine.totals
         catalog.pool.acquire(engine.model_id)
         catalog.pool.release(engine.model_id)
         return catalog

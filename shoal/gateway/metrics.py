@@ -90,7 +90,7 @@ class GatewayCollector(Collector):
 
     def _verification(self):
         engines = self.catalog.engines() if self.catalog is not None else []
-        verifications = [engine.model.verification for engine in engines]
+        verifications = [v for engine in engines if (v := engine.model.verification) is not None]
         first = verifications[0] if verifications else None
         mode = first.mode if first is not None else "off"
         every = str(first.audit_every) if first is not None and mode != "off" else ""

@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from testkit.tiny import save_checkpoint, tiny_model
-from tests.gateway.support import UrlProcess, build_chat_model, gateway_args, reference_answer, wait_for
+from tests.gateway.support import UrlProcess, build_chat_model, gateway_args, reference_answer, scrape, wait_for
 from tests.helpers.registry import process_swarm
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -69,6 +69,11 @@ def expected(models, name: str) -> str:
     return reference_answer(reference, tokenizer, MESSAGES, NEW)[0]
 
 
+def expected_tokens(models, name: str) -> int:
+    reference, tokenizer = models[1][name]
+    return len(reference_answer(reference, tokenizer, MESSAGES, NEW)[1])
+
+
 def ask(client: openai.OpenAI, name: str) -> str:
     reply = client.chat.completions.create(model=name, messages=MESSAGES, temperature=0, max_tokens=NEW)
     assert reply.model == name
@@ -107,10 +112,21 @@ def test_one_gateway_serves_both_models_and_one_that_loses_coverage_comes_back(m
         assert ask(client, "alpha") == expected(models, "alpha")
         assert ask(client, "beta") == expected(models, "beta")
         assert expected(models, "alpha") != expected(models, "beta")  # two models, two answers
+        metrics = scrape(f"{url}/metrics")
+        for name in ("alpha", "beta"):
+            assert metrics[f'shoal_model_completion_tokens_total{{model="{name}"}}'] == expected_tokens(models, name)
+            assert metrics[f'shoal_model_loaded{{model="{name}"}}'] == 1.0
+            assert metrics[f'shoal_model_requests_in_flight{{model="{name}"}}'] == 0.0
+        assert metrics["shoal_completion_tokens_total"] == sum(expected_tokens(models, n) for n in ("alpha", "beta"))
+        with urllib.request.urlopen(f"{url}/api/swarm", timeout=30) as reply:
+            panel = json.loads(reply.read())["gateway_models"]
+        assert [(m["id"], m["shoal"]["loaded"], m["shoal"]["coverage"]["covered"]) for m in panel] == [
+            ("alpha", True, True), ("beta", True, True)]  # fmt: skip
 
         last = beta.running[-1]
         last.stop()
         wait_for(lambda: not listed(url)["beta"]["covered"], 60, what="beta uncovered")
+        assert scrape(f"{url}/metrics")['shoal_model_covered{model="beta"}'] == 0.0
         status, payload = chat_status(url, "beta")
         assert status == 503, payload
         assert (payload["error"]["code"], payload["error"]["param"]) == ("model_unavailable", "model")
