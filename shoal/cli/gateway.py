@@ -194,7 +194,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         model=args.model,
         every_model=args.model is None,
         models_dirs=tuple(Path(folder).expanduser() for folder in args.models_dir or ()),
-        client_memory=args.client_memory,
+        client_memory=args.client_memory or DEFAULT_CLIENT_MEMORY,
         api_key=_api_key(args),
         **_http_options(args),
         max_concurrency=args.max_concurrency,
@@ -259,7 +259,6 @@ def add_commands(sub) -> None:
     api.add_argument(
         "--client-memory",
         type=memory_size,
-        default=DEFAULT_CLIENT_MEMORY,
         metavar="SIZE",
         help="memory for the models' client parts (embeddings, LM head) held at once; the least recently used "
         "idle model is evicted to load another (default: 8GiB)",
