@@ -31,7 +31,9 @@ from shoal.transport import Ticket
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Catalog", "Coverage", "coverage_of", "model_path"]
+__all__ = ["COVERAGE_WAIT", "Catalog", "Coverage", "coverage_of", "model_path"]
+
+COVERAGE_WAIT = 2.0  # seconds a request waits for the swarms' tables before it goes by the last look
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Catalog:
         self._coverage: dict[str, Coverage] = {}
         self._totals: dict[str, Totals] = {}
         self._seen: dict[str, frozenset[str]] = {}  # the online servers each loaded client last listed
+        self._pulling: asyncio.Future | None = None  # the pull of the swarms' tables under way (fresh)
         self._lock = threading.Lock()
         self.pool: ModelPool[Engine] = ModelPool(self._load, lambda name: size(self.path(name)), budget,
                                                  close=lambda engine: engine.model.close())  # fmt: skip
@@ -146,9 +149,20 @@ class Catalog:
             self._coverage = coverage
         return coverage
 
+    async def fresh(self) -> dict[str, Coverage]:
+        """The coverage now, or the last look's when a pull takes longer than ``COVERAGE_WAIT`` (a
+        swarm member that stopped answering must not hold up every request): one pull at a time
+        runs in the background, and the next request sees what it found."""
+        if self._pulling is None or self._pulling.done():
+            self._pulling = asyncio.ensure_future(self.refresh())
+        done, _ = await asyncio.wait({self._pulling}, timeout=COVERAGE_WAIT)
+        if done and self._pulling.exception() is None:
+            return self._pulling.result()
+        return self.known()
+
     async def served(self) -> dict[str, Coverage | None]:
         """The models served, each with its coverage (None: no joined swarm lists it)."""
-        coverage = await self.refresh()
+        coverage = await self.fresh()
         names = list(self.named) if self.named or not self.every else list(coverage)
         return {name: coverage.get(name) for name in names}
 

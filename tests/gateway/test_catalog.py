@@ -3,12 +3,16 @@ a model's client part is loaded from, and what ``shoal api`` with no model hands
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
+import shoal.gateway.catalog as catalog_module
 from shoal.cli.main import build_parser
-from shoal.gateway.catalog import Coverage, coverage_of, model_path
+from shoal.gateway.catalog import Catalog, Coverage, coverage_of, model_path
+from shoal.gateway.engine import GatewayError
 from shoal.transport import Ticket
 
 TICKET = Ticket("1e" * 32, ("127.0.0.1:10",), None, "swarm-1")
@@ -81,3 +85,43 @@ def test_a_client_memory_that_is_no_size_is_a_usage_error(size: str):
 
     with pytest.raises(UsageError):
         build_parser().parse_args(["api", "--join", str(TICKET), "--client-memory", size])
+
+
+class Watcher:
+    """A swarm watcher whose status is ``status``, answered after ``delay`` seconds."""
+
+    def __init__(self, status: dict):
+        self.status_now, self.delay = status, 0.0
+
+    async def status(self) -> dict:
+        await asyncio.sleep(self.delay)
+        return self.status_now
+
+    def of(self, ticket: Ticket):
+        return self
+
+
+def test_a_slow_swarm_pull_answers_with_the_last_look(monkeypatch):
+    """A request waits ``COVERAGE_WAIT`` for the swarms' tables at most, then goes by the last look;
+    the pull goes on, and a later request sees what it found."""
+    monkeypatch.setattr(catalog_module, "COVERAGE_WAIT", 0.2)
+    covered = status("swarm-1", [model("alpha", [1, 1], [server("a1")])])
+    uncovered = status("swarm-1", [model("alpha", [1, 0], [server("a1")])])
+    watcher = Watcher(covered)
+    catalog = Catalog((TICKET,), watcher, lambda *a: None, lambda path: 1, 1, every=True)
+
+    async def scenario() -> None:
+        assert (await catalog.served())["alpha"].covered
+        watcher.status_now, watcher.delay = uncovered, 0.5
+        started = time.monotonic()
+        assert (await catalog.served())["alpha"].covered  # the last look: the pull is still going
+        assert time.monotonic() - started < 0.45
+        await asyncio.sleep(0.5)
+        with pytest.raises(GatewayError) as refused:
+            await catalog.check("alpha")
+        assert (refused.value.status, refused.value.code) == (503, "model_unavailable")
+        with pytest.raises(GatewayError) as unknown:
+            await catalog.check("beta")
+        assert (unknown.value.status, unknown.value.code) == (404, "model_not_found")
+
+    asyncio.run(scenario())
