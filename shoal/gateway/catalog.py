@@ -155,9 +155,10 @@ class Catalog:
         runs in the background, and the next request sees what it found."""
         if self._pulling is None or self._pulling.done():
             self._pulling = asyncio.ensure_future(self.refresh())
-        done, _ = await asyncio.wait({self._pulling}, timeout=COVERAGE_WAIT)
-        if done and self._pulling.exception() is None:
-            return self._pulling.result()
+        pulling = self._pulling  # another request may start the next pull while this one waits
+        done, _ = await asyncio.wait({pulling}, timeout=COVERAGE_WAIT)
+        if done and pulling.exception() is None:
+            return pulling.result()
         return self.known()
 
     async def served(self) -> dict[str, Coverage | None]:
