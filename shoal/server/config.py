@@ -65,7 +65,7 @@ def parse_adapter(text: str) -> tuple[str, Path]:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str  # local Hugging Face directory, known model name or Hub id
+    model: str  # local Hugging Face directory, known model name or Hub id; "": chosen where the swarm is short
     blocks: BlockRange | None = None  # half-open [start, end); None: placed automatically (needs a swarm)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -101,6 +101,11 @@ class ServerConfig:
 
     def __post_init__(self):
         check_device(self.device)
+        if not self.model and not (self.join and self.blocks is None):
+            raise UsageError(
+                "a server without a model chooses one in the swarms it joins: give --join TICKET (and no --blocks), "
+                "or name the model"
+            )
         if self.blocks is None and not (self.new_swarm or self.join):
             raise UsageError(
                 "--blocks START:END is required outside a swarm; to let the server choose its blocks, "
