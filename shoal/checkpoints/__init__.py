@@ -5,6 +5,7 @@ from shoal.checkpoints.fetch import (
     fetch_model,
     is_fetched,
     model_cache_dir,
+    model_source,
     resolve_model,
     swarm_weights_dir,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "model_cache_dir",
     "model_fingerprints",
     "model_name",
+    "model_source",
     "resolve_model",
     "save_sharded",
     "span_fingerprints",

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -387,3 +387,13 @@ def resolve_model(
     # pin the commit just resolved (the snapshot folder's name), so shards match the index
     _hub_snapshot(model, revision=root.name, cache_dir=cache_dir, allow_patterns=shards)
     return root
+
+
+def model_source(name: str, models_dirs: Sequence[Path]) -> str:
+    """What to load model ``name`` (as a swarm calls it) from: ``DIR/name`` of the first of
+    ``models_dirs`` (``--models-dir``) that holds its checkpoint, else the name itself (a known
+    model or a Hub id). Shared by the gateway's catalog and a roaming server."""
+    for folder in models_dirs:
+        if (folder / name / "config.json").is_file():
+            return str(folder / name)
+    return name

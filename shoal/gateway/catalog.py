@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.checkpoints import model_source
 from shoal.errors import ShoalError
 from shoal.gateway.engine import Engine, GatewayError, Totals
 from shoal.gateway.pool import ModelPool
@@ -31,7 +32,7 @@ from shoal.transport import Ticket
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COVERAGE_WAIT", "Catalog", "Coverage", "coverage_of", "model_path"]
+__all__ = ["COVERAGE_WAIT", "Catalog", "Coverage", "coverage_of"]
 
 COVERAGE_WAIT = 2.0  # seconds a request waits for the swarms' tables before it goes by the last look
 
@@ -81,20 +82,11 @@ def coverage_of(statuses: Sequence[dict]) -> dict[str, Coverage]:
     return found
 
 
-def model_path(name: str, models_dirs: Sequence[Path]) -> str:
-    """Where the gateway loads model ``name`` (as the swarm calls it) from: ``DIR/name`` of the first
-    ``--models-dir`` that has it, else the name itself (a known model or a Hub id)."""
-    for folder in models_dirs:
-        if (folder / name / "config.json").is_file():
-            return str(folder / name)
-    return name
-
-
 class Catalog:
     """The served models: their coverage, their engines (loaded on first use), their totals.
 
     ``named``: model name -> what to load it from (``shoal api MODEL``); empty with ``every``: the
-    joined swarms' models, loaded from :func:`model_path`. ``make(path, tickets)`` builds an engine
+    joined swarms' models, loaded from :func:`shoal.checkpoints.model_source`. ``make(path, tickets)`` builds an engine
     over ``tickets``: the plain ones and those of the swarms that list the model."""
 
     def __init__(
@@ -134,7 +126,7 @@ class Catalog:
         return catalog
 
     def path(self, name: str) -> str:
-        return self.named.get(name) or model_path(name, self.models_dirs)
+        return self.named.get(name) or model_source(name, self.models_dirs)
 
     # ---- coverage ----------------------------------------------------------------------------------
     async def refresh(self) -> dict[str, Coverage]:

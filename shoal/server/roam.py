@@ -5,7 +5,7 @@ The server reads the tables of the swarms its tickets name, lists the models the
 load a model the swarm calls ``NAME`` from ``DIR/NAME`` of the first ``--models-dir`` that has it,
 else from ``NAME`` itself as ``shoal serve NAME`` would (a known model, a local path, a Hub id);
 a model it cannot resolve is not a candidate. (A peer-to-peer source of weights plugs in at
-:func:`model_source`.) It then starts as ``shoal serve MODEL --join`` (:func:`shoal.server.app.serve`,
+:func:`shoal.checkpoints.model_source`.) It then starts as ``shoal serve MODEL --join`` (:func:`shoal.server.app.serve`,
 the same builder steps), with the tickets of that model's swarm, and places its span in it as any
 server without ``--blocks`` does.
 
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from shoal.checkpoints import model_source
 from shoal.errors import RemoteError, ShoalError, UsageError
 from shoal.server.config import ServerConfig
 from shoal.server.demand import Choice, Hosted, Switcher, choose_model
@@ -37,7 +38,7 @@ from shoal.transport import BaseNode, Node, StartNode, Ticket
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Roaming", "Swarms", "model_source", "read_swarms", "serve_where_needed"]
+__all__ = ["Roaming", "Swarms", "read_swarms", "serve_where_needed"]
 
 
 @dataclass(frozen=True)
@@ -50,15 +51,6 @@ class Roaming:
     def __post_init__(self):
         if not self.rebalance_period > 0:
             raise UsageError(f"--rebalance-period must be positive, got {self.rebalance_period}")
-
-
-def model_source(name: str, models_dirs: Sequence[Path]) -> str:
-    """What to load model ``name`` (as the swarm calls it) from: ``DIR/name`` of the first of
-    ``models_dirs`` that has it, else the name (a known model or a Hub id)."""
-    for folder in models_dirs:
-        if (folder / name / "config.json").is_file():
-            return str(folder / name)
-    return name
 
 
 @dataclass(frozen=True)

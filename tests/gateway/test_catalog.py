@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import shoal.gateway.catalog as catalog_module
+from shoal.checkpoints import model_source
 from shoal.cli.main import build_parser
-from shoal.gateway.catalog import Catalog, Coverage, coverage_of, model_path
+from shoal.gateway.catalog import Catalog, Coverage, coverage_of
 from shoal.gateway.engine import GatewayError
 from shoal.transport import Ticket
 
@@ -60,8 +61,8 @@ def test_a_model_loads_from_the_first_models_dir_that_has_it(tmp_path: Path):
     (second / "alpha").mkdir(parents=True)
     (second / "alpha" / "config.json").write_text("{}")
     (first / "alpha").mkdir(parents=True)  # no config.json: not a checkpoint
-    assert model_path("alpha", [first, second]) == str(second / "alpha")
-    assert model_path("smollm2", [first, second]) == "smollm2"  # a known model or Hub id, as named
+    assert model_source("alpha", [first, second]) == str(second / "alpha")
+    assert model_source("smollm2", [first, second]) == "smollm2"  # a known model or Hub id, as named
 
 
 def test_api_with_no_model_serves_every_model(monkeypatch):
