@@ -30,6 +30,7 @@ import msgspec.inspect as mi
 import torch
 
 from shoal.errors import ClosedError, RequestTimeout, WireError
+from shoal.ids import BlockRange
 from shoal.protocols import WEIGHTS
 from shoal.swarm.service import SWARM, blob
 from shoal.transport import META, BaseNode, MessageStream, Protocol, Ticket
@@ -44,7 +45,9 @@ from shoal.wire.schema import (
     Hello,
     ManifestRequest,
     Meta,
+    MigrateRequest,
     OpenRequest,
+    PagesRequest,
     Ping,
     PushHop,
     PushRequest,
@@ -334,7 +337,7 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
         "hello": Hello(),
         "ping": Ping(echo=False),
         "info": Empty(),
-        "forward": ForwardRequest(prompts=True, adapter="lora-1", receipt=True),
+        "forward": ForwardRequest(prompts=True, adapter="lora-1", receipt=True, blocks=BlockRange(0, 1)),
         "backward": BackwardRequest(prompts=True, adapter="lora-1"),
         "open": OpenRequest(max_length=16, batch_size=2, prompts=True, adapter="lora-1"),
         "step": StepRequest(session=session, position=0, push=(hop,), receipt=True),
@@ -344,6 +347,19 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
         "gossip": Gossip(op="table"),
         "manifest": ManifestRequest(model="m"),
         "chunk": ChunkRequest(manifest="ab" * 32, item=3, chunk=1),
+        "migrate": MigrateRequest(session=session, position=1, step=1, to=hop),
+        "pages": PagesRequest(
+            session=session,
+            token=token,
+            position=1,
+            step=1,
+            model="m",
+            blocks=BlockRange(0, 1),
+            weights=bytes(16),
+            dtype="float32",
+            adapter="lora-1",
+            prompts=True,
+        ),
     }
 
 
