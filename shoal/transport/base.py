@@ -202,6 +202,10 @@ class BaseNode:
             raise ValueError("a node does not dial itself")
         self._local_peers[peer.id] = peer
 
+    def is_local(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` is reached in-process (:meth:`add_local_peer`)."""
+        return peer_id in self._local_peers
+
     async def _dial_local(self, peer: BaseNode, protocol: Protocol) -> Link:
         if self.closed:
             raise ClosedError("node is closed")
