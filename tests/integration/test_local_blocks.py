@@ -55,12 +55,12 @@ def new_tokens(model, prompt: torch.Tensor) -> list[int]:
     return model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)[0, prompt.shape[1] :].tolist()
 
 
-def connect_when_listed(swarm: InProcessSwarm, peer_id: str, timeout: float = 20.0):
+def connect_when_listed(swarm: InProcessSwarm, peer_id: str, timeout: float = 20.0, **settings):
     """A plain client of ``swarm`` once the swarm's table lists ``peer_id`` (gossip takes a moment)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            model = swarm.connect(routing_seed=0)
+            model = swarm.connect(routing_seed=0, **settings)
         except NoRouteError:  # the table does not list it yet: nobody serves blocks 0:2
             model = None
         if model is not None and any(span.peer_id == peer_id for span in model.blocks.directory.spans):
@@ -96,6 +96,29 @@ def test_local_blocks_answer_as_transformers_and_serve_another_clients_session(m
             finally:
                 other.close()
         assert hosted.task.done() and hosted.node.closed  # the span left with the model
+
+
+def test_audits_trust_the_own_span_and_others_audit_it_as_a_server(model_dir: Path, reference):
+    """The client's own span needs no auditor (and costs none); another client audits it as any hop."""
+    with InProcessSwarm(model_dir, [LOW, HIGH, HIGH], swarm="audited") as swarm:
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(model_dir), swarm.tickets(), transport=LOOPBACK, start_node=swarm.start_node, local_blocks="0:2",
+            verify="audit", audit_every=2,
+        )  # fmt: skip
+        with model:
+            hosted = model.blocks.hosted
+            assert new_tokens(model, PROMPT) == greedy_reference(reference, PROMPT)
+            route = model.blocks.describe_route()
+            assert route[0]["peer"] == hosted.peer_id and all(hop["verified"] for hop in route)
+            assert model.verification.unverified_blocks == 0 and model.verification.audits > 0
+            assert swarm.server(LOW).server.counters.sessions_opened == 0  # nobody audited the client's own span
+            other = connect_when_listed(swarm, hosted.peer_id, verify="audit", audit_every=2)
+            try:
+                assert new_tokens(other, OTHER) == greedy_reference(reference, OTHER)
+                assert all(hop["verified"] for hop in other.blocks.describe_route())  # blocks 0:2 too: audited
+                assert other.verification.unverified_blocks == 0
+            finally:
+                other.close()
 
 
 def test_local_blocks_are_checked_before_anything_starts(model_dir: Path):

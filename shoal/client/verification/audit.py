@@ -29,6 +29,9 @@ second chain, the hops' outputs are compared on the same inputs (all hops in par
 disagreement is settled by a third replica, and a lie is caught at the step that told it, before
 the next token is chosen from it. A ``hold_back`` streamer lags by one step at most.
 
+The span a client serves itself (``local_blocks``) is its own computation: its hop has no auditor
+and counts as verified for that client, while other clients audit it as they audit any server.
+
 Limits: stateless forwards (``use_cache=False``, training) are not audited; a span's auditor is an
 exact replica (same span, announced compute dtype, quantisation and adapter:
 :func:`shoal.client.remote.directory.replicas`), so a span nobody else serves alike goes unaudited; the
@@ -184,6 +187,8 @@ class Track:
     """The audit of one hop: its auditor (None: nobody checks it) and the positions ``[0, audited)``
     checked so far (the auditor's cache holds at least those). ``unverified``: no auditor could be
     had, or a dispute stayed unsettled; the span is reported unverified and no longer audited.
+    ``trusted``: the hop's server is the span this client serves itself (``local_blocks``): its own
+    computation, verified without an auditor (other clients audit it as any server).
 
     The history at the hop's end block holds its own outputs from ``since`` on; before that, those
     of the hop it replaced (``before``: that server, when it had exactly this span; None when the
@@ -195,6 +200,12 @@ class Track:
     before: PeerId | None = None
     auditor: Hop | None = None
     unverified: bool = False
+    trusted: bool = False  # its server is this client's own span (local_blocks): nothing to audit
+
+    @property
+    def verified(self) -> bool:
+        """Checked by an auditor, or the client's own computation."""
+        return self.trusted or self.checked
 
     @property
     def checked(self) -> bool:
