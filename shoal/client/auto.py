@@ -50,6 +50,7 @@ class AutoDistributedModelForCausalLM:
         adapter: str | None = None,
         verify: str = "off",
         audit_every: int | None = None,
+        require_verified: bool = False,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         route_wait: float = 10.0,
         identity: bytes | None = None,
@@ -84,10 +85,13 @@ class AutoDistributedModelForCausalLM:
         lie is caught at the step that told it (``audit_every`` is then 1: leave it unset; any
         other value raises :class:`UsageError`). Either way a disagreement is settled by a third
         replica, the liar banned and the answer repaired (:mod:`shoal.client.verification.audit`;
-        ``model.verification`` counts what audits did). ``prefill_chunk``: a session step of more
-        positions (a long prompt) travels the chain in chunks of this many, pipelined: the second
-        server computes chunk 1 while the first computes chunk 2 (same tokens; None or 0: off; see
-        :mod:`shoal.client.remote.pipeline`); ``model.blocks.prefill_chunk`` changes it from the next step on.
+        ``model.verification`` counts what audits did). ``require_verified``: with a mode that audits,
+        a session whose chain has a block no other server can check fails with
+        :class:`~shoal.client.verification.audit.UnverifiedBlocks` instead of generating.
+        ``prefill_chunk``: a session step of more positions (a long prompt) travels the chain in chunks
+        of this many, pipelined: the second server computes chunk 1 while the first computes chunk 2
+        (same tokens; None or 0: off; see :mod:`shoal.client.remote.pipeline`);
+        ``model.blocks.prefill_chunk`` changes it from the next step on.
         ``identity``: the client node's 32-byte secret key (default: a new one), and ``member_cert``
         a private swarm's member certificate issued for it (``shoal swarm invite``; its text or bytes).
         ``local_blocks``: ``"START:END"`` (or a :class:`~shoal.ids.BlockRange`): blocks this process
@@ -109,6 +113,7 @@ class AutoDistributedModelForCausalLM:
             adapter=AdapterChoice.parse(adapter) if adapter is not None else None,
             verify=verify,
             audit_every=audit_every,
+            require_verified=require_verified,
             prefill_chunk=prefill_chunk,
             route_wait=route_wait,
             tuning_mode=tuning_mode,
