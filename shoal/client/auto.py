@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -25,6 +27,9 @@ from shoal.routing import AdapterChoice
 from shoal.swarm.members import parse_certificate
 from shoal.transport import Node, StartNode, Ticket, TransportConfig
 from shoal.wire import Codec
+
+if TYPE_CHECKING:
+    from shoal.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +154,7 @@ class AutoDistributedModelForCausalLM:
             prompts = prompts.to(client_config.device)
         host = None
         if client_config.local_blocks is not None:
-            host = _hosted(model, initial_peers, client_config, num_blocks)
+            host, client_config = _hosted(model, initial_peers, client_config, num_blocks)
         blocks = RemoteSequence.connect(
             initial_peers, num_blocks, config.hidden_size, client_config, model=model_name(model),
             start_node=start_node, host=host,
@@ -170,15 +175,19 @@ def _block_range(value: str | BlockRange | None) -> BlockRange | None:
         raise UsageError(f"local_blocks: {exc}") from None
 
 
-def _hosted(model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, num_blocks: int):
-    """The server settings of ``config.local_blocks`` (:mod:`shoal.server.hosted`)."""
-    from shoal.server.hosted import hosted_config
+def _hosted(
+    model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, num_blocks: int
+) -> tuple[ServerConfig, ClientConfig]:
+    """The server settings of ``config.local_blocks`` (:mod:`shoal.server.hosted`), and the client's:
+    the span's node binds the given address (peers dial it), the client's any free port beside it."""
+    from shoal.server.hosted import beside, hosted_config
 
     blocks = config.local_blocks
     if blocks is None or not blocks.within(num_blocks):
         raise UsageError(f"local_blocks {blocks}: the model has {num_blocks} blocks")
     tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
-    return hosted_config(model, blocks, tickets, config.dtype, config.device, config.transport)
+    host = hosted_config(model, blocks, tickets, config.dtype, config.device, config.transport)
+    return host, replace(config, transport=beside(config.transport))
 
 
 def _compression(value: str | Codec | None) -> Codec:

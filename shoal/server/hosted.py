@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,7 +22,7 @@ from shoal.server.app import serve
 from shoal.server.config import ServerConfig
 from shoal.transport import BaseNode, Node, StartNode, Ticket, TransportConfig
 
-__all__ = ["CLOSE_TIMEOUT", "HostedSpan", "host_span", "hosted_config"]
+__all__ = ["CLOSE_TIMEOUT", "HostedSpan", "beside", "host_span", "hosted_config"]
 
 CLOSE_TIMEOUT = 15.0  # seconds a hosted span gets to leave the swarm, drain and close
 
@@ -101,3 +101,12 @@ def hosted_config(
         transport=transport,
         join=tuple(t for t in tickets if t.swarm_id),
     )
+
+
+def beside(transport: TransportConfig) -> TransportConfig:
+    """The transport of the client whose span takes ``transport``: its bind address on any free port
+    (the span's node takes the given one, which peers dial; the client's is only dialled out of)."""
+    if transport.bind_addr is None:
+        return transport
+    host, _, _ = transport.bind_addr.rpartition(":")
+    return replace(transport, bind_addr=f"{host}:0")

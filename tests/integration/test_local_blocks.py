@@ -24,6 +24,8 @@ from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LOOPBACK
 from shoal.routing import NoRouteError
+from shoal.server.hosted import beside
+from shoal.transport import TransportConfig
 from testkit.tiny import tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(180)
@@ -128,3 +130,9 @@ def test_local_blocks_are_checked_before_anything_starts(model_dir: Path):
                 AutoDistributedModelForCausalLM.from_pretrained(
                     str(model_dir), swarm.tickets(), start_node=swarm.start_node, local_blocks=wrong
                 )
+
+
+def test_the_span_takes_the_given_address_and_the_client_any_port_beside_it():
+    assert beside(TransportConfig(bind_addr="0.0.0.0:4000")).bind_addr == "0.0.0.0:0"
+    assert beside(TransportConfig(bind_addr="[::]:4000")).bind_addr == "[::]:0"
+    assert beside(TransportConfig()).bind_addr is None  # iroh chooses, for both
