@@ -30,16 +30,19 @@ import msgspec.inspect as mi
 import torch
 
 from shoal.errors import ClosedError, RequestTimeout, WireError
+from shoal.protocols import WEIGHTS
 from shoal.swarm.service import SWARM, blob
 from shoal.transport import META, BaseNode, MessageStream, Protocol, Ticket
 from shoal.wire import FRAME_DATA, FRAME_HEAD, FRAME_PREFIX, Message, encode
 from shoal.wire.schema import (
     BackwardRequest,
+    ChunkRequest,
     Empty,
     EvidenceRequest,
     ForwardRequest,
     Gossip,
     Hello,
+    ManifestRequest,
     Meta,
     OpenRequest,
     Ping,
@@ -204,7 +207,8 @@ async def send_raw_case(
 
 # ---- every typed metadata field of every request kind --------------------------------------------
 UNKNOWN_FIELD = "zz_not_a_field"
-PROTOCOL_OF: dict[str, Protocol] = {"hello": META, "ping": META, "gossip": SWARM}  # others: BLOCKS
+PROTOCOL_OF: dict[str, Protocol] = {"hello": META, "ping": META, "gossip": SWARM, "manifest": WEIGHTS, "chunk": WEIGHTS}
+# others: BLOCKS
 ON_SESSION_STREAM = {"step", "close"}  # push arrives on a stream of its own, as from the previous server
 
 
@@ -338,6 +342,8 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
         "close": Empty(),
         "evidence": EvidenceRequest(model="m", accused="ab" * 32, start=0, end=2, steps=3),
         "gossip": Gossip(op="table"),
+        "manifest": ManifestRequest(model="m"),
+        "chunk": ChunkRequest(manifest="ab" * 32, item=3, chunk=1),
     }
 
 

@@ -1,6 +1,13 @@
 """Checkpoints: find model files, read only a party's tensors, fingerprint blocks, write per-block shards."""
 
-from shoal.checkpoints.fetch import KNOWN_MODELS, fetch_model, is_fetched, model_cache_dir, resolve_model
+from shoal.checkpoints.fetch import (
+    KNOWN_MODELS,
+    fetch_model,
+    is_fetched,
+    model_cache_dir,
+    resolve_model,
+    swarm_weights_dir,
+)
 from shoal.checkpoints.loading import (
     CheckpointError,
     block_fingerprint,
@@ -33,5 +40,6 @@ __all__ = [
     "save_sharded",
     "span_fingerprints",
     "span_tensor_filter",
+    "swarm_weights_dir",
     "weight_map",
 ]

@@ -14,6 +14,7 @@ from shoal.cli.args import (
     add_limit_flags,
     block_range,
     join_ticket,
+    memory_size,
     non_negative_float,
     port_number,
     positive_float,
@@ -22,6 +23,8 @@ from shoal.cli.args import (
     transport_config,
 )
 from shoal.cli.swarm import add_member_flags, member_settings
+
+DEFAULT_CLIENT_MEMORY = 8 << 30  # as shoal.gateway.pool's (not imported here: it imports torch)
 
 #: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it).
 VERIFY_CHOICES = ("off", "audit", "redundant")
@@ -191,14 +194,22 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def cmd_api(args: argparse.Namespace) -> int:
     from dataclasses import replace
+    from pathlib import Path
 
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
     settings = _client_settings(args)
     if args.serve_blocks is not None:  # the gateway as a peer: its client hosts the span
+        if args.model is None:
+            from shoal.errors import UsageError
+
+            raise UsageError("--serve-blocks serves blocks of one model: name it (shoal api MODEL --serve-blocks ...)")
         settings["client"] = replace(settings["client"], local_blocks=args.serve_blocks)
     options = GatewayOptions(
         model=args.model,
+        every_model=args.model is None,
+        models_dirs=tuple(Path(folder).expanduser() for folder in args.models_dir or ()),
+        client_memory=args.client_memory or DEFAULT_CLIENT_MEMORY,
         api_key=_api_key(args),
         **_http_options(args),
         max_concurrency=args.max_concurrency,
@@ -248,7 +259,25 @@ def add_commands(sub) -> None:
     """Register ``api``, ``dashboard`` and ``chat`` on the ``shoal`` subparsers ``sub``."""
     model_help = "the model's local directory, known name (smollm2) or Hub id, as the swarm's servers name it"
     api = sub.add_parser("api", help="OpenAI-compatible HTTP API (and dashboard) over a swarm")
-    api.add_argument("model", help=model_help)
+    api.add_argument(
+        "model",
+        nargs="?",
+        help=f"{model_help}; none: every model the joined swarms list, routed by each request's model",
+    )
+    api.add_argument(
+        "--models-dir",
+        action="append",
+        metavar="DIR",
+        help="with no model named: load a model the swarms call NAME from DIR/NAME when it exists (repeatable; "
+        "else NAME is a known model or Hub id)",
+    )
+    api.add_argument(
+        "--client-memory",
+        type=memory_size,
+        metavar="SIZE",
+        help="memory for the models' client parts (embeddings, LM head) held at once; the least recently used "
+        "idle model is evicted to load another (default: 8GiB)",
+    )
     _http(api)
     api.add_argument(
         "--api-key",
