@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from shoal.limits import Limits, RegistryLimits, flag_of, limit_fields
 
 if TYPE_CHECKING:
+    from shoal.ids import BlockRange
     from shoal.transport import Ticket, TransportConfig
 
 #: shoal.transport.NetworkProfile's values
@@ -61,6 +62,16 @@ def positive_int(text: str) -> int:
 
 
 positive_int.__name__ = "positive integer"  # what argparse names in "invalid positive integer value"
+
+
+def block_range(text: str) -> BlockRange:
+    """``START:END``, half-open (``--serve-blocks``)."""
+    from shoal.ids import BlockRange
+
+    return BlockRange.parse(text)
+
+
+block_range.__name__ = "START:END block range"
 
 
 def memory_size(text: str) -> int:

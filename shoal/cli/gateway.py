@@ -12,6 +12,7 @@ from shoal.cli.args import (
     CODECS,
     NETWORK_PROFILES,
     add_limit_flags,
+    block_range,
     join_ticket,
     memory_size,
     non_negative_float,
@@ -192,10 +193,18 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
+    from dataclasses import replace
     from pathlib import Path
 
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
+    settings = _client_settings(args)
+    if args.serve_blocks is not None:  # the gateway as a peer: its client hosts the span
+        if args.model is None:
+            from shoal.errors import UsageError
+
+            raise UsageError("--serve-blocks serves blocks of one model: name it (shoal api MODEL --serve-blocks ...)")
+        settings["client"] = replace(settings["client"], local_blocks=args.serve_blocks)
     options = GatewayOptions(
         model=args.model,
         every_model=args.model is None,
@@ -205,7 +214,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         **_http_options(args),
         max_concurrency=args.max_concurrency,
         default_max_tokens=args.max_tokens,
-        **_client_settings(args),
+        **settings,
     )
     return serve_gateway(options)
 
@@ -277,6 +286,13 @@ def add_commands(sub) -> None:
     )
     api.add_argument("--max-concurrency", type=positive_int, default=16, help="generations running at once")
     api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
+    api.add_argument(
+        "--serve-blocks",
+        type=block_range,
+        metavar="START:END",
+        help="also serve these blocks in the gateway's process, as `shoal serve` would: announced to the swarm "
+        "for every peer, reached by the gateway's own requests without a network hop",
+    )
     _client_flags(api)
     api.set_defaults(func=cmd_api)
 

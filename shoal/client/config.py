@@ -17,6 +17,7 @@ from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
 from shoal.client.verification.audit import check_verify
 from shoal.devices import check_device
 from shoal.errors import UsageError
+from shoal.ids import BlockRange
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import AdapterChoice
 from shoal.swarm.members import public_key, read_certificate
@@ -50,6 +51,9 @@ class ClientConfig:
     min_quality: Quantization = DEFAULT_MIN_QUALITY  # the lowest weight format of a server routed over
     adapter: AdapterChoice | None = None  # LoRA adapter every block runs with; only its servers are routed over
     route_wait: float = 10.0  # seconds a session waits for a server to join when no live one is left for some blocks
+    # blocks this client serves itself, in its own process (shoal.server.hosted): announced to the
+    # swarm like any server's, reached by this client without a network hop (None: none)
+    local_blocks: BlockRange | None = None
     # verification (shoal.client.verification.audit)
     verify: str = "off"  # "off", "audit" (a second server checks every hop) or "redundant" (every step, twice)
     audit_every: int | None = None  # positions between audits of a hop (None: the mode's default; redundant: 1)
@@ -76,6 +80,9 @@ class ClientConfig:
             raise ValueError(f"prefill_chunk must be None, 0 (off) or positive, not {self.prefill_chunk}")
         if not self.route_wait >= 0:
             raise UsageError(f"route_wait must be 0 (fail at once) or more seconds, not {self.route_wait}")
+        if self.local_blocks is not None and not isinstance(self.local_blocks, BlockRange):
+            raise UsageError(f"local_blocks must be a BlockRange (from_pretrained takes 'START:END'), not "
+                             f"{self.local_blocks!r}")  # fmt: skip
         if self.tuning_mode is None and self.pre_seq_len:
             raise UsageError(f"pre_seq_len={self.pre_seq_len} needs tuning_mode='ptune' or 'deep_ptune'")
 

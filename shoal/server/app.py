@@ -44,22 +44,24 @@ async def serve(
     start_node: StartNode = Node.start,
     beside: Callable[[Presence], Awaitable[None]] | None = None,
 ) -> None:
-    """Join (or create) the swarm, load the blocks, serve until ``stop`` is set or SIGINT/SIGTERM.
+    """Join (or create) the swarm, load the blocks, serve until ``stop`` is set (none given: SIGINT/SIGTERM).
     The model and the span are checked first (:mod:`shoal.server.preflight`; ``model``: the model
     checked already, its config read), before anything binds. ``start_node``: iroh's (tests: an
-    in-memory network's); ``beside``: a task run with the swarm presence once online (the
-    re-check across models of :mod:`shoal.server.roam`)."""
+    in-memory network's; a span hosted by a client, :mod:`shoal.server.hosted`: the client's);
+    ``beside``: a task run with the swarm presence once online (the re-check across models of
+    :mod:`shoal.server.roam`)."""
     checked = check_server(config, model)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     compute = compute_thread(config.num_threads)
     key = node_key(config)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        # off the main thread (e.g. in a test's loop) there are none to add: uvloop says ValueError
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signum, stop.set)
+    if stop is None:  # stopped by signals (a caller with its own ``stop``, e.g. a hosted span, stops it)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # off the main thread (e.g. in a test's loop) there are none to add: uvloop says ValueError
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signum, stop.set)
     swarm_id = swarm_id_of(config, checked)  # the config requires --blocks outside a swarm
     check_member(config, swarm_id, key)
     node, gate = await start_endpoint(config, key, start_node, swarm=swarm_id is not None)

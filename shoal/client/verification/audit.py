@@ -58,6 +58,9 @@ second chain, the hops' outputs are compared on the same inputs (all hops in par
 disagreement is settled by a third replica, and a lie is caught at the step that told it, before
 the next token is chosen from it. A ``hold_back`` streamer lags by one step at most.
 
+The span a client serves itself (``local_blocks``) is its own computation: its hop has no auditor
+and counts as verified for that client, while other clients audit it as they audit any server.
+
 Limits: stateless forwards (``use_cache=False``, training) are not audited; a span is checked only
 if some other servers compute it alike (same quantisation and adapters) and, for pieces of longer
 spans, announce ``sub-span``: a span nobody else serves alike goes unaudited (and is priced as such by
@@ -291,7 +294,9 @@ class Track:
     opens, ``pieces`` (a cover of the span by other servers, run statelessly; see
     :mod:`shoal.routing.audits`), and the positions ``[0, audited)`` checked so far. ``unverified``:
     no checker could be had; the span is reported unverified and no
-    longer audited.
+    longer audited. ``trusted``: the hop's server is the span this client serves itself
+    (``local_blocks``): its own computation, verified without a checker (other clients audit it as
+    any server).
 
     The history at the hop's end block holds its own outputs from ``since`` on; before that, those
     of the hop it replaced (``before``: that server, when it had exactly this span; None when the
@@ -305,6 +310,12 @@ class Track:
     auditor: Hop | None = None
     unverified: bool = False
     pieces: tuple[Piece, ...] = ()
+    trusted: bool = False  # its server is this client's own span (local_blocks): nothing to audit
+
+    @property
+    def verified(self) -> bool:
+        """Checked, or the client's own computation."""
+        return self.trusted or self.checked
 
     @property
     def checked(self) -> bool:
