@@ -60,6 +60,8 @@ class RemoteSequence:
         self.node = node
         self.config = config
         self.verification = verification_for(config.verify, config.audit_every)  # audit mode: the counters
+        if not self.verification.auditing:
+            log.warning("verify='off': answers from untrusted servers are not checked")
         self.runtime = runtime
         self.directory = directory
         self.num_blocks = num_blocks

@@ -1,4 +1,4 @@
-"""Audit mode (``verify="audit"``): a second server checks every hop of a session, a third settles a dispute.
+"""Audit mode (``verify="audit"``, the default): a second server checks each hop of a session, a third a dispute.
 
 For each hop ``[a, b)`` of a session's chain the client keeps an *auditor*: an ordinary inference
 session on another server whose span is exactly ``[a, b)`` and which computes what the hop's server
@@ -29,7 +29,8 @@ second chain, the hops' outputs are compared on the same inputs (all hops in par
 disagreement is settled by a third replica, and a lie is caught at the step that told it, before
 the next token is chosen from it. A ``hold_back`` streamer lags by one step at most.
 
-Limits: stateless forwards (``use_cache=False``, training) are not audited; a span's auditor is an
+``verify="off"`` checks nothing (the client logs so once). Limits: stateless forwards
+(``use_cache=False``, training forwards and backwards) are not audited; a span's auditor is an
 exact replica (same span, announced compute dtype, quantisation and adapter:
 :func:`shoal.client.remote.directory.replicas`), so a span nobody else serves alike goes unaudited; the
 receipts of a pushed hop (:mod:`shoal.client.remote.driver`) are what makes its recorded inputs the ones
@@ -48,10 +49,13 @@ from shoal.ids import BlockRange, PeerId
 from shoal.verify.compare import tolerance_of
 
 VERIFY_MODES = ("off", "audit", "redundant")
-DEFAULT_AUDIT_EVERY = 8
+DEFAULT_VERIFY = "audit"  # what a client runs unless told otherwise (from_pretrained, ClientConfig, shoal chat/api)
+DEFAULT_AUDIT_EVERY = 8  # positions between audits of a hop in audit mode (bench.verify measures the cost of each K)
 
 __all__ = [
     "DEFAULT_AUDIT_EVERY",
+    "DEFAULT_VERIFY",
+    "VERIFY_MODES",
     "Caught",
     "Conviction",
     "LieDetected",
@@ -101,7 +105,7 @@ class Verification:
     ``caught``: each conviction, with the blocks and the first position its comparison (or its
     receipt) proved wrong."""
 
-    mode: str = "off"
+    mode: str = DEFAULT_VERIFY
     audit_every: int = DEFAULT_AUDIT_EVERY
     audits: int = 0
     audited_positions: int = 0

@@ -92,6 +92,7 @@ class Audits:
         self.request_deadline = request_deadline
         self.adapter = adapter
         self.tracks: list[Track] = []
+        self._warned = False  # unverified spans are logged once a session, not at every chain change
 
     # ---- following the chain -------------------------------------------------------------------
 
@@ -151,7 +152,6 @@ class Audits:
             track.auditor = auditor
             return
         track.unverified = True
-        log.warning("no second server for blocks %s: they are unverified", span.blocks)
 
     def _chain_peers(self, hops: Iterable[Hop]) -> set[PeerId]:
         """The servers no auditor may be: in redundant mode, every server of the main chain."""
@@ -166,6 +166,10 @@ class Audits:
     def _report(self) -> None:
         blocks = tuple(b for t in self.tracks if not t.checked for b in t.hop.span.blocks.blocks())
         self.verification.unverified, self.verification.unverified_blocks = blocks, len(blocks)
+        if blocks and not self._warned:
+            self._warned = True
+            spans = ", ".join(str(t.hop.span.blocks) for t in self.tracks if not t.checked)
+            log.warning("blocks %s are unverified in this session: no second server checks them", spans)
 
     def verified(self) -> dict[tuple[int, int], bool]:
         """Whether each hop's span ``(start, end)`` is checked by an auditor."""
