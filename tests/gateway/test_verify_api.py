@@ -243,7 +243,7 @@ def test_gateway_streams_only_the_honest_text_and_metrics_show_the_ban(world):
 def test_without_verification_a_response_has_no_shoal_key(world):
     """verify off: the body is OpenAI's alone, and /metrics says mode off with zero counts."""
     prompt = prompt_ids()
-    with connect_over(world.swarm, [*world.low, *world.high]) as model:
+    with connect_over(world.swarm, [*world.low, *world.high], verify="off") as model:  # audits are the default
         app = build_app(Engine(model, MODEL_ID), Watchers(world.swarm.transport, None))
         client = TestClient(app, base_url="http://localhost")
         with client:
