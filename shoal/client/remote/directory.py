@@ -287,8 +287,11 @@ class ServerDirectory:
     ) -> ServerSpan | None:
         """Another server whose span is exactly ``like``'s and that computes what it does (see
         :func:`replicas`), outside ``exclude``: the cheapest for a step (an auditor, a third
-        opinion), or None when there is none."""
-        candidates = [s for s in replicas(self.usable(), like) if s.peer_id not in exclude]
+        opinion), or None when there is none. A server banned for failing is never one: unlike a
+        hop, an extra server is not worth a dial that may time out (on the session's critical path)."""
+        candidates = [
+            s for s in replicas(self.usable(), like) if s.peer_id not in exclude and not self.bans.banned(s.peer_id)
+        ]
         latency = self.latency
 
         def cost(span: ServerSpan, previous: ServerSpan | None) -> float:
