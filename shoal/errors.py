@@ -23,7 +23,9 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     │   ├── NotFound                unknown session or resource
     │   └── Unavailable             the server is draining (leaving): use another one
     ├── NoRouteError                no chain of known servers covers every block [routing.chain]
+    │   └── UnsettledDispute        ... without both servers of a dispute no third replica settled [client.audit]
     ├── LieDetected                 a server of the chain lied; generate repairs it [client.audit]
+    ├── UnverifiedBlocks            require_verified, and no other server can check some blocks [client.audit]
     ├── ReceiptError                a receipt does not vouch for the answer [verify.receipts]
     │   ├── MissingReceipt          ... none came
     │   ├── BadSignature            ... not the server's key

@@ -297,6 +297,22 @@ class FaultyBackend:
                 state.issue(issued)
             return issued.tensor
 
+    async def run_blocks(
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, start: int, end: int,
+        **options: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """A forward over part of the span (a piece of an audit's cover): the output faults apply as
+        to a whole forward (a liar lies on pieces too); the others are for whole passes."""
+        async with self._lock:
+            call = self._call(None, 0, hidden.shape[1])
+            hits = [(i, f) for i, f in self._hits(call) if isinstance(f, OUTPUT_FAULTS)]
+            out = await self.inner.run_blocks(hidden, position_ids, mask, start, end, **options)
+            self._commit(None, call)
+            issued = _Issued(out.clone() if hits else out, call)
+            for i, fault in hits:
+                self._apply(i, fault, call, hidden, issued)
+            return issued.tensor
+
     def _apply(self, i: int, fault: Fault, call: _Call, hidden: torch.Tensor, issued: _Issued) -> None:
         """Alter ``issued`` (its output, what it pushes, whether it is dropped) by one hit fault."""
         start, end = call.positions

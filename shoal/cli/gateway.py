@@ -83,7 +83,7 @@ def add_speculation(parser: argparse.ArgumentParser) -> None:
 
 
 def add_verification(parser: argparse.ArgumentParser) -> None:
-    """``--verify MODE`` and ``--audit-every K``: check the untrusted servers' answers."""
+    """``--verify MODE``, ``--audit-every K`` and ``--require-verified``: check the untrusted servers' answers."""
     group = parser.add_argument_group("verification of the servers")
     group.add_argument(
         "--verify",
@@ -98,6 +98,11 @@ def add_verification(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         metavar="K",
         help="positions between audits of a hop with --verify audit (default: 8); redundant checks every step",
+    )
+    group.add_argument(
+        "--require-verified",
+        action="store_true",
+        help="fail an answer rather than generate it with blocks no other server can check (needs --verify)",
     )
 
 
@@ -138,6 +143,7 @@ def _client_settings(args: argparse.Namespace) -> dict:
         compression=_codec(args.compression),
         **verify,
         audit_every=args.audit_every,
+        require_verified=args.require_verified,
         route_wait=args.route_wait,
         **member_settings(args),
     )  # checked when made: a mode this client cannot run is a usage error before anything starts

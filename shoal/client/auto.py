@@ -50,6 +50,7 @@ class AutoDistributedModelForCausalLM:
         adapter: str | None = None,
         verify: str = DEFAULT_VERIFY,
         audit_every: int | None = None,
+        require_verified: bool = False,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         route_wait: float = 10.0,
         identity: bytes | None = None,
@@ -82,12 +83,14 @@ class AutoDistributedModelForCausalLM:
         runs on a second chain with no server of the main one, hop by hop on the same inputs, so a
         lie is caught at the step that told it (``audit_every`` is then 1: leave it unset; any
         other value raises :class:`UsageError`); or ``"off"``: nothing is checked (the client logs
-        a warning once). Auditing, a disagreement is settled by a third replica, the liar banned
-        and the answer repaired (:mod:`shoal.client.verification.audit`;
-        ``model.verification`` counts what audits did). Not audited in any mode: stateless
-        forwards (``model(...)`` logits without a session's cache, ``generate(use_cache=False)``,
-        training forwards and backwards), and a span no other server serves alike
-        (``model.verification.unverified`` lists its blocks; the session goes on).
+        a warning once). Auditing, a disagreement is settled by a third opinion, a liar banned and
+        the answer repaired (:mod:`shoal.client.verification.audit`; ``model.verification`` counts
+        what audits did). Not audited in any mode: stateless forwards (``model(...)`` logits
+        without a session's cache, ``generate(use_cache=False)``, training forwards and
+        backwards), and a span nobody else can check (``model.verification.unverified`` lists its
+        blocks; the session goes on). ``require_verified``: with a mode that audits, a session
+        whose chain has a block no other server can check fails with
+        :class:`~shoal.client.verification.audit.UnverifiedBlocks` instead of generating.
         ``prefill_chunk``: a session step of more positions (a long prompt) travels the chain in
         chunks of this many, pipelined: the second server computes chunk 1 while the first
         computes chunk 2 (same tokens; None or 0: off; see :mod:`shoal.client.remote.pipeline`);
@@ -109,6 +112,7 @@ class AutoDistributedModelForCausalLM:
             adapter=AdapterChoice.parse(adapter) if adapter is not None else None,
             verify=verify,
             audit_every=audit_every,
+            require_verified=require_verified,
             prefill_chunk=prefill_chunk,
             route_wait=route_wait,
             tuning_mode=tuning_mode,

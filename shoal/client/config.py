@@ -59,6 +59,7 @@ class ClientConfig:
     # verification (shoal.client.verification.audit)
     verify: str = DEFAULT_VERIFY  # "audit" (a second server checks every hop), "redundant" (every step, twice), "off"
     audit_every: int | None = None  # positions between audits of a hop (None: the mode's default; redundant: 1)
+    require_verified: bool = False  # fail (UnverifiedBlocks) rather than generate with a block nothing checks
     # sessions
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK  # a longer step is pipelined in chunks of this (None, 0: off)
     # prompt tuning (shoal.client.training.prompts)
@@ -75,6 +76,8 @@ class ClientConfig:
                                  f"{public_key(self.identity)[:10]}")  # fmt: skip
         check_device(self.device, "device")
         check_verify(self.verify, self.audit_every)
+        if self.require_verified and self.verify == "off":
+            raise UsageError("require_verified=True needs verify='audit' or 'redundant' ('off' checks nothing)")
         if self.prefill_chunk is not None and self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be None, 0 (off) or positive, not {self.prefill_chunk}")
         if not self.route_wait >= 0:

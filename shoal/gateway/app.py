@@ -115,7 +115,7 @@ VERIFY_METRICS = (
     ("audited_positions", "Positions auditors recomputed"),
     ("disagreements", "Audits whose outputs differed from the audited server's beyond tolerance"),
     ("settled", "Disputes a third replica decided"),
-    ("unsettled", "Disputes no third replica could decide (the span is unverified from then on)"),
+    ("unsettled", "Disputes no third replica could decide (both servers routed around, the answer regenerated)"),
     ("bans", "Servers convicted of lying and never routed over again"),
     ("rollbacks", "Sessions rolled back to a lie's first wrong position and regenerated"),
     ("evidence_sent", "Pieces of evidence of a conviction sent to the liar's judges"),

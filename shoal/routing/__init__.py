@@ -1,5 +1,6 @@
 """Routing: pure decisions about which servers carry which blocks. No I/O here."""
 
+from shoal.routing.audits import UNAUDITED_PENALTY_MS
 from shoal.routing.bans import BanList
 from shoal.routing.chain import (
     NoRouteError,
@@ -15,6 +16,7 @@ from shoal.routing.offers import AdapterChoice, offering, with_offer_hint
 from shoal.routing.quality import meeting, with_quality_hint
 
 __all__ = [
+    "UNAUDITED_PENALTY_MS",
     "AdapterChoice",
     "BanList",
     "LatencyModel",

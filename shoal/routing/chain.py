@@ -36,7 +36,8 @@ class RouteInfo:
     capabilities: frozenset[str] = frozenset()
     quantization: Quantization = Quantization.NONE  # how the server holds its weights (clients set a minimum)
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters it runs its span with: (name, digest), sorted
-    dtype: str | None = None  # what it computes in ("float32", "bfloat16"...; from its info, records do not say)
+    dtype: str | None = None  # what it computes in ("float32", "bfloat16"...; from its info or record)
+    compute: str = ""  # the compute label it announced ("bf16/cuda"; "": not announced): its receipts must sign it
 
 
 @dataclass(frozen=True)

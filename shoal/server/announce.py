@@ -40,6 +40,7 @@ class Announcement:
     step_ms: float = 0.0  # one-token step latency per block
     quantization: Quantization = Quantization.NONE  # how the span's weights are held
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters the span runs with: (name, digest), by name
+    compute: str = ""  # the label its receipts sign ("bf16/cuda"; "": not known yet)
     service: SwarmService | None = None
     cert: bytes | None = None  # the server's member certificate, carried by its records (private swarms)
     _signed: SignedRecord | None = None
@@ -67,6 +68,7 @@ class Announcement:
             capabilities=tuple(sorted(CAPABILITIES)),
             quantization=self.quantization,
             adapters=tuple(sorted(self.adapters)),
+            compute=self.compute,
         )
         self._signed = sign(record, self.secret_key, self.cert)
         return self._signed

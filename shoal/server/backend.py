@@ -152,6 +152,26 @@ class SpanBackend(SpanInputs):
         except ValueError as exc:  # the span's own consistency checks
             raise BadRequest(str(exc)) from None
 
+    async def run_blocks(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        start: int,
+        end: int,
+        *,
+        adapter: str | None = None,
+        peer: str | None = None,
+    ) -> torch.Tensor:
+        """Blocks ``[start, end)`` (model indices, within the span) of a stateless forward, forward
+        class, in chunks: a client auditing a hop through pieces of other servers' spans asks for it."""
+        first = start - self.span.start
+        try:
+            return await self._in_chunks(Priority.FORWARD, hidden, position_ids, mask, first, first + end - start,
+                                         adapter, peer)  # fmt: skip
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
     async def recompute(
         self,
         hidden: torch.Tensor,

@@ -45,7 +45,7 @@ from shoal.swarm.records import State
 from shoal.swarm.swarmid import model_digest, new_swarm_id, owner_tag, parse_swarm_id
 from shoal.transport import BaseNode, StartNode, load_or_create_identity
 from shoal.transport.identity import generate_key
-from shoal.verify.receipts import ReceiptSigner
+from shoal.verify.receipts import ReceiptSigner, announced_compute
 from shoal.wire.schema import CAPABILITIES, RECEIPTS, ServerCounters, SpanInfo
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,7 @@ def load_block_server(
         blocks=span,
         fingerprints=fingerprints,
         dtype=str(config.dtype).removeprefix("torch."),
+        compute=announced_compute(str(config.dtype).removeprefix("torch."), config.device),
         hidden_size=hf_config.hidden_size,
         version=__version__,
         quantization=config.quant,

@@ -19,7 +19,11 @@ bound: in a swarm (its :class:`Jurisdiction` gives the table) only an accused th
 lists as an online server of this model covering the blocks is judged (a throwaway key that lies
 to itself is not); at most :data:`MAX_WAITING` pieces of evidence wait or are judged at once, and
 at most one of each sender (more are ``not_judged``: busy), so one sender cannot keep the judge from
-everyone else's evidence; at most :data:`MAX_LIARS` convictions are remembered. Evidence found
+everyone else's evidence; evidence against (or from) a peer this judge convicted already waits
+last and is displaced by other evidence when the queue is full (:class:`Turns`), so valid evidence
+against throwaway liars cannot keep the judge busy; at most :data:`MAX_LIARS` convictions are
+remembered. In a swarm the accused is held to its table record: the pinned fingerprints (whatever
+weights its receipts sign) and its announced compute label (the tolerance of no other). Evidence found
 ``forged`` or ``malformed`` never enters the ledger (it must not pre-empt the genuine evidence), so
 its digest (every byte of it: :func:`blob_digest`) is remembered instead, the latest
 :data:`MAX_FORGERIES`: the same blob again is answered at once with the same finding, counted as it
@@ -39,7 +43,10 @@ an OpenMP pool of its own).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import heapq
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -58,8 +65,18 @@ from shoal.swarm.records import State
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import covers, verdict_for
 from shoal.verify.compare import tolerance_of
-from shoal.verify.evidence import Bench, Case, Ledger, Reason, Rejected, check_evidence, check_part, finding
-from shoal.verify.receipts import LIAR_BAN_SECONDS
+from shoal.verify.evidence import (
+    Announced,
+    Bench,
+    Case,
+    Ledger,
+    Reason,
+    Rejected,
+    check_evidence,
+    check_part,
+    finding,
+)
+from shoal.verify.receipts import LIAR_BAN_SECONDS, weights_digest
 from shoal.wire import Message
 from shoal.wire.schema import EvidenceReply, EvidenceRequest, ServerCounters, SpanInfo
 
@@ -112,8 +129,8 @@ class Judge:
         self.table = jurisdiction.table if jurisdiction is not None else None
         self.ledger = Ledger()
         self._liars: dict[PeerId, float] = {}  # convicted here: peer -> until (monotonic), soonest first
-        self._lock = asyncio.Lock()
-        self._waiting = 0  # requests in judge(), the one being judged included
+        self._lock = Turns()  # one piece recomputed at a time: evidence worth judging first
+        self._entries: list[_Entry] = []  # requests in judge(), the one being judged included
         self._senders: set[PeerId] = set()  # who has a piece of evidence in judge() now (one each)
         self._forgeries: OrderedDict[bytes, Rejected] = OrderedDict()  # blob digest -> its finding
 
@@ -134,14 +151,12 @@ class Judge:
                 raise Rejected(Reason.NOT_JUDGED, "this server is draining (leaving): it judges nothing")
             if sender in self._senders:
                 raise Rejected(Reason.NOT_JUDGED, "busy: a piece of evidence of this sender is being judged already")
-            if self._waiting >= MAX_WAITING:
-                raise Rejected(Reason.NOT_JUDGED, f"busy: {self._waiting} pieces of evidence are waiting already")
-            self._waiting += 1
+            entry = self._admit(meta, sender)
             self._senders.add(sender)
             try:
-                case, wrong = await self._judge(meta, request.tensors)
+                case, wrong = await self._judge(meta, request.tensors, entry)
             finally:
-                self._waiting -= 1
+                self._entries.remove(entry)
                 self._senders.discard(sender)
         except Rejected as exc:
             return self._rejected(request, meta, exc)
@@ -158,6 +173,28 @@ class Judge:
         log.warning("evidence confirmed: server %s lied: %s", case.accused[:10], detail)
         return Message("result", request.id, EvidenceReply(confirmed=True, detail=detail))
 
+    @property
+    def _waiting(self) -> int:
+        """Pieces of evidence in the queue (waiting or judged), displaced ones (leaving) not counted."""
+        return sum(not e.displaced for e in self._entries)
+
+    def _admit(self, meta: EvidenceRequest, sender: PeerId) -> _Entry:
+        """A place in the bounded queue (:data:`MAX_WAITING`) or ``busy``. Evidence against a peer
+        this judge convicted already, or from one it convicted, is *low*: it gains nothing (the
+        liar is banned here already) and is what throwaway keys would send to keep a judge busy. A
+        full queue takes other evidence by displacing a low piece not yet recomputed (answered
+        ``busy``); low evidence finds a full queue busy."""
+        low = self.convicted(meta.accused) or self.convicted(sender)
+        if self._waiting >= MAX_WAITING:
+            victim = None if low else next((e for e in self._entries if e.low and not e.started and not e.displaced),
+                                           None)  # fmt: skip
+            if victim is None:
+                raise Rejected(Reason.NOT_JUDGED, f"busy: {self._waiting} pieces of evidence are waiting already")
+            self._lock.displace(victim, Rejected(Reason.NOT_JUDGED, DISPLACED))
+        entry = _Entry(low)
+        self._entries.append(entry)
+        return entry
+
     def _count(self, reason: Reason) -> None:
         self.counters.evidence_rejected += 1
         name = f"evidence_{reason.value}"
@@ -169,29 +206,34 @@ class Judge:
         reply = EvidenceReply(confirmed=False, reason=exc.reason.value, detail=exc.detail[:4096])
         return Message("result", request.id, reply)
 
-    def _check_accused(self, meta: EvidenceRequest) -> None:
+    def _check_accused(self, meta: EvidenceRequest) -> Announced | None:
         """``not_judged`` unless the swarm's table (if this judge has one) lists the accused as an
-        online server of the model covering the blocks: anyone else costs a recompute for nothing."""
+        online server of the model covering the blocks: anyone else costs a recompute for nothing.
+        Returns what the table holds it to there (the pinned model record's fingerprints in its
+        announced quantization, its announced compute label); None outside a swarm."""
         table = self.table
         if table is None:
-            return
+            return None
         now, blocks = table.clock(), BlockRange(meta.start, meta.end)
-        listed = any(
-            r.peer == meta.accused and r.state is State.ONLINE and r.expires > now and covers(r, blocks)
-            for r in table.servers(meta.model)
-        )
-        if listed:
-            return
+        listed = next((
+            r for r in table.servers(meta.model)
+            if r.peer == meta.accused and r.state is State.ONLINE and r.expires > now and covers(r, blocks)
+        ), None)  # fmt: skip
+        if listed is not None:  # its record's fingerprints are the model record's (the table checks them)
+            first = blocks.start - listed.start
+            pinned = tuple(f.hex() for f in listed.fingerprints[first : first + len(blocks)])
+            return Announced(weights_digest(pinned, listed.quantization.value), listed.compute)
         raise Rejected(Reason.NOT_JUDGED, f"the accused is no online server of blocks {blocks} of {meta.model!r} "
                        "in this server's swarm table")  # fmt: skip
 
-    async def _judge(self, meta: EvidenceRequest, tensors: list) -> tuple[Case, int]:
+    async def _judge(self, meta: EvidenceRequest, tensors: list, entry: _Entry | None = None) -> tuple[Case, int]:
         """(the case, the first wrong position); raises :class:`Rejected`. The checks run outside the
         lock (they are stateless): a forgery is found without waiting for another piece's recompute."""
-        self._check_accused(meta)
-        case = await self._checked(meta, tensors)
+        entry = entry if entry is not None else _Entry(False)
+        announced = self._check_accused(meta)
+        case = await self._checked(meta, tensors, announced)
         background = self.backend.in_background
-        async with self._lock:
+        async with self._lock.turn(entry):
             if case.key in self.ledger:  # after the forged checks: a tampered copy of judged evidence is forged
                 raise Rejected(Reason.REPLAYED, "this evidence was judged here before")
             self.ledger.add(case.key)  # only now: evidence that fails its checks cannot pre-empt the real one
@@ -201,7 +243,7 @@ class Judge:
                     adapter=case.adapter,
                 )  # fmt: skip
                 tolerance = tolerance_of(case.output.dtype, self.info.dtype, case.disputed.codec, self.backend.device,
-                                         other=case.disputed.compute)  # fmt: skip
+                                         other=case.compute)  # fmt: skip
                 wrong = await background(finding, case, recomputed, tolerance)
             except Rejected:  # judged (framing): a replay is one
                 raise
@@ -210,19 +252,20 @@ class Judge:
                 raise
         return case, wrong
 
-    async def _checked(self, meta: EvidenceRequest, tensors: list) -> Case:
+    async def _checked(self, meta: EvidenceRequest, tensors: list, announced: Announced | None = None) -> Case:
         """The evidence through every check (cheap ones first, in one task with its digest; then the
         signatures and digests in parts), or the finding remembered for this very blob."""
         background = self.backend.in_background
         bench = Bench.of(self.info, self.peer_id)
-        digest, outcome = await background(_intake, meta, tensors, bench, self._forgeries.__contains__)
+        known = self._forgeries.__contains__
+        digest, outcome = await background(_intake, meta, tensors, bench, known, announced)
         try:
             known = self._forgeries.get(digest)
             if known is not None:  # seen before: the same finding, without its checks
                 self._forgeries.move_to_end(digest)
                 raise Rejected(known.reason, known.detail)
             if outcome is None:  # forgotten since the task looked: checked after all
-                outcome = await background(_cheap_checks, meta, tensors, bench)
+                outcome = await background(_cheap_checks, meta, tensors, bench, announced)
             if isinstance(outcome, Rejected):
                 raise outcome
             steps = len(outcome.receipts)
@@ -261,6 +304,73 @@ class Judge:
             log.exception("could not publish the verdict against %s", case.accused[:10])
 
 
+#: what a piece of evidence displaced from the queue is told
+DISPLACED = "busy: displaced by evidence against a server not convicted here (this one's accused or sender is)"
+
+
+@dataclass(eq=False)
+class _Entry:
+    """A piece of evidence in a judge's queue: ``low`` priority or not, whether its recompute
+    ``started``, whether it was ``displaced`` (it leaves ``busy``)."""
+
+    low: bool
+    started: bool = False
+    displaced: Rejected | None = None
+    future: asyncio.Future | None = None  # while it waits for its turn
+
+
+class Turns:
+    """Whose recompute is next: one at a time, every other piece of evidence before a low one, then
+    in arrival order. ``acquire``/``release`` take a turn as a plain lock would (at normal priority)."""
+
+    def __init__(self) -> None:
+        self._held = False
+        self._queue: list[tuple[bool, int, _Entry]] = []
+        self._arrivals = itertools.count()
+
+    def locked(self) -> bool:
+        return self._held
+
+    async def acquire(self, entry: _Entry | None = None) -> None:
+        entry = entry if entry is not None else _Entry(False)
+        if entry.displaced is not None:
+            raise entry.displaced
+        if not self._held:  # free: nobody waits either (release hands the turn to a waiter first)
+            self._held, entry.started = True, True
+            return
+        entry.future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._queue, (entry.low, next(self._arrivals), entry))
+        try:
+            await entry.future
+        except asyncio.CancelledError:
+            if entry.future.done() and not entry.future.cancelled() and entry.future.exception() is None:
+                self.release()  # handed the turn as it was cancelled: pass it on
+            raise
+        entry.started = True
+
+    def release(self) -> None:
+        while self._queue:
+            _, _, entry = heapq.heappop(self._queue)
+            if entry.future is not None and not entry.future.done():
+                entry.future.set_result(None)  # the turn passes on, still held
+                return
+        self._held = False
+
+    def displace(self, entry: _Entry, reason: Rejected) -> None:
+        """``entry`` leaves with ``reason`` instead of waiting for its turn (now, or when it asks)."""
+        entry.displaced = reason
+        if entry.future is not None and not entry.future.done():
+            entry.future.set_exception(reason)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, entry: _Entry):
+        await self.acquire(entry)
+        try:
+            yield
+        finally:
+            self.release()
+
+
 def blob_digest(meta: EvidenceRequest, tensors: Sequence[Tensor]) -> bytes:
     """sha256 of every byte of a piece of evidence (metadata, each tensor's dtype, shape and data):
     only the very same blob is answered from memory, so a forged copy of genuine receipts never
@@ -272,21 +382,27 @@ def blob_digest(meta: EvidenceRequest, tensors: Sequence[Tensor]) -> bytes:
     return digest.digest()
 
 
-def _cheap_checks(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench) -> Case | Rejected:
+def _cheap_checks(
+    meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, announced: Announced | None = None
+) -> Case | Rejected:
     """:func:`check_evidence` but the signatures and input digests; its finding returned, not raised."""
     try:
-        return check_evidence(meta, tensors, bench, costly=False)
+        return check_evidence(meta, tensors, bench, costly=False, announced=announced)
     except Rejected as exc:
         return exc
 
 
 def _intake(
-    meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, known: Callable[[bytes], bool]
+    meta: EvidenceRequest,
+    tensors: Sequence[Tensor],
+    bench: Bench,
+    known: Callable[[bytes], bool],
+    announced: Announced | None = None,
 ) -> tuple[bytes, Case | Rejected | None]:
     """One compute task: the blob's digest and, unless ``known`` (found forged or malformed before:
     a lookup in the judge's memory, one atomic dict read from this thread), the cheap checks."""
     digest = blob_digest(meta, tensors)
-    return digest, None if known(digest) else _cheap_checks(meta, tensors, bench)
+    return digest, None if known(digest) else _cheap_checks(meta, tensors, bench, announced)
 
 
 __all__ = [

@@ -270,6 +270,7 @@ class Presence:
         server = self.gate.server
         self.announcement.cache_tokens_free = server.budget.free_tokens
         self.announcement.adapters = tuple((a.name, a.digest) for a in server.info.adapters)
+        self.announcement.compute = server.info.compute
         self.announce_span(server.info.blocks, server.info.fingerprints, State.ONLINE)
         for signed in self.announcement.records():
             self.service.publish(signed)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shoal.errors import BadRequest, Unavailable, WireError
-from shoal.ids import PeerId
+from shoal.ids import BlockRange, PeerId
 from shoal.verify.receipts import server_receipt
 from shoal.wire import Codec, Message, codecs
 from shoal.wire.schema import BackwardRequest, ForwardReply, ForwardRequest
@@ -20,15 +20,20 @@ if TYPE_CHECKING:
 
 
 async def forward(server: BlockServer, request: Message, peer_id: PeerId) -> Message:
-    """One pass over the span's blocks (receipt signed if asked)."""
+    """One pass over the span's blocks, or over the sub-range ``meta.blocks`` of them (receipt signed if asked)."""
     if server.draining:
         raise Unavailable("server is draining (leaving the swarm): use another server")
     meta: ForwardRequest = request.meta
     backend = server.backend
+    sub = check_sub_range(server, meta)
     hidden, position_ids, mask, prompts = backend.forward_inputs(request.tensors, meta.prompts)
     check_positions(server, hidden, in_chunks=prompts is None)
     backend.check_adapter(meta.adapter)
-    out = await backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter, peer=peer_id)
+    if sub is not None:
+        out = await backend.run_blocks(hidden, position_ids, mask, sub.start, sub.end, adapter=meta.adapter,
+                                       peer=peer_id)  # fmt: skip
+    else:
+        out = await backend.run(hidden, position_ids, mask, prompts=prompts, adapter=meta.adapter, peer=peer_id)
     server.counters.forward_requests += 1
     server.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
     codecs_out = in_kind(out, request)  # first: raises if the codec cannot carry the output
@@ -52,6 +57,20 @@ async def backward(server: BlockServer, request: Message) -> Message:
     server.counters.backward_requests += 1
     server.counters.backward_tokens += hidden.shape[0] * hidden.shape[1]
     return Message("result", request.id, tensors=grads)
+
+
+def check_sub_range(server: BlockServer, meta: ForwardRequest) -> BlockRange | None:
+    """The blocks a forward asks for when they are a proper part of the span (None: the whole span).
+    They must lie inside the span; deep prompts and receipts are for whole spans only (a prompt
+    tensor and a receipt name the span's blocks)."""
+    blocks, span = meta.blocks, server.info.blocks
+    if blocks is None or blocks == span:
+        return None
+    if not span.start <= blocks.start < blocks.end <= span.end:
+        raise BadRequest(f"blocks {blocks.start}:{blocks.end} are not within this span {span.start}:{span.end}")
+    if meta.prompts or meta.receipt:
+        raise BadRequest("a forward over part of the span takes no deep prompts and signs no receipt")
+    return blocks
 
 
 def check_positions(server: BlockServer, hidden: torch.Tensor, in_chunks: bool) -> None:
@@ -87,4 +106,4 @@ def in_kind(out: torch.Tensor, request: Message) -> tuple[Codec, ...]:
     return (codec,)
 
 
-__all__ = ["backward", "check_positions", "forward", "in_kind"]
+__all__ = ["backward", "check_positions", "check_sub_range", "forward", "in_kind"]

@@ -31,7 +31,7 @@ from shoal.errors import ShoalError
 from shoal.ids import BlockRange, OnBlocks
 from shoal.quantization.formats import Quantization
 from shoal.swarm.members import MAX_CERTIFICATE_BYTES
-from shoal.verify.receipts import signed_by
+from shoal.verify.receipts import COMPUTE_LABELS, signed_by
 from shoal.wire.schema import Receipt
 
 SIGNING_CONTEXT = b"shoal/record/1\0"
@@ -81,6 +81,10 @@ class ServerRecord(OnBlocks):
     # LoRA adapters the server runs its span with, (name, sha256 hex of the whole adapter's tensors),
     # sorted by name; sent only when there are any (field 19, after quantization, then always sent)
     adapters: tuple[tuple[str, str], ...] = ()
+    # how it computes, as its receipts sign it ("bf16/cuda": shoal.verify.receipts.COMPUTE_LABELS); sent
+    # only when known (field 20, after quantization and adapters, then always sent): clients refuse a
+    # receipt signing another label, judges hold the server to this one
+    compute: str = ""
 
     TAG = "srv"
 
@@ -98,23 +102,27 @@ class ServerRecord(OnBlocks):
             list(self.fingerprints), str(self.state), self.throughput, self.cache_tokens_free,
             [list(r) for r in self.rtts], self.version, self.timestamp, self.expires, self.step_ms,
             list(self.capabilities),
-            *([] if self.quantization is Quantization.NONE and not self.adapters else [str(self.quantization)]),
-            *([[list(a) for a in self.adapters]] if self.adapters else []),
+            *([] if self.quantization is Quantization.NONE and not self.adapters and not self.compute
+              else [str(self.quantization)]),
+            *([[list(a) for a in self.adapters]] if self.adapters or self.compute else []),
+            *([self.compute] if self.compute else []),
         ]  # fmt: skip
 
     @classmethod
     def from_fields(cls, f: list) -> ServerRecord:
         # 15: before step_ms existed, 16: before capabilities, 17: full precision (or before quantization),
-        # 18: no adapters (or before them)
-        _expect(len(f) in (15, 16, 17, 18, 19), "field count")
+        # 18: no adapters (or before them), 19: no compute label (or before it)
+        _expect(len(f) in (15, 16, 17, 18, 19, 20), "field count")
         swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f[:15]
         step_ms = f[15] if len(f) >= 16 else 0.0
         capabilities = f[16] if len(f) >= 17 else []
         quantization = f[17] if len(f) >= 18 else str(Quantization.NONE)
-        adapters = f[18] if len(f) == 19 else []
+        adapters = f[18] if len(f) >= 19 else []
+        compute = f[19] if len(f) == 20 else ""
+        _expect(len(f) < 20 or (_is_str(compute) and compute in COMPUTE_LABELS), "compute")
         _expect(_is_str(quantization) and quantization in Quantization.__members__.values(), "quantization")
         _expect(len(f) != 18 or quantization != Quantization.NONE, "quantization")  # "none": only before adapters
-        _expect(isinstance(adapters, list) and len(adapters) <= 64 and (len(f) < 19 or adapters), "adapters")
+        _expect(isinstance(adapters, list) and len(adapters) <= 64 and (len(f) != 19 or adapters), "adapters")
         _expect(all(_is_adapter(a) for a in adapters), "adapters")
         _expect(len({a[0] for a in adapters}) == len(adapters), "adapters")
         _expect(_is_num(step_ms) and 0 <= step_ms < 1e7, "step_ms")
@@ -134,7 +142,7 @@ class ServerRecord(OnBlocks):
             _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), BlockRange(start, end), tuple(fps),
             State(state), float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp),
             float(step_ms), tuple(sorted(set(capabilities))), Quantization(quantization),
-            tuple(sorted((name, digest) for name, digest in adapters)),
+            tuple(sorted((name, digest) for name, digest in adapters)), compute,
         )  # fmt: skip
 
 

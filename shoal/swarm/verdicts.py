@@ -25,6 +25,16 @@ of M other than P whose span OVERLAPS ``[a, b)``. Why each part:
   The accused's own absence lapses nothing: its judges keep re-signing for a day, so a liar that
   goes quiet until its records expire is convicted again the moment it comes back.
 
+* for a client, only judges it has itself seen computing those blocks correctly (``vouched``: a hop
+  its audits found clean, an auditor that agreed, a third replica in a settled majority). An
+  admitted server is only one that answers probes, which costs a key nothing but an open port; a
+  judge seen computing the blocks did the work. Verdicts of judges not seen yet are *advisory*
+  (:func:`suspected`): the client routes around the accused where others serve its blocks, and
+  audits it where it must use it. So any number of keys that serve nothing convict nobody, and a
+  real liar is still dropped swarm-wide: by every client that has used its honest judges, and
+  routed around by the others. Servers (next hops, ``shoal swarm status``) have no audits of their
+  own and count admitted judges (``vouched=None``).
+
 The price is liveness, never safety: a swarm where fewer than two other servers cover a span never
 convicts that span's server swarm-wide, nor one whose blocks are mostly served in pieces (the
 judges cannot outnumber the abstaining partial servers); the clients that caught it still ban it
@@ -37,7 +47,7 @@ from routes, servers from their next hops, ``shoal swarm status`` shows the tall
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import msgspec
@@ -53,9 +63,12 @@ VERDICT_LIFETIME = 1800.0
 #: judges it takes to convict however small the electorate: one key alone never convicts
 MIN_JUDGES = 2
 
+#: for each peer, the blocks a client has seen it compute correctly (its own audits): who may judge for it
+Vouched = Mapping[str, Sequence[BlockRange]]
+
 __all__ = [
-    "MAX_KEPT_VERDICTS", "MIN_JUDGES", "VERDICT_LIFETIME", "VERDICT_MAX_AGE", "Tally", "VerdictKeeper", "convicted",
-    "covers", "overlaps", "tally", "verdict_for",
+    "MAX_KEPT_VERDICTS", "MIN_JUDGES", "VERDICT_LIFETIME", "VERDICT_MAX_AGE", "Tally", "VerdictKeeper", "Vouched",
+    "convicted", "covers", "overlaps", "suspected", "tally", "verdict_for", "vouched_for",
 ]  # fmt: skip
 
 
@@ -71,6 +84,7 @@ class Tally:
     judges: tuple[str, ...]
     ignored: tuple[str, ...]
     electorate: int
+    advisory: tuple[str, ...] = ()  # judges able to judge that the deciding client has not seen compute the blocks
 
     @property
     def needed(self) -> int:
@@ -80,6 +94,11 @@ class Tally:
     @property
     def convicts(self) -> bool:
         return len(self.judges) >= self.needed
+
+    @property
+    def suspects(self) -> bool:
+        """Whether it would convict were its advisory judges seen computing the blocks too."""
+        return not self.convicts and len(self.judges) + len(self.advisory) >= self.needed
 
     def as_json(self) -> dict:
         return {
@@ -92,6 +111,7 @@ class Tally:
             "electorate": self.electorate,
             "needed": self.needed,
             "convicts": self.convicts,
+            "advisory_judges": list(self.advisory),
         }
 
 
@@ -105,8 +125,16 @@ def overlaps(record: ServerRecord, blocks: BlockRange) -> bool:
     return record.start < blocks.end and blocks.start < record.end
 
 
-def tally(table: RecordTable, model: str, now: float | None = None) -> list[Tally]:
-    """Every (accused, blocks) that verdicts of ``model`` name, weighed (see the module docstring)."""
+def vouched_for(vouched: Vouched, peer: str, blocks: BlockRange) -> bool:
+    """Whether ``vouched`` saw ``peer`` compute every one of ``blocks`` correctly."""
+    seen = vouched.get(peer, ())
+    return all(any(r.start <= b < r.end for r in seen) for b in range(blocks.start, blocks.end))
+
+
+def tally(table: RecordTable, model: str, now: float | None = None, vouched: Vouched | None = None) -> list[Tally]:
+    """Every (accused, blocks) that verdicts of ``model`` name, weighed (see the module docstring).
+    ``vouched``: a client's (only judges it saw compute the blocks count; the others are advisory);
+    None: every admitted judge counts (a server's view)."""
     now = table.clock() if now is None else now
     # only servers this peer has reached may judge or vote (a record alone is free to make)
     online = [r for r in table.admitted(model) if r.state is State.ONLINE and r.expires > now]
@@ -118,17 +146,33 @@ def tally(table: RecordTable, model: str, now: float | None = None) -> list[Tall
     for (accused, blocks), signers in sorted(grouped.items(), key=lambda item: (item[0][0], item[0][1].start)):
         electorate = {r.peer for r in online if r.peer != accused and overlaps(r, blocks)}
         able = {r.peer for r in online if r.peer != accused and covers(r, blocks)}
-        counted = tuple(sorted(signers & able))
+        seen = {p for p in signers & able if vouched is None or vouched_for(vouched, p, blocks)}
+        advisory = tuple(sorted((signers & able) - seen))
         ignored = tuple(sorted(signers - able))
-        out.append(Tally(accused, model, blocks, counted, ignored, len(electorate)))
+        out.append(Tally(accused, model, blocks, tuple(sorted(seen)), ignored, len(electorate), advisory))
     return out
 
 
-def convicted(table: RecordTable, model: str, now: float | None = None) -> dict[PeerId, Tally]:
-    """The peers the swarm convicts for ``model`` now, each with a tally that convicts it."""
+def convicted(
+    table: RecordTable, model: str, now: float | None = None, vouched: Vouched | None = None
+) -> dict[PeerId, Tally]:
+    """The peers the swarm convicts for ``model`` now, each with a tally that convicts it (counting,
+    given ``vouched``, only judges that client saw compute the blocks)."""
     out: dict[PeerId, Tally] = {}
-    for result in tally(table, model, now):
+    for result in tally(table, model, now, vouched):
         if result.convicts:
+            out.setdefault(PeerId(result.accused), result)
+    return out
+
+
+def suspected(table: RecordTable, model: str, vouched: Vouched, now: float | None = None) -> dict[PeerId, Tally]:
+    """The peers not convicted for a client with ``vouched`` whose verdicts would convict them were
+    the advisory judges counted: that client routes around them where it can, and audits them."""
+    out: dict[PeerId, Tally] = {}
+    results = tally(table, model, now, vouched)
+    guilty = {r.accused for r in results if r.convicts}
+    for result in results:
+        if result.suspects and result.accused not in guilty:
             out.setdefault(PeerId(result.accused), result)
     return out
 

@@ -6,8 +6,9 @@ checked (:mod:`.evidence`).
 Where the rest of verification lives, by who runs it:
 
     client  shoal/client/verification/
-              audit.py      modes (audit, redundant), counters, LieDetected
+              audit.py      modes (audit, redundant), counters, LieDetected, UnsettledDispute
               auditors.py   a session's auditors: replicas re-run its hops, disputes are settled
+                            (or, unsettled, both sides routed around)
               repair.py     generate rolls back to a lie and regenerates; hold_back streamers
               witness.py    testimony: evidence of a caught liar sent to the judges
             shoal/client/remote/sequence.py  receipts of stateless forwards checked

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shoal.verify.receipts import COMPUTE_DEVICE
+from shoal.verify.receipts import known_compute
 from shoal.wire.codecs import Codec
 
 __all__ = [
@@ -170,7 +170,7 @@ def tolerance_of(
     ``device``; ``other``: how the other side computed, as a receipt signs it ("bf16/cuda", see
     :func:`shoal.verify.receipts.compute_label`; None or "": not known). The coarsest rounding
     counts (a lossy codec rounds to about bfloat16); when ``other`` names another device type
-    (:data:`~shoal.verify.receipts.COMPUTE_DEVICE`) than ``device``'s, kernels differ too: the
+    (a label of :data:`~shoal.verify.receipts.COMPUTE_LABELS`) than ``device``'s, kernels differ too: the
     tolerance is at least the uncalibrated-device one (the CPU constants times
     :data:`_UNCALIBRATED_DEVICE_MARGIN`); an unknown one or dtype loosens nothing (judges reject such
     evidence as forged, :mod:`shoal.verify.evidence`). ``compute`` is self-declared: a liar claiming
@@ -184,7 +184,7 @@ def tolerance_of(
         dtypes.append(torch.bfloat16)
     coarsest = max(dtypes, key=_COARSENESS.__getitem__)
     tolerance = tolerance_for(coarsest, device)
-    if COMPUTE_DEVICE.fullmatch(other_device) and other_device != torch.device(device).type:
+    if known_compute(other or "") and other_device != torch.device(device).type:
         across = _scaled(tolerance_for(coarsest, "cpu"), _UNCALIBRATED_DEVICE_MARGIN)
         if across.relative > tolerance.relative:
             return across

@@ -3,10 +3,13 @@
 After a majority of replicas convicted a server of wrong outputs (:mod:`shoal.client.verification.audit`), the
 client testifies (:mod:`shoal.client.verification.witness`) with what anyone serving those blocks can recompute
 without trusting the client: the liar's own signed receipts of one session, from cache position 0
-up to the end ``P`` of the step that holds the first wrong position (the *disputed* step, the last
-receipt), the inputs of its first block at ``[0, P)`` (hidden states, position ids and mask, as the
-liar decoded them: each receipt's ``inputs`` digest names its slice exactly) and the disputed step's
-output as its receiver decoded it (the last receipt's ``outputs``). So a judge needs no history of
+up to the end ``P`` of the *disputed* steps (the step that holds the first wrong position and the
+later ones the client's audit compared, at most :data:`~shoal.wire.schema.MAX_DISPUTED_STEPS`: the
+last receipts), the inputs of its first block at ``[0, P)`` (hidden states, position ids and mask,
+as the liar decoded them: each receipt's ``inputs`` digest names its slice exactly) and the
+disputed steps' outputs as their receiver decoded them (each slice its receipt's ``outputs``): the
+judge's comparison sees what the audit's did, the window rule included. It is built on the
+client's side by :mod:`shoal.verify.testimony`. So a judge needs no history of
 its own, and a client cannot make up inputs or outputs the accused did not sign.
 
 A rollback re-sends steps over positions already computed: the latest receipt covering a position
@@ -39,7 +42,6 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 import torch
@@ -50,14 +52,20 @@ from shoal.ids import BlockRange, PeerId
 from shoal.verify.compare import Tolerance, first_disagreement
 from shoal.verify.receipts import adapter_tag, known_compute, signed_by, tensor_digest, weights_digest
 from shoal.verify.state import EMPTY_STATE, chain_states
-from shoal.wire import Message
+from shoal.verify.testimony import (
+    MAX_EVIDENCE_BYTES,
+    MAX_EVIDENCE_POSITIONS,
+    Evidence,
+    History,
+    NoEvidence,
+    build_evidence,
+    covering_receipts,
+    disputed_receipts,
+    outputs_named,
+    step_tensors,
+)
 from shoal.wire.schema import MAX_BATCH, EvidenceRequest, Receipt, SpanInfo
-from shoal.wire.tensors import serial_copy
 
-#: positions ``[0, P)`` one piece of evidence may cover at most (a judge recomputes all of them)
-MAX_EVIDENCE_POSITIONS = 8192
-#: bytes of tensors one piece of evidence may carry at most
-MAX_EVIDENCE_BYTES = 64 << 20
 EVIDENCE_CONTEXT = b"shoal/evidence/1\0"
 _encode = msgspec.msgpack.Encoder().encode
 _decode_receipts = msgspec.msgpack.Decoder(list[Receipt]).decode
@@ -81,115 +89,6 @@ class Rejected(ShoalError):
         super().__init__(f"evidence rejected ({reason}): {detail}")
         self.reason = reason
         self.detail = detail
-
-
-class NoEvidence(ShoalError):
-    """The client cannot build evidence of this lie (it logs why and testifies to nobody)."""
-
-
-class History(Protocol):
-    """What evidence is built from: a session's history (:class:`shoal.client.remote.history.SpanHistory`)."""
-
-    def receipts(self, block: int) -> list[Receipt]: ...
-
-    def window(self, block: int, start: int, end: int) -> list[Tensor]: ...
-
-    def hidden(self, block: int, start: int, end: int) -> Tensor: ...
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """One piece of evidence, ready to send (:meth:`message`) to any judge."""
-
-    meta: EvidenceRequest
-    tensors: list[Tensor] = field(repr=False)  # [receipts u8, output, hidden, position_ids, mask?]
-
-    @property
-    def positions(self) -> int:
-        return self.tensors[2].shape[1]
-
-    def message(self, request_id: int = 1) -> Message:
-        return Message("evidence", request_id, self.meta, self.tensors)
-
-
-def step_tensors(hidden: Tensor, position_ids: Tensor, mask: Tensor | None, start: int, end: int) -> list[Tensor]:
-    """The tensors a step over ``[start, end)`` sent (what its receipt's ``inputs`` digests): the
-    slices, and the mask of ``[0, end)`` only when something there is padded (as the client sends)."""
-    tensors = [_serial(hidden[:, start:end]), _serial(position_ids[:, start:end])]
-    if mask is not None and not mask[:, :end].numpy().all():
-        tensors.append(_serial(mask[:, :end]))
-    return tensors
-
-
-def _serial(tensor: Tensor) -> Tensor:
-    """``tensor`` if contiguous, else a numpy-made copy: digesting a slice of a batch would copy it in
-    torch, and the client digests in a worker thread that must never open an OpenMP pool of its own."""
-    return tensor if tensor.is_contiguous() else serial_copy(tensor)
-
-
-def covering_receipts(receipts: Sequence[Receipt], liar: PeerId, blocks: BlockRange, position: int) -> list[Receipt]:
-    """The liar's receipts of the session in which it answered ``position`` wrong, covering
-    ``[0, P)`` contiguously, the latest covering each position, the disputed step last. Raises
-    :class:`NoEvidence` when they do not."""
-    mine = [r for r in receipts if (r.start, r.end) == (blocks.start, blocks.end)]
-    disputed = None
-    for index in range(len(mine) - 1, -1, -1):  # the latest step covering the position
-        receipt = mine[index]
-        if receipt.position <= position < receipt.position + receipt.n and signed_by(receipt, liar):
-            disputed = index
-            break
-    if disputed is None:
-        raise NoEvidence(f"no receipt of {liar[:10]} covers position {position} of blocks {blocks}")
-    session = mine[disputed].session
-    kept: list[Receipt] = []
-    for receipt in mine[: disputed + 1]:
-        if receipt.session != session or not signed_by(receipt, liar):
-            continue
-        while kept and kept[-1].position >= receipt.position:  # re-sent: the later step overwrote it
-            kept.pop()
-        if kept and kept[-1].position + kept[-1].n > receipt.position:
-            raise NoEvidence(f"a re-sent step at {receipt.position} split the step at {kept[-1].position}")
-        kept.append(receipt)
-    expected = 0
-    for receipt in kept:
-        if receipt.position != expected:
-            raise NoEvidence(f"the liar's receipts do not cover positions {expected}:{receipt.position}")
-        expected += receipt.n
-    return kept
-
-
-def build_evidence(model: str, blocks: BlockRange, liar: PeerId, position: int, history: History) -> Evidence:
-    """Evidence that ``liar``, serving ``blocks`` of ``model``, answered wrong outputs at ``position``,
-    from ``history`` (copies: the history may be truncated right after). Every receipt's digests are
-    checked against the tensors taken (a judge would reject what they do not name); raises
-    :class:`NoEvidence` saying why there is none."""
-    chosen = covering_receipts(history.receipts(blocks.start), liar, blocks, position)
-    disputed = chosen[-1]
-    end = disputed.position + disputed.n
-    if end > MAX_EVIDENCE_POSITIONS:
-        raise NoEvidence(f"the disputed step ends at position {end}, past {MAX_EVIDENCE_POSITIONS}")
-    try:
-        window = history.window(blocks.start, 0, end)
-        output = history.hidden(blocks.end, disputed.position, end)
-    except ShoalError as exc:
-        raise NoEvidence(f"the history lacks the evidence's tensors: {exc}") from None
-    hidden, position_ids = window[0], window[1]
-    mask = window[2] if len(window) > 2 else None
-    for receipt in chosen:
-        sent = step_tensors(hidden, position_ids, mask, receipt.position, receipt.position + receipt.n)
-        if tensor_digest(sent) != receipt.inputs:
-            raise NoEvidence(f"the recorded inputs at {receipt.position} are not the ones the liar signed")
-    if tensor_digest([output]) != disputed.outputs:
-        raise NoEvidence("the recorded output of the disputed step is not the one the liar signed")
-    packed = torch.frombuffer(bytearray(_encode(chosen)), dtype=torch.uint8)
-    tensors = [packed, serial_copy(output), serial_copy(hidden), serial_copy(position_ids)]
-    if mask is not None:
-        tensors.append(serial_copy(mask))
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    if size > MAX_EVIDENCE_BYTES:
-        raise NoEvidence(f"{size} bytes of evidence, past {MAX_EVIDENCE_BYTES}")
-    meta = EvidenceRequest(model=model, accused=liar, start=blocks.start, end=blocks.end, steps=len(chosen))
-    return Evidence(meta, tensors)
 
 
 # ---- the judge's side ---------------------------------------------------------------------------
@@ -220,6 +119,18 @@ class Bench:
 
 
 @dataclass(frozen=True)
+class Announced:
+    """What the swarm holds an accused to on the evidence's blocks (from the judge's table): the
+    weights digest of the pinned model record's fingerprints in the quantization the accused
+    announced, and the compute label it announced ("": none). Given, the judge trusts neither claim
+    of the receipts: it recomputes with the pinned weights whatever ``weights`` they sign, and
+    compares within the announced label's tolerance whatever ``compute`` they sign."""
+
+    weights: bytes
+    compute: str = ""
+
+
+@dataclass(frozen=True)
 class Case:
     """Evidence that passed :func:`check_evidence`: what to recompute and what to compare it with."""
 
@@ -234,10 +145,17 @@ class Case:
     key: bytes  # names the evidence for replay checks: sha256 over the receipts' signatures
     digest: bytes  # sha256 of the evidence (a verdict names it)
     adapter: str | None = None  # the judge's name of the adapter the accused ran (by its digest)
+    compute: str = ""  # how the accused computed, as the judge holds it to (its announcement, else its receipts)
+    disputed_steps: int = 1  # the last receipts whose outputs ``output`` holds, end to end
 
     @property
     def disputed(self) -> Receipt:
+        """The last disputed step's receipt (a verdict shows it)."""
         return self.receipts[-1]
+
+    @property
+    def first_disputed(self) -> Receipt:
+        return self.receipts[-self.disputed_steps]
 
 
 def _malformed(detail: str) -> Rejected:
@@ -272,8 +190,12 @@ def _tensors(tensors: Sequence[Tensor], bench: Bench) -> tuple[list[Receipt], Te
     return receipts, output, hidden, position_ids, mask
 
 
-def _judged_here(meta: EvidenceRequest, receipts: Sequence[Receipt], tensors: Sequence[Tensor], bench: Bench) -> None:
-    """Raises ``not_judged`` unless this judge can recompute the evidence as the accused did."""
+def _judged_here(
+    meta: EvidenceRequest, receipts: Sequence[Receipt], tensors: Sequence[Tensor], bench: Bench,
+    announced: Announced | None = None,
+) -> None:  # fmt: skip
+    """Raises ``not_judged`` unless this judge can recompute the evidence as the accused did (with
+    ``announced``: as the swarm pins it to compute, whatever weights its receipts sign)."""
     blocks = BlockRange(meta.start, meta.end)
     if meta.model != bench.model:
         raise Rejected(Reason.NOT_JUDGED, f"about model {meta.model!r}; this server serves {bench.model!r}")
@@ -285,13 +207,15 @@ def _judged_here(meta: EvidenceRequest, receipts: Sequence[Receipt], tensors: Se
     if positions > MAX_EVIDENCE_POSITIONS or size > MAX_EVIDENCE_BYTES:
         raise Rejected(Reason.NOT_JUDGED, f"too large: {positions} positions, {size} bytes")
     ours = bench.weights(blocks)
+    if announced is not None and announced.weights != ours:
+        raise Rejected(Reason.NOT_JUDGED, "the accused announces another weight format than this server's")
     for receipt in receipts:
         if receipt.prompts:
             raise Rejected(Reason.NOT_JUDGED, "deep prompts joined the inputs (evidence cannot show them)")
         if receipt.adapter and receipt.adapter not in bench.adapters:
             detail = f"ran with the adapter of digest {receipt.adapter.hex()}..., which this server lacks"
             raise Rejected(Reason.NOT_JUDGED, detail)
-        if receipt.weights != ours:
+        if announced is None and receipt.weights != ours:
             raise Rejected(Reason.NOT_JUDGED, "states other weights than this server's (fingerprints, quantization)")
 
 
@@ -316,18 +240,21 @@ def _genuine(
         expected += receipt.n
     if expected != hidden.shape[1]:
         raise forged(f"the receipts cover {expected} positions, the inputs {hidden.shape[1]}")
-    if tensor_digest([output]) != receipts[-1].outputs:  # one step's rows: cheap, before the costly checks
+    disputed = receipts[-meta.disputed :]
+    if len({r.codec for r in disputed}) > 1:  # one tolerance for all of them
+        raise forged("disputed steps sent in different codecs")
+    if outputs_named(disputed, output) is not None:  # at most 64 steps' rows: cheap, before the costly checks
         raise forged("the output is not the one the accused signed")
     if costly:  # the costly checks last
-        _signed_and_named(meta.accused, receipts, True, output, hidden, position_ids, mask)
+        _signed_and_named(meta.accused, receipts, disputed, output, hidden, position_ids, mask)
 
 
-def _signed_and_named(accused: PeerId, receipts: Sequence[Receipt], disputed: bool, output, hidden, position_ids,
-                      mask, previous: Receipt | None = None) -> None:  # fmt: skip
+def _signed_and_named(accused: PeerId, receipts: Sequence[Receipt], disputed: Sequence[Receipt], output, hidden,
+                      position_ids, mask, previous: Receipt | None = None) -> None:  # fmt: skip
     """The costly ``forged`` checks of ``receipts`` (a run of the evidence's, after ``previous``;
     None: from position 0): each signed by the accused, naming the inputs sent, and stating the
-    cache state those inputs chain to at its position; with ``disputed`` (the run ends with the
-    disputed step), the output too."""
+    cache state those inputs chain to at its position; with ``disputed`` (the disputed receipts,
+    when the run ends with them), the output too."""
     forged = lambda detail: Rejected(Reason.FORGED, detail)  # noqa: E731
     for receipt in receipts:
         if not signed_by(receipt, accused):
@@ -339,7 +266,7 @@ def _signed_and_named(accused: PeerId, receipts: Sequence[Receipt], disputed: bo
             raise forged(f"the receipt at position {receipt.position} ran on another cache than these inputs "
                          "(a receipt from before a rollback?)")  # fmt: skip
         previous = receipt
-    if disputed and tensor_digest([output]) != receipts[-1].outputs:
+    if disputed and outputs_named(disputed, output) is not None:
         raise forged("the output is not the one the accused signed")
 
 
@@ -353,26 +280,35 @@ def _state_after(receipt: Receipt | None, hidden: Tensor, position_ids: Tensor, 
     return chain_states(receipt.state, hidden[:, start:end], position_ids[:, start:end], columns)[-16:]
 
 
-def check_evidence(meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, *, costly: bool = True) -> Case:
+def check_evidence(
+    meta: EvidenceRequest, tensors: Sequence[Tensor], bench: Bench, *, costly: bool = True,
+    announced: Announced | None = None,
+) -> Case:  # fmt: skip
     """Evidence sent to ``bench``, checked (malformed, not judged here, forged, in that order);
     raises :class:`Rejected`. Replays and the recomputation are the judge's. ``costly=False``: all
     but the signature and digest checks, which the caller then runs in parts (:func:`check_part`: a
-    judge's compute tasks stay short)."""
+    judge's compute tasks stay short). ``announced``: what the swarm holds the accused to (in a
+    swarm; None: the receipts' own ``weights`` must be this judge's)."""
     receipts, output, hidden, position_ids, mask = _tensors(tensors, bench)
     if len(receipts) != meta.steps or not receipts:
         raise _malformed(f"the metadata says {meta.steps} receipts, the tensor holds {len(receipts)}")
-    if output.shape[1] != receipts[-1].n:
-        raise _malformed(f"the output has {output.shape[1]} positions, the disputed step {receipts[-1].n}")
+    if meta.disputed > len(receipts):
+        raise _malformed(f"{meta.disputed} disputed steps of {len(receipts)} receipts")
+    disputed_positions = sum(r.n for r in receipts[-meta.disputed :])
+    if output.shape[1] != disputed_positions:
+        plural = "s" if meta.disputed > 1 else ""
+        raise _malformed(f"the output has {output.shape[1]} positions, the disputed step{plural} {disputed_positions}")
     if meta.end <= meta.start:
         raise _malformed(f"empty blocks {meta.start}:{meta.end}")
-    _judged_here(meta, receipts, tensors, bench)
+    _judged_here(meta, receipts, tensors, bench, announced)
     _genuine(meta, receipts, output, hidden, position_ids, mask, costly)
     key = hashlib.sha256(b"".join(r.signature for r in receipts)).digest()
     digest = hashlib.sha256(EVIDENCE_CONTEXT + _encode(meta) + tensors[0].numpy().tobytes()).digest()
     blocks = BlockRange(meta.start, meta.end)
     adapter = bench.adapters.get(receipts[-1].adapter)  # None: the base weights (b"" is no adapter's tag)
+    compute = announced.compute if announced is not None and announced.compute else receipts[-1].compute
     return Case(meta.accused, meta.model, blocks, tuple(receipts), output, hidden, position_ids, mask, key, digest,
-                adapter)  # fmt: skip
+                adapter, compute, meta.disputed)  # fmt: skip
 
 
 def check_part(case: Case, first: int, last: int) -> None:
@@ -380,7 +316,7 @@ def check_part(case: Case, first: int, last: int) -> None:
     :func:`check_evidence` passed with ``costly=False`` (the output's with the last receipt);
     raises ``forged``. Every part passed: the case is what ``costly=True`` would have returned."""
     receipts = case.receipts[first:last]
-    disputed = last >= len(case.receipts)
+    disputed = case.receipts[-case.disputed_steps :] if last >= len(case.receipts) else ()
     previous = case.receipts[first - 1] if first > 0 else None  # signed: checked by the part before
     _signed_and_named(case.accused, receipts, disputed, case.output, case.hidden, case.position_ids, case.mask,
                       previous)  # fmt: skip
@@ -389,12 +325,12 @@ def check_part(case: Case, first: int, last: int) -> None:
 def finding(case: Case, recomputed: Tensor, tolerance: Tolerance) -> int:
     """The first position where the accused's disputed output disagrees with ``recomputed`` (the
     judge's outputs at ``[0, P)``) beyond ``tolerance``; raises ``framing`` when it agrees."""
-    start = case.disputed.position
+    start = case.first_disputed.position
     rows = recomputed[:, start:]
     mask = case.mask[:, start:] if case.mask is not None else None
     wrong = first_disagreement(rows, case.output.to(rows.dtype), tolerance, mask)
     if wrong is None:
-        detail = f"the accused's outputs at {start}:{start + case.disputed.n} recompute within tolerance"
+        detail = f"the accused's outputs at {start}:{start + case.output.shape[1]} recompute within tolerance"
         raise Rejected(Reason.FRAMING, detail)
     return start + wrong
 
@@ -424,6 +360,7 @@ __all__ = [
     "EVIDENCE_CONTEXT",
     "MAX_EVIDENCE_BYTES",
     "MAX_EVIDENCE_POSITIONS",
+    "Announced",
     "Bench",
     "Case",
     "Evidence",
@@ -436,6 +373,8 @@ __all__ = [
     "check_evidence",
     "check_part",
     "covering_receipts",
+    "disputed_receipts",
     "finding",
+    "outputs_named",
     "step_tensors",
 ]

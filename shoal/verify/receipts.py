@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import re
 from collections.abc import Sequence
+from typing import NewType
 
 import msgspec
 import torch
@@ -117,26 +117,43 @@ def adapter_tag(digest: str | None) -> bytes:
 #: how a receipt names a compute dtype, short (a receipt rides on every step): float32 is "f32"
 SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 _LONG_DTYPES = {short: name for name, short in SHORT_DTYPES.items()}
+#: the device types a server may compute on, as torch names them: a receipt names one of these (the
+#: tolerance knows each, :mod:`shoal.verify.compare`; a server on another type cannot be verified)
+COMPUTE_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu", "npu")
+#: a compute label: "f32/cpu", "bf16/cuda" (a member of :data:`COMPUTE_LABELS`)
+ComputeLabel = NewType("ComputeLabel", str)
+#: every label a receipt's ``compute`` (and a server's announcement) may say, the one fixed list:
+#: a dtype servers compute in over a device type. Anything else is refused by clients and judges
+#: (a liar would pick its own tolerance); a listed label other than the one the server announced
+#: is refused too (:func:`verify_receipt`), so no label buys a wider tolerance.
+COMPUTE_LABELS: frozenset[ComputeLabel] = frozenset(
+    ComputeLabel(f"{short}/{device}") for short in _LONG_DTYPES for device in COMPUTE_DEVICES
+)
 
 
-def compute_label(dtype: str, device: str | torch.device) -> str:
+def compute_label(dtype: str, device: str | torch.device) -> ComputeLabel:
     """What a receipt's ``compute`` is for a span computing in ``dtype`` ("float32", as SpanInfo says)
-    on ``device`` ("cpu", "cuda:1": only its type counts): "f32/cpu", "bf16/cuda"."""
-    return f"{SHORT_DTYPES.get(dtype, dtype)}/{torch.device(device).type}"[:24]
+    on ``device`` ("cpu", "cuda:1": only its type counts): "f32/cpu", "bf16/cuda". ``ValueError``
+    for a pair outside :data:`COMPUTE_LABELS` (a server there could not be verified)."""
+    label = f"{SHORT_DTYPES.get(dtype, dtype)}/{torch.device(device).type}"
+    if label not in COMPUTE_LABELS:
+        raise ValueError(f"no compute label for {dtype} on {device}: receipts name one of {sorted(COMPUTE_LABELS)}")
+    return ComputeLabel(label)
 
 
-#: the device types a receipt's ``compute`` may name: those the tolerance knows (:mod:`shoal.verify.compare`).
-#: A server on another type cannot be verified: clients refuse its receipts, judges its evidence as forged.
-#: device types as torch names them: any such name is a device a server may compute on (a liar that
-#: claims another gains at most the cross-device margin, see shoal.verify.compare.tolerance_of)
-COMPUTE_DEVICE = re.compile(r"[a-z][a-z0-9_]{0,15}")
+def announced_compute(dtype: str, device: str | torch.device) -> str:
+    """What a server announces and signs as its ``compute``: :func:`compute_label`, or "" where that
+    pair has no label (clients and judges then refuse its receipts: it cannot be verified)."""
+    try:
+        return compute_label(dtype, device)
+    except ValueError:
+        return ""
 
 
 def known_compute(compute: str) -> bool:
-    """Whether ``compute`` is a label :func:`compute_label` can make: a dtype servers compute in over
-    a device type's name (a label judges can hold a server to; anything else a client refuses)."""
-    dtype, slash, device = compute.partition("/")
-    return bool(slash) and dtype in _LONG_DTYPES and COMPUTE_DEVICE.fullmatch(device) is not None
+    """Whether ``compute`` is on the fixed list (:data:`COMPUTE_LABELS`): a label judges can hold a
+    server to; anything else a client refuses and a judge finds forged."""
+    return compute in COMPUTE_LABELS
 
 
 def compute_dtype(compute: str) -> str:
@@ -283,7 +300,7 @@ def server_receipt(
         adapter=adapter_tag(digest),
         prompts=prompts,
         state=state,
-        compute=compute_label(info.dtype, device),
+        compute=info.compute or announced_compute(info.dtype, device),
     )
 
 
@@ -366,10 +383,12 @@ def _shown(value: object) -> str:
 
 
 __all__ = [
-    "COMPUTE_DEVICE",
+    "COMPUTE_DEVICES",
+    "COMPUTE_LABELS",
     "LIAR_BAN_SECONDS",
     "SIGNING_CONTEXT",
     "BadSignature",
+    "ComputeLabel",
     "Equivocation",
     "MissingReceipt",
     "Receipt",
@@ -377,6 +396,7 @@ __all__ = [
     "ReceiptMismatch",
     "ReceiptSigner",
     "adapter_tag",
+    "announced_compute",
     "compute_dtype",
     "compute_label",
     "expected_receipt",

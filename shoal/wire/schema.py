@@ -29,6 +29,7 @@ MAX_BATCH = 1024
 MAX_PUSH_HOPS = 64
 MAX_STEP_ID = 1 << 32
 MAX_EVIDENCE_STEPS = 1 << 16  # receipts in one piece of evidence
+MAX_DISPUTED_STEPS = 64  # of them, the last steps whose outputs it carries (what one audit compared)
 
 #: Every capability this version of shoal knows, announced by servers (``info``, records) and by
 #: every node (``hello``). Gate each new optional field or kind on one of these.
@@ -43,7 +44,8 @@ TRAIN = "train"  # the backward kind; deep prompts (``prompts``) on forward, bac
 ADAPTERS = "adapters"  # ``adapter`` on forward, backward and open: run with one of the server's LoRA adapters
 RECEIPTS = "receipts"  # ``receipt`` on step, push and forward: the reply carries a signed Receipt
 EVIDENCE = "evidence"  # the evidence kind: the server judges another's signed lie (shoal.server.judge)
-CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, RECEIPTS, EVIDENCE, *(codec.capability for codec in Codec)})
+SUB_SPAN = "sub-span"  # ``blocks`` on forward: run only those blocks of the span (an audit through pieces)
+CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, RECEIPTS, EVIDENCE, SUB_SPAN, *(codec.capability for codec in Codec)})
 
 Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
 StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
@@ -177,6 +179,9 @@ class SpanInfo(Meta):
     # how the weights the fingerprints name are held (left out at full precision, as in records)
     quantization: Quantization = Quantization.NONE
     adapters: Annotated[tuple[AdapterInfo, ...], msgspec.Meta(max_length=64)] = ()  # needs ADAPTERS
+    # how it computes, as its receipts sign it ("bf16/cuda", one of shoal.verify.receipts.COMPUTE_LABELS;
+    # "" from a server predating the field): a receipt signing another label is refused
+    compute: Annotated[str, msgspec.Meta(max_length=24)] = ""
 
 
 class InfoReply(Meta):
@@ -208,6 +213,9 @@ class ForwardRequest(Meta):
     prompts: bool = False  # needs TRAIN: the last tensor is the span's deep prompts (as OpenRequest's)
     adapter: AdapterName | None = None  # needs ADAPTERS
     receipt: bool = False  # needs RECEIPTS: answer with a ForwardReply carrying a signed Receipt
+    # needs SUB_SPAN: only these blocks of the span (model indices, inside the server's span: checked
+    # where it is served), without deep prompts or a receipt; None: the whole span
+    blocks: BlockRange | None = None
 
 
 class Receipt(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -317,8 +325,11 @@ class EvidenceRequest(Meta):
 
     ``receipts``: msgpack of a list of ``steps`` :class:`Receipt` (they do not fit a header), every
     step the accused signed for one session, in order, covering its cache positions ``[0, P)``
-    contiguously; the last is the disputed step. ``output``: what the disputed step answered, as
-    its receiver decoded it (the last receipt's ``outputs``). ``hidden``, ``position_ids`` and the
+    contiguously; the last ``disputed`` are the disputed steps (the one holding the first wrong
+    position and the steps after it that the client's audit compared: a lie spread over several
+    one-position decode steps is judged by the same window rule the audit applied). ``output``:
+    what the disputed steps answered, end to end, as their receiver decoded them (each one's slice
+    is its receipt's ``outputs``). ``hidden``, ``position_ids`` and the
     mask: the inputs of block ``start`` at those positions as the accused decoded them (each
     receipt's ``inputs`` digests its slice, with the mask of ``[0, its end)`` when anything there
     is padded). The judge recomputes and confirms the lie or rejects the evidence
@@ -329,6 +340,7 @@ class EvidenceRequest(Meta):
     start: Annotated[int, msgspec.Meta(ge=0)]
     end: Annotated[int, msgspec.Meta(ge=1)]
     steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_EVIDENCE_STEPS)]
+    disputed: Annotated[int, msgspec.Meta(ge=1, le=MAX_DISPUTED_STEPS)] = 1
 
 
 class EvidenceReply(Meta):
@@ -398,11 +410,13 @@ __all__ = [
     "EVIDENCE",
     "KINDS",
     "KIND_META",
+    "MAX_DISPUTED_STEPS",
     "MAX_EVIDENCE_STEPS",
     "MAX_PUSH_HOPS",
     "MAX_SESSION_LENGTH",
     "PUSH",
     "RECEIPTS",
+    "SUB_SPAN",
     "TRAIN",
     "AdapterInfo",
     "AdapterName",

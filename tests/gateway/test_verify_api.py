@@ -115,6 +115,21 @@ def test_api_passes_the_mode_to_the_gateway(monkeypatch):
     assert (seen[0].client.verify, seen[0].client.audit_every) == ("audit", 4)
 
 
+@pytest.mark.parametrize("command, module, entry", [("api", "shoal.gateway.serve", "serve_gateway"),
+                                                     ("chat", "shoal.cli.chat", "run_chat")])  # fmt: skip
+def test_require_verified_reaches_the_client_config(monkeypatch, command, module, entry):
+    """``--require-verified`` (shared by ``shoal api`` and ``shoal chat``): fail closed on unchecked blocks."""
+    import importlib
+
+    seen = []
+    monkeypatch.setattr(importlib.import_module(module), entry, lambda options: seen.append(options) or 0)
+    args = build_parser().parse_args([command, "m", "--join", TICKET, "--verify", "audit", "--require-verified"])
+    assert args.func(args) == 0
+    assert seen[0].client.require_verified is True
+    args = build_parser().parse_args([command, "m", "--join", TICKET, "--verify", "audit"])
+    assert args.require_verified is False
+
+
 def test_chat_passes_the_mode_to_the_chat(monkeypatch):
     import shoal.cli.chat as chat
 

@@ -123,9 +123,16 @@ def test_a_lie_caught_by_audit_convicts_the_liar_everywhere_and_a_second_client_
         assert verification.banned == (liar,), verification
         wait_until(lambda: verification.evidence_confirmed == 2, SPREAD_TIMEOUT, "both judges confirming")
         assert (verification.evidence_sent, verification.evidence_rejected) == (2, 0), verification
+        # its audits saw both judges compute 2:4 (the auditor and the third replica): their verdicts count for it
+        assert all(HIGH in verification.vouched.get(judge, []) for judge in judges), verification.vouched
+        assert liar not in verification.vouched
     for server in world.servers:
         what = f"{peer_of(server)[:10]} convicting the liar"
         wait_until(lambda s=server: world.convicted_by(s) == {liar}, SPREAD_TIMEOUT, what)
+    vouched = verification.vouched
+    assert world.on_loop(lambda: set(convicted(world.low.presence.service.table, world.model, vouched=vouched))) == {
+        liar
+    }
 
     served_before = len(world.liar.server.record)
     with connect_over(world.swarm, [world.low], verify="audit", audit_every=K) as second:  # knows no HIGH server
@@ -142,7 +149,7 @@ def test_a_lie_caught_by_audit_convicts_the_liar_everywhere_and_a_second_client_
     (verdict,) = [v for v in status["verdicts"] if v["accused"] == liar]
     assert verdict == {
         "accused": liar, "model": world.model, "start": 2, "end": 4, "judges": judges, "ignored_judges": [],
-        "electorate": 2, "needed": 2, "convicts": True,
+        "electorate": 2, "needed": 2, "convicts": True, "advisory_judges": [],
     }  # fmt: skip
     servers = {s["peer"]: s["convicted"] for m in status["models"] for s in m["servers"]}
     assert servers == {peer_of(s): peer_of(s) == liar for s in world.servers}

@@ -64,7 +64,7 @@ def test_a_client_given_no_verify_audits_what_it_can(swarm, expected, caplog):
         assert (verification.mode, verification.audit_every) == ("audit", DEFAULT_AUDIT_EVERY)
         assert verification.audits >= 2 and verification.disagreements == 0, verification
         assert verification.unverified == (2, 3), verification
-    assert lines(caplog, UNVERIFIED) == [f"blocks {HIGH} are {UNVERIFIED}: no second server checks them"] * 2
+    assert lines(caplog, UNVERIFIED) == [f"blocks {HIGH} are {UNVERIFIED}: no other server can check them"] * 2
     assert lines(caplog, UNCHECKED) == []
 
 

@@ -344,7 +344,10 @@ class Listing:
 
 
 def listed(court: Court, server: LocalServer, span: BlockRange = SPAN, state: State = State.ONLINE):
-    fingerprints = tuple(bytes.fromhex(f) for f in server.server.info.fingerprints)
+    """``server``'s record on ``span``, with the model's fingerprints of those blocks (court.judges[2]
+    serves 0:4, every block there is)."""
+    whole = court.judges[2].server.info.fingerprints
+    fingerprints = tuple(bytes.fromhex(f) for f in whole[span.start : span.end])
     return server_record("s", server.node.id, court.model, (span.start, span.end), fingerprints, time.time(),
                          100.0, state=state)  # fmt: skip
 

@@ -5,7 +5,7 @@ new hop's track inherits, where a repaired generation resumes, what a streamer h
 lets through. Then :class:`~shoal.client.verification.auditors.Audits` over stand-in servers (a position-wise
 function of the inputs, one of them adding noise from some position on) and a real
 :class:`~shoal.client.remote.history.SpanHistory`: exactly which positions each round sends the auditor,
-who is convicted, where the lie starts, a lying auditor replaced, no third replica -> unsettled.
+who is convicted, where the lie starts, a lying auditor replaced, no third replica -> both routed around.
 Last, a real swarm in this process (tiny llama, 3 replicas of the liar's span): 32 greedy tokens equal
 local transformers, the liar is banned and never routed over again, and a streamer holding tokens
 back saw exactly the answer's tokens.
@@ -24,7 +24,10 @@ from shoal.client import AutoDistributedModelForCausalLM
 from shoal.client.remote.history import SpanHistory
 from shoal.client.verification.audit import (
     Caught,
+    Conviction,
+    Disputed,
     Track,
+    UnsettledDispute,
     Verdict,
     Verification,
     audit_due,
@@ -39,7 +42,7 @@ from shoal.client.verification.auditors import Audits
 from shoal.client.verification.repair import HeldStreamer, _as_one_run, resume_length
 from shoal.errors import UsageError
 from shoal.ids import BlockRange, PeerId
-from shoal.routing import RouteInfo, ServerSpan
+from shoal.routing import NoRouteError, RouteInfo, ServerSpan
 from shoal.verify.compare import tolerance_for
 from shoal.wire import Codec
 from shoal.wire.schema import Receipt
@@ -241,17 +244,19 @@ class Servers:
 
     peers: list[str]
     liars: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, float] = field(default_factory=dict)  # a liar's lie, when not 0.5
     steps: list[tuple[str, int, int]] = field(default_factory=list)  # (peer, position, n) of every step
     forwards: list[tuple[str, int]] = field(default_factory=list)  # (peer, n) of every stateless forward
     failed: list[str] = field(default_factory=list)
     convicted: list[str] = field(default_factory=list)
+    disputed: dict[str, str] = field(default_factory=dict)  # peer -> why it is routed around
 
     def compute(self, peer: str, hidden: Tensor, position: int) -> Tensor:
         out = honest(hidden)
         lie = self.liars.get(peer)
         if lie is not None:
             positions = torch.arange(position, position + hidden.shape[1])
-            out = out + 0.5 * (positions >= lie).float()[None, :, None]
+            out = out + self.sizes.get(peer, 0.5) * (positions >= lie).float()[None, :, None]
         return out
 
     # the recovery, planner, feedback, node and replay an Audits uses
@@ -262,6 +267,9 @@ class Servers:
 
     def route_replica(self, like: ServerSpan, *, exclude=(), cache_tokens: int = 0, needs=()) -> ServerSpan | None:
         return next((span_of(p) for p in self.peers if p not in exclude and p != like.peer_id), None)
+
+    def route_cover(self, like: ServerSpan, *, exclude=(), needs=()) -> None:
+        return None  # one span only: no pieces of other spans
 
     def failed_peer(self, peer: str, ban_seconds: float | None = None) -> None:
         self.failed.append(peer)
@@ -277,7 +285,8 @@ class Servers:
 
 def audits_over(servers: Servers, every: int = 4, mode: str = "audit") -> tuple[Audits, Verification]:
     verification = Verification(mode, every)
-    feedback = SimpleNamespace(failed=servers.failed_peer, convicted=servers.convicted.append)
+    feedback = SimpleNamespace(failed=servers.failed_peer, convicted=servers.convicted.append,
+                               disputed=servers.disputed.__setitem__)  # fmt: skip
     audits = Audits(servers, servers, feedback, servers, servers.replay, verification, compression=Codec.RAW,
                     request_deadline=5.0)  # fmt: skip
     return audits, verification
@@ -349,14 +358,47 @@ def test_a_lying_auditor_is_replaced_and_its_positions_audited_again():
     assert servers.steps[-1] == ("c", 6, 4) and track.audited == 10
 
 
-def test_without_a_third_replica_a_dispute_is_unsettled_and_nobody_banned():
+def test_without_a_third_replica_both_sides_of_the_dispute_are_routed_around_and_nobody_banned():
+    """Nobody can tell which of the two lied: the round asks the session to roll back to where they
+    first disagree and replace the hop, and both leave this client's routes with the reason;
+    neither is convicted, and the track keeps no auditor from the dispute."""
     servers = Servers(["a", "b"], liars={"a": 7})
     audits, verification = audits_over(servers, every=4)
     session = Session(servers, audits)
-    assert [session.step(n) for n in (6, 1, 1, 1, 1)] == [None] * 5
+    repairs = [session.step(n) for n in (6, 1, 1, 1, 1)]
+    assert repairs[:4] == [None] * 4
+    repair = repairs[4]
+    dispute = Disputed((PeerId("a"), PeerId("b")), SPAN, 7)
+    assert repair == Conviction(0, None, SPAN, 7, replace=True, dispute=dispute)
     assert (verification.disagreements, verification.unsettled, verification.bans) == (1, 1, 0)
-    assert servers.convicted == [] and verification.unverified == (0, 1) and verification.unverified_blocks == 2
-    assert audits.verified() == {(0, 2): False} and not audits.due(100)  # no longer audited: never waited for
+    assert servers.convicted == [] and verification.banned == () and verification.caught == ()
+    assert verification.disputes == (dispute,) and verification.excluded == ("a", "b")
+    assert servers.disputed == {"a": dispute.reason, "b": dispute.reason}
+    assert dispute.reason == "a and b disagree on blocks 0-1 from position 7 and no third replica settled it"
+    assert audits.tracks[0].auditor is None and audits.checked_up_to(10) <= 7  # nothing past the dispute vouched for
+    error = UnsettledDispute(dispute, [0, 1])
+    assert isinstance(error, NoRouteError) and error.missing == [0, 1]
+    assert str(error) == ("servers a and b disagree on blocks 0-1 from position 7 and no third replica settled it; "
+                          "no route is left without both for blocks 0-1: not generating on over either")  # fmt: skip
+
+
+def test_a_dispute_over_an_earlier_servers_outputs_keeps_the_hop_and_staffs_another_auditor():
+    """The history holds x's outputs up to 8 (the hop a took over there); x and the auditor b
+    disagree from 5 and the third replica c agrees with neither: x and b are routed around, the
+    session rolls back to 5 without replacing a (nothing disputed is its own), and c audits a now."""
+    servers = Servers(["b", "a", "c"], liars={"x": 5, "c": 0}, sizes={"c": 2.0})  # b audits x, then a
+    audits, verification = audits_over(servers, every=100)
+    session = Session(servers, audits, peer="x")
+    assert [session.step(n) for n in (6, 1, 1)] == [None] * 3  # no audit due yet
+    track = audits.tracks[0]
+    session.hop = track.hop = FakeHop(span_of("a"))
+    track.since, track.before = 8, PeerId("x")
+    assert session.step(2) is None
+    repair = run(audits.round(session.history, 10))
+    dispute = Disputed((PeerId("x"), PeerId("b")), SPAN, 5)
+    assert repair == Conviction(0, None, SPAN, 5, replace=False, dispute=dispute)
+    assert servers.forwards == [("c", 10)] and servers.convicted == [] and verification.bans == 0
+    assert set(servers.disputed) == {"x", "b"} and track.auditor.span.peer_id == "c"
 
 
 def test_a_span_without_a_second_replica_is_unverified_from_the_start():

@@ -118,3 +118,9 @@ def test_an_adapter_choice_reaches_the_directory_as_parsed():
     digest = "ab" * 32
     config = ClientConfig(adapter=AdapterChoice.parse(f"style@{digest}"))
     assert config.adapter == AdapterChoice("style", digest)
+
+
+def test_require_verified_needs_a_mode_that_checks():
+    assert ClientConfig(verify="audit", require_verified=True).require_verified
+    with pytest.raises(UsageError, match="require_verified=True needs verify='audit' or 'redundant'"):
+        ClientConfig(verify="off", require_verified=True)

@@ -12,6 +12,7 @@ from torch import Tensor
 from shoal.client.remote.history import SpanHistory
 from shoal.ids import BlockRange
 from shoal.verify import evidence as ev
+from shoal.verify import testimony
 from shoal.verify.compare import tolerance_for, tolerance_of
 from shoal.verify.evidence import (
     Bench,
@@ -184,7 +185,7 @@ def test_no_evidence_when_the_history_is_not_what_the_liar_signed():
 
 
 def test_no_evidence_past_the_position_bound(monkeypatch):
-    monkeypatch.setattr(ev, "MAX_EVIDENCE_POSITIONS", 6)
+    monkeypatch.setattr(testimony, "MAX_EVIDENCE_POSITIONS", 6)
     session = Session(lie_from=6)
     with pytest.raises(NoEvidence, match="past 6"):
         session.evidence(6)
@@ -192,7 +193,7 @@ def test_no_evidence_past_the_position_bound(monkeypatch):
 
 
 def test_no_evidence_past_the_size_bound(monkeypatch):
-    monkeypatch.setattr(ev, "MAX_EVIDENCE_BYTES", 200)
+    monkeypatch.setattr(testimony, "MAX_EVIDENCE_BYTES", 200)
     with pytest.raises(NoEvidence, match="bytes of evidence"):
         Session(lie_from=6).evidence(6)
 

@@ -119,8 +119,9 @@ def test_the_tolerance_is_the_coarsest_of_both_sides_and_widens_across_devices()
     assert tolerance_of(**on_gpu, other="f32/cpu").relative == pytest.approx(2 * fp32.relative)
     for unknown in ("", "float64/cpu", "__dict__", "int8", "/cpu", "f32/TPU", "f32/cuda:0", "f32/"):
         assert tolerance_of(**judge, other=unknown) == fp32  # nothing looser than what is known
-    for device in ("mps", "xpu", "cuda", "tpu"):  # any device type's name: the margin (at most 2x)
+    for device in ("mps", "xpu", "cuda", "hpu"):  # a listed device type (COMPUTE_LABELS): the margin (at most 2x)
         assert tolerance_of(**judge, other=f"f32/{device}").relative == pytest.approx(2 * fp32.relative)
+    assert tolerance_of(**judge, other="f32/tpu") == fp32  # not on the fixed list: loosens nothing
 
 
 @pytest.mark.parametrize("compute", ["f32/TPU", "bf16/cuda:0", "float64/cpu", "", "f32"])

@@ -241,7 +241,7 @@ def test_two_honest_replicas_of_three_convict_the_third():
     assert found[ACCUSED].judges == tuple(sorted([JUDGE, OTHER])) and found[ACCUSED].electorate == 2
     assert found[ACCUSED].as_json() == {
         "accused": ACCUSED, "model": MODEL, "start": 2, "end": 4, "judges": sorted([JUDGE, OTHER]),
-        "ignored_judges": [], "electorate": 2, "needed": 2, "convicts": True,
+        "ignored_judges": [], "electorate": 2, "needed": 2, "convicts": True, "advisory_judges": [],
     }  # fmt: skip
     assert convicted(table, "another-model") == {}
 

@@ -19,10 +19,11 @@ from dataclasses import replace
 from shoal.client.config import ClientConfig
 from shoal.client.remote.listing import check_consistent, known_spans, missing_servers
 from shoal.errors import ShoalError
-from shoal.ids import PeerId
+from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
 from shoal.quantization import Quantization
 from shoal.routing import (
+    UNAUDITED_PENALTY_MS,
     AdapterChoice,
     BanList,
     LatencyModel,
@@ -34,6 +35,7 @@ from shoal.routing import (
     route_with_bans,
     uncovered_blocks,
 )
+from shoal.routing.audits import Piece, auditable, plan_cover, replicas
 from shoal.swarm.service import report_unreachable
 from shoal.transport import BaseNode, Ticket
 from shoal.wire import Message
@@ -48,22 +50,6 @@ SILENT_GRACE = 0.5  # seconds a listed server may answer after the others cover 
 SILENT_AFTER = 1.0  # ... and never less than this after the measurement began (a busy live one answers)
 SILENT_BAN = 10.0  # at least this long out of routes for a listed server that did not answer
 REPORT_TO = 2  # swarm members told which listed servers did not answer
-
-
-def replicas(spans: Sequence[ServerSpan], like: ServerSpan) -> list[ServerSpan]:
-    """The servers of ``spans`` other than ``like``'s whose span is exactly ``like``'s and whose
-    honest outputs equal its own within the comparison tolerance: the same weight format and the
-    same LoRA adapters and compute dtype, where known (a server in int8 and one in fp32 differ by
-    far more than honest rounding, and an audit between them would convict whichever is alone)."""
-    return [
-        s
-        for s in spans
-        if s.blocks == like.blocks
-        and s.peer_id != like.peer_id
-        and s.info.quantization == like.info.quantization
-        and s.info.adapters == like.info.adapters
-        and s.info.dtype == like.info.dtype
-    ]
 
 
 def _answer(task: asyncio.Future) -> ServerSpan | None:
@@ -100,6 +86,10 @@ class ServerDirectory:
         self.rng = random.Random(config.routing_seed)
         self.spans: list[ServerSpan] = []
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
+        self.excluded: dict[PeerId, str] = {}  # one side of an unsettled dispute (why): routed around, not banned
+        # the blocks this client's audits saw each server compute correctly: only those judges' verdicts
+        # convict for it (shoal.swarm.verdicts.tally); the client's Verification shares its own
+        self.vouched: dict[PeerId, list[BlockRange]] = {}
         self._task: asyncio.Task | None = None
         self._reports: set[asyncio.Future] = set()  # reports of silent servers on their way
         self._looked = False  # whether the server list was pulled before
@@ -123,7 +113,7 @@ class ServerDirectory:
         # the first look (the client starting) asks only the given members; later ones more of them too
         more, self._looked = self._looked, True
         timeout = self.config.listing_timeout
-        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more)
+        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more, self.vouched)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
 
@@ -161,7 +151,8 @@ class ServerDirectory:
                 draining=fresh.draining,
                 capabilities=fresh.span.capabilities,
                 adapters=tuple(sorted((a.name, a.digest) for a in fresh.span.adapters)),
-                dtype=fresh.span.dtype,
+                dtype=span.info.dtype or fresh.span.dtype,  # the signed record's announcement first
+                compute=span.info.compute or fresh.span.compute,
             )
             return replace(span, info=info)
 
@@ -245,8 +236,8 @@ class ServerDirectory:
         await asyncio.gather(*self._reports, return_exceptions=True)
 
     def usable(self) -> list[ServerSpan]:
-        banned = self.banned
-        return [s for s in self.spans if not s.info.draining and s.peer_id not in banned]
+        banned, excluded = self.banned, self.excluded
+        return [s for s in self.spans if not s.info.draining and s.peer_id not in banned and s.peer_id not in excluded]
 
     def route_inference(
         self,
@@ -264,9 +255,12 @@ class ServerDirectory:
         ``replay_ms`` more (they would have to be replayed). ``needs``: capabilities every server
         of the chain must announce."""
         latency = self.latency
+        unchecked = self._unauditable() if self.config.verify != "off" else set()
 
         def cost(span: ServerSpan, previous: ServerSpan | None) -> float:
             price = latency.inference_cost(span, previous, push=push, cache_tokens=cache_tokens)
+            if (span.peer_id, span.start, span.end) in unchecked:
+                price += UNAUDITED_PENALTY_MS
             return price if (span.peer_id, span.start, span.end) in reuse else price + replay_ms
 
         return self._route(start, self.num_blocks, cost, exclude, needs)
@@ -282,16 +276,36 @@ class ServerDirectory:
         spans, bans = self.usable(), self.bans
         return route_with_bans(spans, start, end, cost, bans, exclude, self.min_quality, needs, self.adapter)
 
+    def _unauditable(self) -> set[tuple[str, int, int]]:
+        """The spans (peer, start, end) no other live server could check (an auditing client
+        routes around them when it can: :data:`~shoal.routing.UNAUDITED_PENALTY_MS`)."""
+        live = self._checkers()
+        return {(s.peer_id, s.start, s.end) for s in self.usable() if not auditable(live, s)}
+
+    def _checkers(self, exclude: Collection[str] = ()) -> list[ServerSpan]:
+        """The servers that may check another's hop: usable, meeting the client's quality and
+        adapter, outside ``exclude``, and not banned now. A listed server that has not answered
+        the client (a record nobody reached, :meth:`_measure`) is banned: it never uses up an
+        auditor try, as a route that needs it might."""
+        offered = offering(meeting(self.usable(), self.min_quality), (), self.adapter)
+        return [s for s in offered if s.peer_id not in exclude and not self.bans.banned(s.peer_id)]
+
+    def route_cover(
+        self, like: ServerSpan, *, exclude: Collection[str] = (), needs: Collection[str] = ()
+    ) -> list[Piece] | None:
+        """Pieces of other live servers' spans (announcing ``needs``) that together run exactly
+        ``like``'s blocks and compute what it does (:func:`~shoal.routing.audits.plan_cover`),
+        outside ``exclude``: the cheapest for a stateless forward; None when there are none."""
+        latency, checkers = self.latency, offering(self._checkers(exclude), needs, None)
+        return plan_cover(checkers, like, lambda span, _: latency.compute_ms(span) + 1.0)
+
     def route_replica(
         self, like: ServerSpan, *, exclude: Collection[str] = (), cache_tokens: int = 0, needs: Collection[str] = ()
     ) -> ServerSpan | None:
-        """Another server whose span is exactly ``like``'s and that computes what it does (see
-        :func:`replicas`), outside ``exclude``: the cheapest for a step (an auditor, a third
-        opinion), or None when there is none. A server banned for failing is never one: unlike a
-        hop, an extra server is not worth a dial that may time out (on the session's critical path)."""
-        candidates = [
-            s for s in replicas(self.usable(), like) if s.peer_id not in exclude and not self.bans.banned(s.peer_id)
-        ]
+        """Another live server whose span is exactly ``like``'s and that computes what it does (see
+        :func:`~shoal.routing.audits.replicas`: its dtype may differ), outside ``exclude``: the
+        cheapest for a step (an auditor, a third opinion), or None when there is none."""
+        candidates = [s for s in replicas(self._checkers(exclude), like) if s.peer_id not in exclude]
         latency = self.latency
 
         def cost(span: ServerSpan, previous: ServerSpan | None) -> float:
@@ -307,7 +321,8 @@ class ServerDirectory:
 
     def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:
         offered = offering(meeting(self.spans, self.min_quality), needs, self.adapter)
-        live = [s for s in offered if s.peer_id not in exclude and s.peer_id not in self.banned]
+        out = {*exclude, *self.banned, *self.excluded}
+        live = [s for s in offered if s.peer_id not in out]
         return [b for b in uncovered_blocks(live, self.num_blocks) if b >= start]
 
     async def wait_for_servers(
@@ -341,6 +356,9 @@ class ServerDirectory:
 
     def convicted(self, peer: PeerId) -> None:
         self.banned.add(peer)
+
+    def disputed(self, peer: PeerId, reason: str) -> None:
+        self.excluded.setdefault(peer, reason)
 
     async def alive(self, span: ServerSpan) -> bool:
         """Does the server answer right now? An ``info`` on the pooled blocks connection (no

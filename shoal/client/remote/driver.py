@@ -40,6 +40,7 @@ with the same :meth:`ChainDriver.send_step` and :meth:`ChainDriver.accept` as :m
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import MutableMapping, Sequence
@@ -61,6 +62,8 @@ from shoal.wire.tensors import roundtrip
 
 MIN_DEADLINE = 0.25  # seconds before a late reply makes the client check that the server lives
 DEADLINE_FACTOR = 4.0  # ... or this many times the expected reply time, if longer
+
+log = logging.getLogger(__name__)
 
 
 class HopFailed(Exception):
@@ -324,12 +327,13 @@ class ChainDriver:
             start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
             session=hop.session, position=position, step=step_id, sent=sent, output=output, codec=codec,
             adapter=announced_adapter(span, self.adapter), prompts=self.prompts, dtype=info.dtype,
-            state=signed.chain.at(position), compute=signed.compute,
+            state=signed.chain.at(position), compute=signed.compute or info.compute,
         )  # fmt: skip
         previous = pushed_by.span.peer_id if pushed_by is not None else None
         try:
             checked = verify_receipt(receipt, span.peer_id, expected, hop=index, previous=previous)
-        except ReceiptError as exc:
+        except ReceiptError as exc:  # a protocol violation: other weights or compute than announced, ...
+            log.warning("refused a receipt of server %s on blocks %s: %s", exc.peer[:10], span.blocks, exc)
             self.feedback.failed(exc.peer, LIAR_BAN_SECONDS)
             raise
         signed.compute = checked.compute

@@ -1,7 +1,7 @@
 """The two narrow faces of the server directory that remote sessions use.
 
 :class:`RoutePlanner` answers "which servers now?"; :class:`RouteFeedback` is the one way a session
-tells routing what it saw of a server (a step's latency, a success, a failure, a lie) and asks what it
+tells routing what it saw of a server (a step's latency, a success, a failure, a lie, a dispute) and asks what it
 should expect of one (a step's duration, whether it still answers). Sessions never touch the
 latency model or the ban list themselves, so routing can change how it learns without the
 session code changing, and tests can stand a plain object in for the directory.
@@ -15,6 +15,7 @@ from typing import Protocol
 
 from shoal.ids import PeerId
 from shoal.routing import ServerSpan
+from shoal.routing.audits import Piece
 
 #: ``(peer id, first block, end block)``: a span that already holds a session's state.
 SpanKey = tuple[str, int, int]
@@ -48,6 +49,11 @@ class RouteFeedback(Protocol):
         it again. Unlike :meth:`failed` (a server that may come back), this ban does not expire."""
         ...
 
+    def disputed(self, peer: PeerId, reason: str) -> None:
+        """``peer`` is one side of a dispute no third replica settled (``reason`` says which): keep
+        it out of this client's routes for good. Not a conviction: it may be the honest side."""
+        ...
+
 
 class RoutePlanner(Protocol):
     """Routes over the servers known now."""
@@ -73,6 +79,14 @@ class RoutePlanner(Protocol):
     ) -> ServerSpan | None:
         """Another server with exactly ``like``'s span computing what it does (an auditor, a third
         opinion), outside ``exclude``; None if there is none."""
+        ...
+
+    def route_cover(
+        self, like: ServerSpan, *, exclude: Collection[str] = (), needs: Collection[str] = ()
+    ) -> list[Piece] | None:
+        """Pieces of other servers' spans (announcing ``needs``) that together run exactly ``like``'s
+        blocks (a stateless checker of its hop, :mod:`shoal.routing.audits`), outside ``exclude``;
+        None if there are none."""
         ...
 
     def missing_blocks(self, start: int, exclude: Collection[str] = (), needs: Collection[str] = ()) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from shoal.errors import Forbidden, ShoalError
 from shoal.ids import PeerId
@@ -18,8 +18,9 @@ from shoal.swarm.liveness import Liveness, Probe, Reach
 from shoal.swarm.records import State
 from shoal.swarm.service import fetch_table, table_from_reply
 from shoal.swarm.table import RecordTable
-from shoal.swarm.verdicts import convicted
+from shoal.swarm.verdicts import Vouched, convicted, suspected
 from shoal.transport import BaseNode, Ticket
+from shoal.verify.receipts import compute_dtype
 from shoal.wire import Message
 from shoal.wire.schema import InfoReply
 
@@ -49,6 +50,7 @@ async def fetch_info(node: BaseNode, ticket: Ticket, timeout: float) -> ServerSp
         quantization=span.quantization,
         adapters=tuple(sorted((a.name, a.digest) for a in span.adapters)),
         dtype=span.dtype,
+        compute=span.compute,
     )
     return ServerSpan(PeerId(ticket.peer_id), span.blocks, ticket, info)
 
@@ -116,10 +118,18 @@ async def _views(
 
 
 async def swarm_spans(
-    node: BaseNode, tickets: Sequence[Ticket], model: str | None, timeout: float, more: bool = True
+    node: BaseNode,
+    tickets: Sequence[Ticket],
+    model: str | None,
+    timeout: float,
+    more: bool = True,
+    vouched: Vouched | None = None,
 ) -> list[ServerSpan]:
     """The online servers of ``model`` in the swarm's table (:func:`pull_table`, ``more``: with
-    other members' views too) that its verdicts do not convict and no member found unreachable."""
+    other members' views too) that its verdicts do not convict and no member found unreachable.
+    ``vouched``: a client's (see :func:`shoal.swarm.verdicts.tally`): only judges it saw compute the
+    blocks convict; servers that only unseen judges accuse are left out too while every block stays
+    served without them (where it is not, they stay, and the client's audits check them)."""
     table = await pull_table(node, tickets, timeout, more)
     swarm = table.swarm
     names = sorted(m.name for m in table.models())
@@ -129,8 +139,8 @@ async def swarm_spans(
         serves = ", ".join(names) or "nothing yet"
         raise ShoalError(f"swarm {swarm} has no model {model!r}; it serves: {serves}{refused}")
     spans = []
-    num_blocks = table.model(model).num_blocks
-    liars = convicted(table, model)
+    num_blocks, pinned = table.model(model).num_blocks, table.model(model).fingerprints
+    liars = convicted(table, model, vouched=vouched)
     if liars:
         log.info("the swarm convicted %s of lying: not routed over", ", ".join(p[:10] for p in sorted(liars)))
     for record in table.servers(model):
@@ -145,9 +155,28 @@ async def swarm_spans(
                 capabilities=frozenset(record.capabilities),
                 quantization=record.quantization,
                 adapters=tuple(record.adapters),
+                # the model record's (the swarm's pin): what the span's receipts must name as weights
+                fingerprints=tuple(f.hex() for f in pinned[record.start : record.end]),
+                dtype=compute_dtype(record.compute) if record.compute else None,
+                compute=record.compute,
             )
             spans.append(ServerSpan(PeerId(record.peer), record.blocks, ticket, info))
-    return spans
+    return _around_suspects(spans, suspected(table, model, vouched) if vouched is not None else {}, num_blocks)
+
+
+def _around_suspects(spans: list[ServerSpan], suspects: Collection[PeerId], num_blocks: int) -> list[ServerSpan]:
+    """``spans`` without the ``suspects`` (accused by judges this client has not seen compute) when
+    the rest still serve every block the whole did; else all of them (audits check the suspects)."""
+    if not suspects:
+        return spans
+    kept = [s for s in spans if s.peer_id not in suspects]
+    if set(uncovered_blocks(kept, num_blocks)) - set(uncovered_blocks(spans, num_blocks)):
+        log.info("servers %s are accused by judges this client has not seen compute: used where nothing else "
+                 "serves their blocks", ", ".join(p[:10] for p in sorted(suspects)))  # fmt: skip
+        return spans
+    log.info("servers %s are accused by judges this client has not seen compute: routed around",
+             ", ".join(p[:10] for p in sorted(suspects)))  # fmt: skip
+    return kept
 
 
 async def known_spans(
@@ -157,6 +186,7 @@ async def known_spans(
     timeout: float,
     num_blocks: int | None = None,
     more: bool = True,
+    vouched: Vouched | None = None,
 ) -> list[ServerSpan]:
     """The servers ``tickets`` lead to, each once: every swarm's (:func:`swarm_spans`, through that
     swarm's tickets) and each plain ticket's own (:func:`fetch_info`). Given ``num_blocks``, once
@@ -166,7 +196,7 @@ async def known_spans(
     for ticket in tickets:
         if ticket.swarm_id:
             by_swarm.setdefault(ticket.swarm_id, []).append(ticket)
-    asks = [swarm_spans(node, members, model, timeout, more) for members in by_swarm.values()]
+    asks = [swarm_spans(node, members, model, timeout, more, vouched) for members in by_swarm.values()]
     asks += [_listed(fetch_info(node, t, timeout)) for t in tickets if not t.swarm_id]
     pending = {asyncio.ensure_future(ask) for ask in asks}
     found: list[ServerSpan] = []

@@ -207,17 +207,20 @@ class ChainRecovery:
         position: int,
         replay: Replay,
         drain: bool = False,
+        blame: bool = True,
     ) -> Rebuilt | None:
         """A chain without hop ``index`` (which the caller has aborted, unless ``drain``: a
         draining hop keeps serving until its replacement is ready). None: ``drain`` and nobody can
-        take over yet. Raises ``cause`` if it is a :class:`BadRequest` (another server would
-        refuse it too), :class:`NoRouteError` when the tries are used up."""
+        take over yet. Raises ``cause`` if it is a :class:`BadRequest` (another server would refuse
+        it too), :class:`NoRouteError` when the tries are used up. ``blame``: the hop's server failed
+        (it is banned for a while); else it leaves for a reason kept elsewhere (a dispute)."""
         if isinstance(cause, BadRequest):
             raise cause
         broken = hops[index]
         peer = broken.span.peer_id
         failed = {*failed, peer, *self._known_dead()}
-        self.feedback.failed(peer, DRAIN_BAN_SECONDS if drain else None)
+        if blame:
+            self.feedback.failed(peer, DRAIN_BAN_SECONDS if drain else None)
         quiet = drain and peer in self._drain_noted  # looked for its replacement before: say it once
         (log.debug if quiet else log.warning)(
             "server %s failed (%s); re-routing blocks %d+", peer[:10], cause, broken.span.start

@@ -68,6 +68,7 @@ class RemoteSequence:
         self.prefill_chunk = config.prefill_chunk
         self._route = directory.route_inference(0, cache_tokens=0, push=config.push)  # until a session opens
         self._session: RemoteSession | None = None  # the latest one opened
+        directory.vouched = self.verification.vouched  # what its audits see decides whose verdicts count
         self.witness = Witness(node, directory, self.verification)  # testifies for every session (audit mode)
         # closed by close(), when garbage-collected, or at the latest at interpreter exit (runtime.shutdown)
         self._token = runtime.track(_closer(node, directory, self.witness))
@@ -273,6 +274,7 @@ def check_forward_receipt(
         start=span.start, end=span.end, fingerprints=info.fingerprints, quantization=info.quantization.value,
         session="", position=0, step=1, sent=sent, output=reply.tensors[0], codec=reply.codec_of(0),
         adapter=announced_adapter(span, adapter), prompts=prompts, dtype=info.dtype, state=EMPTY_STATE,
+        compute=info.compute,
     )  # fmt: skip
     return verify_receipt(receipt, span.peer_id, expected)
 

@@ -17,6 +17,8 @@ servers only through :class:`~shoal.client.remote.feedback.RouteFeedback`.
   inputs every ``audit_every`` positions (and when :meth:`RemoteSession.audit` is called); a liar
   found by a majority is banned, the session rolled back to its first wrong output and the liar's
   hop replaced, and the step (or ``audit``) raises :class:`~shoal.client.verification.audit.LieDetected`;
+  a dispute no third replica settles is repaired the same way around both of its servers, or fails
+  the session with :class:`~shoal.client.verification.audit.UnsettledDispute` when no route is left without them;
 * in redundant mode the same, with the audits after every step on auditors that are none of the
   chain's servers (a second chain).
 """
@@ -34,10 +36,10 @@ from shoal.client.remote.history import SpanHistory, cat_serial
 from shoal.client.remote.hops import Hop, close_all
 from shoal.client.remote.pipeline import Chunk, chunk_bounds, positions, run_pipelined
 from shoal.client.remote.recovery import DRAIN_RETRY_SECONDS, MAX_RECOVERIES, ChainRecovery, Rebuilt, RecoveryRecord
-from shoal.client.verification.audit import Conviction, LieDetected, Verification
+from shoal.client.verification.audit import Conviction, LieDetected, UnsettledDispute, UnverifiedBlocks, Verification
 from shoal.client.verification.auditors import Audits
 from shoal.errors import BadRequest, ShoalError
-from shoal.routing import ServerSpan
+from shoal.routing import NoRouteError, ServerSpan
 from shoal.verify.receipts import ReceiptError
 from shoal.wire.schema import RECEIPTS, OpenRequest, Receipt
 
@@ -85,6 +87,7 @@ class RemoteSession(SessionPositions):
         self.recoveries: list[RecoveryRecord] = []  # what happened, in order
         self.verification: Verification = sequence.verification
         self._push = config.push
+        self._require_verified = config.require_verified  # no step with a block nothing checks
         self._sequence = sequence  # its prefill_chunk, read at every step (a model reuses its session)
         self._audits: Audits | None = None
         if self.verification.auditing:
@@ -127,8 +130,22 @@ class RemoteSession(SessionPositions):
     # ---- opening and closing -------------------------------------------------------------------
 
     async def open(self) -> None:
-        self._install(await self._recovery.open_chain())
+        try:
+            self._install(await self._recovery.open_chain())
+        except NoRouteError as exc:
+            raise self._unsettled(exc) from exc
         await self._follow(())
+
+    def _unsettled(self, error: NoRouteError) -> NoRouteError:
+        """``error``, or the :class:`UnsettledDispute` that explains it: a dispute's servers would
+        have covered blocks nothing else covers."""
+        if isinstance(error, UnsettledDispute):
+            return error
+        missing = set(error.missing)
+        for dispute in reversed(self.verification.disputes):
+            if missing & set(dispute.blocks.blocks()):
+                return UnsettledDispute(dispute, error.missing)
+        return error
 
     def _install(self, hops: Sequence[Hop]) -> None:
         if self._audits is not None:
@@ -142,6 +159,13 @@ class RemoteSession(SessionPositions):
         """The audits follow the chain just installed (``adopted``: blocks whose history a replay made)."""
         if self._audits is not None:
             await self._audits.follow(self._driver.hops, self._history, self._position, adopted)
+        self._check_verified()
+
+    def _check_verified(self) -> None:
+        """With ``require_verified``: :class:`UnverifiedBlocks` if a block of the chain has no checker
+        (nothing is computed on them: the chain is checked before every step is sent)."""
+        if self._require_verified and self.verification.unverified:
+            raise UnverifiedBlocks(self.verification.unverified)
 
     def close(self) -> None:
         if not self._closed:
@@ -180,19 +204,28 @@ class RemoteSession(SessionPositions):
         conviction = await self._audits.round(self._history, self._position)
         if conviction is not None:
             await self._repair(conviction)
+        self._check_verified()
 
     async def _repair(self, conviction: Conviction) -> None:
         """Roll back to the first wrong output, replace the liar's hop if it is still on the chain,
-        and raise :class:`LieDetected`."""
-        position = conviction.position
+        and raise :class:`LieDetected`; :class:`UnsettledDispute` when a dispute's hop has no
+        route left without its servers."""
+        position, dispute = conviction.position, conviction.dispute
         self.verification.rollbacks += 1
         self.position = position  # the history and the audits forget what follows
         if conviction.replace:
             hop = self._driver.hops[conviction.index]
             await hop.abort()
-            cause = ShoalError(f"server {hop.span.peer_id[:10]} lied from position {position}")
-            await self._recover(conviction.index, cause, frozenset({hop.span.peer_id}))
-        raise LieDetected(position, conviction.peer, conviction.blocks)
+            peer = hop.span.peer_id
+            cause = ShoalError(f"server {peer[:10]} lied from position {position}" if dispute is None
+                               else f"servers {dispute.reason}")  # fmt: skip
+            try:
+                await self._recover(conviction.index, cause, frozenset({peer}), blame=dispute is None)
+            except NoRouteError as exc:
+                if dispute is None:
+                    raise
+                raise UnsettledDispute(dispute, exc.missing or list(dispute.blocks.blocks())) from exc
+        raise LieDetected(position, conviction.peer, conviction.blocks, dispute.peers if dispute else ())
 
     async def _step(self, hidden: Tensor, position_ids: Tensor, mask: Tensor | None) -> Tensor:
         """Run the step; the session's position (and history) advance with each part that every hop
@@ -285,10 +318,11 @@ class RemoteSession(SessionPositions):
         self._position += n
 
     async def _recover(
-        self, index: int, cause: BaseException, failed: frozenset[str], drain: bool = False
+        self, index: int, cause: BaseException, failed: frozenset[str], drain: bool = False, blame: bool = True
     ) -> tuple[int, frozenset[str]]:
         """Rebuild the chain around hop ``index`` and install it. Returns the index of the first
-        hop replaced (the step goes on from there) and the servers found failing so far."""
+        hop replaced (the step goes on from there) and the servers found failing so far (``blame``:
+        whether hop ``index``'s server is one; not when a dispute takes it off the route)."""
         driver = self._driver
         rebuilt: Rebuilt | None = await self._recovery.rebuild(
             driver.hops,
@@ -299,6 +333,7 @@ class RemoteSession(SessionPositions):
             position=self._position,
             replay=driver.replay,
             drain=drain,
+            blame=blame,
         )
         if rebuilt is None:  # draining, and nobody can take over yet
             driver.keep_serving(driver.hops[index], DRAIN_RETRY_SECONDS)

@@ -1,25 +1,54 @@
-"""Audit mode (``verify="audit"``, the default): a second server checks each hop of a session, a third a dispute.
+"""Audit mode (``verify="audit"``, the default): other servers check each hop of a session; a third opinion, a dispute.
 
-For each hop ``[a, b)`` of a session's chain the client keeps an *auditor*: an ordinary inference
-session on another server whose span is exactly ``[a, b)`` and which computes what the hop's server
-does (same weight format and adapters, :func:`shoal.client.remote.directory.replicas`). Every ``K`` new
-positions (``audit_every``), and once more before ``generate`` returns, each auditor gets ONE step
-with the positions it has not seen, ``[audited, position)``: the audited hop's recorded inputs there
-(the session's history at block ``a``). Its outputs are compared with what the audited server
-returned for the same positions (the history at block ``b``) within the calibrated tolerance
-(:mod:`shoal.verify.compare`). The audited server cannot tell an audit from other traffic: it is a
-session elsewhere. The cost is one step per ``K`` positions per hop, on other servers. This module
-holds the decisions; :mod:`shoal.client.verification.auditors` the sessions, steps and forwards.
+For each hop ``[a, b)`` of a session's chain the client keeps a *checker*. The first choice is an
+*auditor*: an ordinary inference session on another server whose span is exactly ``[a, b)`` and which
+computes what the hop's server does (same weight format and adapters; its compute dtype may differ,
+see below: :func:`shoal.routing.audits.replicas`). Every ``K`` new positions (``audit_every``), and once
+more before ``generate`` returns, each auditor gets ONE step with the positions it has not seen,
+``[audited, position)``: the audited hop's recorded inputs there (the session's history at block
+``a``). Its outputs are compared with what the audited server returned for the same positions (the
+history at block ``b``) within the calibrated tolerance (:mod:`shoal.verify.compare`). The audited
+server cannot tell an audit from other traffic: it is a session elsewhere. The cost is one step per
+``K`` positions per hop, on other servers. This module holds the decisions;
+:mod:`shoal.client.verification.auditors` the sessions, steps and forwards.
 
-A disagreement at position ``p`` is settled by a third replica: a stateless ``forward`` of positions
-``[0, end)`` of the recorded inputs (no cache needed), compared at ``[p, end)`` with both. The two
-that agree are the majority; the third is the liar, banned for good
-(:meth:`~shoal.client.remote.feedback.RouteFeedback.convicted`). A lying auditor is replaced (nothing was
-computed from its outputs). A lying hop is repaired by the session: it rolls back to the first wrong
-position, replaces the hop and raises :class:`LieDetected` for ``generate`` to regenerate from there
-(:mod:`shoal.client.verification.repair`). Without a third replica the dispute is *unsettled*: nobody is banned,
-and the span is reported unverified from then on (its auditor closed), as is a span for which no
-second replica exists at all. Generation never waits for a replica to appear.
+When no auditor session can be had (no exact replica; or none opens one: busy, e.g. a throwaway
+client holds the replicas' caches) the checker is *stateless*: a *cover* of ``[a, b)`` by pieces of
+other servers' spans (:func:`shoal.routing.audits.plan_cover`: a lone replica, or e.g. blocks
+``[0, 2)`` of a ``[0, 3)`` server for a liar alone on ``[0, 2)``, or ``[2, 3)`` of one server then
+``[3, 6)`` of another), each run as a stateless ``forward`` of just those blocks
+(``ForwardRequest.blocks``, capability ``sub-span``). Having no cache, it re-runs positions
+``[0, position)`` of the recorded inputs at each audit (the only correct stateless pass: attention
+needs every earlier position) and its outputs at ``[audited, position)`` are compared: quadratic in
+the session's length, which is why a session auditor is preferred. Servers listed but never reached
+by the client (banned after its measurement) are never checkers, so fake records use up no tries.
+Checkers may compute in another dtype than the hop (fp32 beside bf16): the comparison then uses
+the coarser tolerance (:func:`~shoal.verify.compare.tolerance_of`), and where the history was made by
+a hop since replaced, that hop's dtype counts too. An auditing client's routes avoid hops nobody
+can check (:data:`~shoal.routing.audits.UNAUDITED_PENALTY_MS`), and with ``require_verified`` a
+session with a block nobody checks fails (:class:`UnverifiedBlocks`) instead of generating.
+
+A disagreement at position ``p`` is settled by a third opinion: a stateless ``forward`` of positions
+``[0, end)`` of the recorded inputs (no cache needed) on servers that are neither the hop's nor the
+checker's (an exact replica, else a cover), compared at ``[p, end)`` with both. The two that agree
+are the majority (:func:`majority`); the odd one out lied. If that is the hop, its server is banned
+for good (:meth:`~shoal.client.remote.feedback.RouteFeedback.convicted`): two independent
+computations by other servers agreed with each other against it. If it is the checker, a single
+server (an auditor, a one-piece cover) is banned likewise; a cover of several pieces is only dropped
+(which piece lied is not known, and an honest server must never be convicted) and the hop is
+checked again by others. A lying auditor is replaced (nothing was computed from its outputs). A lying
+hop is repaired by the session: it rolls back to the first wrong position, replaces the hop and
+raises :class:`LieDetected` for ``generate`` to regenerate from there
+(:mod:`shoal.client.verification.repair`).
+
+Without a third opinion (or when it agrees with neither) the dispute is *unsettled*, and a lie that
+was detected is never kept: nobody knows which side lied, so nobody is convicted nor reported to
+judges, but this client routes around the hop's server and its checker(s) for good (:class:`Disputed`,
+kept with its reason by :meth:`~shoal.client.remote.feedback.RouteFeedback.disputed`: an exclusion
+from its own routes, not a ban anyone testifies to). The session rolls back to ``p`` exactly as for
+a conviction, replaces the hop and ``generate`` regenerates from there; when no route is left without
+them, it fails with :class:`UnsettledDispute` rather than generate on over either. A span no other
+server can check at all is reported unverified. Generation never waits for a checker to appear.
 
 Redundant mode (``verify="redundant"``) is this machinery with an audit after EVERY step
 (``audit_every`` is 1: it must be left unset or be 1) and auditors that form a second chain
@@ -29,23 +58,28 @@ second chain, the hops' outputs are compared on the same inputs (all hops in par
 disagreement is settled by a third replica, and a lie is caught at the step that told it, before
 the next token is chosen from it. A ``hold_back`` streamer lags by one step at most.
 
-``verify="off"`` checks nothing (the client logs so once). Limits: stateless forwards
-(``use_cache=False``, training forwards and backwards) are not audited; a span's auditor is an
-exact replica (same span, announced compute dtype, quantisation and adapter:
-:func:`shoal.client.remote.directory.replicas`), so a span nobody else serves alike goes unaudited; the
-receipts of a pushed hop (:mod:`shoal.client.remote.driver`) are what makes its recorded inputs the ones
-it computed on, so without them the session does not push (:meth:`RemoteSession._install`).
+``verify="off"`` checks nothing (the client logs so once). Limits: stateless forwards (``use_cache=False``,
+training forwards and backwards) are not audited; a span is checked only
+if some other servers compute it alike (same quantisation and adapters) and, for pieces of longer
+spans, announce ``sub-span``: a span nobody else serves alike goes unaudited (and is priced as such by
+routing); a cover of several pieces that lies is dropped, not convicted; a stateless check re-runs
+the whole prefix at each audit (a session longer than a piece's ``--max-forward-positions`` loses
+that check); with deep prompts only whole spans are pieces; the receipts of a
+pushed hop (:mod:`shoal.client.remote.driver`) are what makes its recorded inputs the ones it
+computed on, so without them the session does not push (:meth:`RemoteSession._install`).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shoal.client.remote.hops import Hop
 from shoal.errors import ShoalError, UsageError
 from shoal.ids import BlockRange, PeerId
+from shoal.routing import NoRouteError, format_blocks
+from shoal.routing.audits import Piece
 from shoal.verify.compare import tolerance_of
 
 VERIFY_MODES = ("off", "audit", "redundant")
@@ -58,8 +92,11 @@ __all__ = [
     "VERIFY_MODES",
     "Caught",
     "Conviction",
+    "Disputed",
     "LieDetected",
     "Track",
+    "UnsettledDispute",
+    "UnverifiedBlocks",
     "Verdict",
     "Verification",
     "audit_due",
@@ -93,6 +130,10 @@ def verification_for(verify: str, audit_every: int | None = None) -> Verificatio
     return Verification(mode, every)
 
 
+#: block ranges remembered per vouched-for server (the latest)
+MAX_VOUCHED_RANGES = 8
+
+
 @dataclass
 class Verification:
     """What audits did, over every session of one client (``model.verification``). Counts: ``audits``
@@ -103,7 +144,8 @@ class Verification:
     (``unverified`` lists them). Evidence of a conviction (:mod:`shoal.client.verification.witness`): pieces
     ``evidence_sent`` to judges, and the judges' findings, ``evidence_confirmed`` / ``evidence_rejected``.
     ``caught``: each conviction, with the blocks and the first position its comparison (or its
-    receipt) proved wrong."""
+    receipt) proved wrong. ``disputes``: the unsettled ones, whose servers this client routes around
+    (``excluded`` names them)."""
 
     mode: str = DEFAULT_VERIFY
     audit_every: int = DEFAULT_AUDIT_EVERY
@@ -121,6 +163,11 @@ class Verification:
     banned: tuple[PeerId, ...] = ()
     unverified: tuple[int, ...] = ()
     caught: tuple[Caught, ...] = ()
+    disputes: tuple[Disputed, ...] = ()
+    #: the blocks this client's own audits saw each server compute correctly (a hop audited clean, a
+    #: checker that agreed, a third opinion in a settled majority): only such servers' verdicts count
+    #: for this client (:func:`shoal.swarm.verdicts.tally`)
+    vouched: dict[PeerId, list[BlockRange]] = field(default_factory=dict, repr=False)
 
     @property
     def auditing(self) -> bool:
@@ -132,9 +179,27 @@ class Verification:
         """Whether every step is checked, on a second chain disjoint from the main one."""
         return self.mode == "redundant"
 
+    @property
+    def excluded(self) -> tuple[PeerId, ...]:
+        """The servers of unsettled disputes: out of this client's routes, convicted of nothing."""
+        return tuple(dict.fromkeys(peer for dispute in self.disputes for peer in dispute.peers))
+
+    def disputed(self, dispute: Disputed) -> None:
+        self.disputes = (*self.disputes, dispute)
+
+    def vouch(self, peer: PeerId, blocks: BlockRange) -> None:
+        """``peer`` was seen computing ``blocks`` correctly (bounded: a few ranges per peer)."""
+        if peer in self.banned:
+            return
+        seen = self.vouched.setdefault(peer, [])
+        if blocks not in seen:
+            seen.append(blocks)
+            del seen[:-MAX_VOUCHED_RANGES]
+
     def convicted(self, peer: PeerId, blocks: BlockRange | None = None, position: int | None = None) -> None:
         self.bans += 1
         self.banned = (*self.banned, peer)
+        self.vouched.pop(peer, None)
         if blocks is not None and position is not None:
             self.caught = (*self.caught, Caught(peer, blocks, position))
 
@@ -148,18 +213,59 @@ class Caught:
     position: int
 
 
+@dataclass(frozen=True)
+class Disputed:
+    """A dispute no third replica settled: ``peers`` (the audited server, when the disputed outputs
+    are one server's, and its auditor) disagree on ``blocks`` from cache position ``position``.
+    One of them lied and nobody can tell which: the client routes around both."""
+
+    peers: tuple[PeerId, ...]
+    blocks: BlockRange
+    position: int
+
+    @property
+    def reason(self) -> str:
+        """Why the servers are out of this client's routes, in one line."""
+        who = " and ".join(peer[:10] for peer in self.peers)
+        return (f"{who} disagree on blocks {format_blocks(list(self.blocks.blocks()))} from position "
+                f"{self.position} and no third replica settled it")  # fmt: skip
+
+
+class UnsettledDispute(NoRouteError):
+    """A dispute no third replica settled (:class:`Disputed`) left no route for its blocks without
+    both of its servers: generating on over either could keep the lie, so the generation stops."""
+
+    def __init__(self, dispute: Disputed, missing: list[int]):
+        super().__init__(f"servers {dispute.reason}; no route is left without both for blocks "
+                         f"{format_blocks(missing)}: not generating on over either", missing)  # fmt: skip
+        self.dispute = dispute
+
+
 class LieDetected(ShoalError):
     """A server of the session's chain returned wrong hidden states from ``position`` on (a majority
     of replicas said so). The session is rolled back to ``position`` and the liar replaced; the token
     at ``position`` (computed from honest logits before it) and everything before stand. ``generate``
     handles it (it regenerates from there); a caller stepping a session by hand re-sends from there."""
 
-    def __init__(self, position: int, peer: PeerId | None, blocks: BlockRange):
+    def __init__(self, position: int, peer: PeerId | None, blocks: BlockRange, disputed: tuple[PeerId, ...] = ()):
         who = f"server {peer[:10]}" if peer is not None else "a server since replaced"
+        if disputed:  # an unsettled dispute: one of them lied, both are routed around
+            who = f"one of {' and '.join(p[:10] for p in disputed)} (no third replica to tell which)"
         super().__init__(f"{who} lied on blocks {blocks} from position {position}: rolled back there")
         self.position = position
         self.peer = peer
         self.blocks = blocks
+        self.disputed = disputed
+
+
+class UnverifiedBlocks(ShoalError):
+    """``require_verified=True`` and no other server can check ``blocks`` (no replica, no cover of
+    pieces, or a dispute over them that nobody could settle): nothing is generated with them."""
+
+    def __init__(self, blocks: Sequence[int]):
+        super().__init__(f"require_verified: no other server can check blocks {list(blocks)}, so nothing is "
+                         "generated with them (add servers of those blocks, or drop require_verified)")  # fmt: skip
+        self.blocks = tuple(blocks)
 
 
 class Verdict(enum.Enum):
@@ -185,9 +291,11 @@ def majority(audited_vs_third: int | None, auditor_vs_third: int | None) -> Verd
 
 @dataclass
 class Track:
-    """The audit of one hop: its auditor (None: nobody checks it) and the positions ``[0, audited)``
-    checked so far (the auditor's cache holds at least those). ``unverified``: no auditor could be
-    had, or a dispute stayed unsettled; the span is reported unverified and no longer audited.
+    """The audit of one hop: its auditor (a session on an exact replica) or, when no auditor session
+    opens, ``pieces`` (a cover of the span by other servers, run statelessly; see
+    :mod:`shoal.routing.audits`), and the positions ``[0, audited)`` checked so far. ``unverified``:
+    no checker could be had; the span is reported unverified and no
+    longer audited.
 
     The history at the hop's end block holds its own outputs from ``since`` on; before that, those
     of the hop it replaced (``before``: that server, when it had exactly this span; None when the
@@ -197,12 +305,19 @@ class Track:
     audited: int
     since: int = 0
     before: PeerId | None = None
+    before_dtypes: tuple[str, ...] = ()  # how the old hops computed the history before ``since`` (its tolerance)
     auditor: Hop | None = None
     unverified: bool = False
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def checked(self) -> bool:
-        return self.auditor is not None and not self.unverified
+        return (self.auditor is not None or bool(self.pieces)) and not self.unverified
+
+    def checkers(self) -> set[PeerId]:
+        """The servers that check this hop now."""
+        peers = {p.server.peer_id for p in self.pieces}
+        return peers | {self.auditor.span.peer_id} if self.auditor is not None else peers
 
     def producer(self, position: int) -> PeerId | None:
         """The server whose output the history holds at ``position`` of the hop's end block."""
@@ -213,13 +328,16 @@ class Track:
 class Conviction:
     """An audit proved the outputs of hop ``index``'s span wrong from ``position`` on: the session
     rolls back there and, if they are the hop's own (``replace``), replaces the hop. ``peer``: who
-    computed them (None: not one server, see :attr:`Track.before`); convicted already."""
+    computed them (None: not one server, see :attr:`Track.before`); convicted already. ``dispute``:
+    instead, an unsettled dispute put the outputs in doubt; its servers are routed around already,
+    and a hop it leaves without a route fails the session (:class:`UnsettledDispute`)."""
 
     index: int
     peer: PeerId | None
     blocks: BlockRange
     position: int
     replace: bool
+    dispute: Disputed | None = None
 
 
 def successor(hop: Hop, left: Sequence[Track], position: int, adopted: bool) -> Track:
@@ -233,7 +351,8 @@ def successor(hop: Hop, left: Sequence[Track], position: int, adopted: bool) -> 
     overlapping = [t for t in left if t.hop.span.start < span.end and span.start < t.hop.span.end]
     audited = min((t.audited for t in overlapping), default=position)
     before = next((t.hop.span.peer_id for t in overlapping if t.hop.span.blocks == span.blocks), None)
-    return Track(hop, audited=min(audited, position), since=position, before=before)
+    dtypes = tuple(d for t in overlapping for d in (t.hop.span.info.dtype, *t.before_dtypes) if d)
+    return Track(hop, audited=min(audited, position), since=position, before=before, before_dtypes=dtypes)
 
 
 def take_spare(spare: list[Hop], hop: Hop, banned: Collection[str]) -> Hop | None:

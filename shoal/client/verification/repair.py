@@ -12,11 +12,14 @@ sampler seeds each draw by position (:class:`~shoal.client.generation.sampling.P
 transformers' own sampling draws from the global generator.
 
 Streaming: ``generate(..., streamer=s, hold_back=True)`` gives ``s`` each token only once every hop
-is audited past it, so it never sees a token the answer replaces; the lag is up to ``audit_every``
+is audited past it (a hop nobody can check aside: no replica of its span exists), so it never sees a
+token the answer replaces, nor one past a dispute no third replica settled (the session rolls back
+there, or fails with :class:`~shoal.client.verification.audit.UnsettledDispute`, and ``s`` is left
+with the clean tokens before it, without ``end()``); the lag is up to ``audit_every``
 tokens (plus a step's window with speculation), and the last ones come when the final audit passes.
 In redundant mode every step is checked before the next one, so a token comes one step late.
 Without ``hold_back``, ``s`` gets tokens as they are generated: after a repair it has seen the tokens
-from the first wrong position to where the lie was caught (up to ``audit_every`` of them), then gets
+from the first wrong (or disputed) position to where it was caught (up to ``audit_every`` of them), then gets
 the regenerated tokens from that position on, after them (a streamer cannot take tokens back). It is
 told ``end()`` once. With ``return_dict_in_generate``, scores and logits cover the last attempt only.
 
