@@ -102,7 +102,7 @@ def add_verification(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--require-verified",
         action="store_true",
-        help="fail an answer rather than generate it with blocks no other server can check (needs --verify)",
+        help="fail an answer rather than generate it with blocks no other server can check (not with --verify off)",
     )
 
 
