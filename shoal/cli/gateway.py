@@ -97,7 +97,7 @@ def add_verification(parser: argparse.ArgumentParser) -> None:
         "--audit-every",
         type=positive_int,
         metavar="K",
-        help="positions between audits of a hop with --verify audit (default: 8); redundant checks every step",
+        help="positions between audits of a hop with --verify audit (default: 16); redundant checks every step",
     )
     group.add_argument(
         "--require-verified",

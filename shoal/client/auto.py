@@ -79,7 +79,7 @@ class AutoDistributedModelForCausalLM:
         ``adapter``: ``"NAME"`` or ``"NAME@DIGEST"`` (sha256 of the adapter's tensors): route only
         over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"audit"``
         (the default): every hop of a session is checked by a second server every ``audit_every``
-        positions (default 8) and before ``generate`` returns; ``"redundant"``: every step also
+        positions (default 16) and before ``generate`` returns; ``"redundant"``: every step also
         runs on a second chain with no server of the main one, hop by hop on the same inputs, so a
         lie is caught at the step that told it (``audit_every`` is then 1: leave it unset; any
         other value raises :class:`UsageError`); or ``"off"``: nothing is checked (the client logs
