@@ -63,6 +63,20 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # what argparse names in "invalid positive integer value"
 
 
+def memory_size(text: str) -> int:
+    """Bytes of ``512MiB``, ``8GiB``, ``2G`` or a plain number of bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    number = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = units.get(number[-1:], 1)
+    value = float(number[:-1] if scale != 1 else number) * scale
+    if not value >= 1:
+        raise ValueError(text)
+    return int(value)
+
+
+memory_size.__name__ = "memory size (e.g. 512MiB, 8GiB)"
+
+
 def port_number(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:

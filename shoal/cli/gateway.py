@@ -13,6 +13,7 @@ from shoal.cli.args import (
     NETWORK_PROFILES,
     add_limit_flags,
     join_ticket,
+    memory_size,
     non_negative_float,
     port_number,
     positive_float,
@@ -21,6 +22,8 @@ from shoal.cli.args import (
     transport_config,
 )
 from shoal.cli.swarm import add_member_flags, member_settings
+
+DEFAULT_CLIENT_MEMORY = 8 << 30  # as shoal.gateway.pool's (not imported here: it imports torch)
 
 #: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it). Its
 #: default is ClientConfig's, applied by leaving the flag out of the config (spelled only in help).
@@ -191,10 +194,15 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
     options = GatewayOptions(
         model=args.model,
+        every_model=args.model is None,
+        models_dirs=tuple(Path(folder).expanduser() for folder in args.models_dir or ()),
+        client_memory=args.client_memory or DEFAULT_CLIENT_MEMORY,
         api_key=_api_key(args),
         **_http_options(args),
         max_concurrency=args.max_concurrency,
@@ -244,7 +252,25 @@ def add_commands(sub) -> None:
     """Register ``api``, ``dashboard`` and ``chat`` on the ``shoal`` subparsers ``sub``."""
     model_help = "the model's local directory, known name (smollm2) or Hub id, as the swarm's servers name it"
     api = sub.add_parser("api", help="OpenAI-compatible HTTP API (and dashboard) over a swarm")
-    api.add_argument("model", help=model_help)
+    api.add_argument(
+        "model",
+        nargs="?",
+        help=f"{model_help}; none: every model the joined swarms list, routed by each request's model",
+    )
+    api.add_argument(
+        "--models-dir",
+        action="append",
+        metavar="DIR",
+        help="with no model named: load a model the swarms call NAME from DIR/NAME when it exists (repeatable; "
+        "else NAME is a known model or Hub id)",
+    )
+    api.add_argument(
+        "--client-memory",
+        type=memory_size,
+        metavar="SIZE",
+        help="memory for the models' client parts (embeddings, LM head) held at once; the least recently used "
+        "idle model is evicted to load another (default: 8GiB)",
+    )
     _http(api)
     api.add_argument(
         "--api-key",

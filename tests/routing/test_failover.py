@@ -256,7 +256,8 @@ def test_sigkill_of_a_route_server_process_keeps_the_tokens(swarm, reference_and
 @pytest.mark.timeout(120)
 def test_sigterm_drain_during_generation_keeps_the_tokens(swarm, reference_and_dir):
     """The route's first server gets SIGTERM mid-generation: it drains (its replies say so), the
-    client moves to the spare at its next step, and the server exits with 0."""
+    client moves to the spare at its next step (which takes the session's KV pages from it), and the
+    server exits with 0."""
     expected, _ = reference_and_dir
     model = connect(swarm)
     try:
@@ -276,4 +277,7 @@ def test_sigterm_drain_during_generation_keeps_the_tokens(swarm, reference_and_d
     assert torch.equal(out, expected)
     assert [r.failed for r in session.recoveries] == [swarm.peer(victim)]
     assert session.recoveries[0].drain, "the client should move on the draining flag, not on a failure"
+    (spare,) = set(session.recoveries[0].migrated) | set(session.recoveries[0].replayed)
+    # the spare of the same span took the session's KV pages (shoal.server.migrate): no replay
+    assert session.recoveries[0].migrated == {spare: PROMPT.shape[1] + 11}, session.recoveries[0]
     assert swarm.members[victim].proc.wait(30) == 0  # it drained and exited cleanly

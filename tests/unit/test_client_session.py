@@ -249,8 +249,9 @@ def test_a_dropped_reply_is_recovered(swarms, reference, push):
 # ---- a server leaves -----------------------------------------------------------------------------
 def test_a_draining_server_is_moved_before_the_next_step(swarms, reference):
     """The server of B on the route starts draining before position 7: its reply to that step says
-    so, the client moves B to the spare before the next step (replaying 8 positions) and closes
-    the old session politely; the drain then ends at once, long before its 5 s timeout."""
+    so, the client moves B to the spare before the next step (the leaving server hands it the
+    session's 8 positions of KV pages: no replay, :mod:`shoal.server.migrate`) and closes the old
+    session politely; the drain then ends at once, long before its 5 s timeout."""
     swarm = swarms()
     run = Run(swarm)
     leaving, spare = run.on_route(B), run.spare(B)
@@ -263,10 +264,11 @@ def test_a_draining_server_is_moved_before_the_next_step(swarms, reference):
     assert time.perf_counter() - started < 1.0
     (record,) = run.session.recoveries
     assert record.drain and record.failed == leaving.node.id and record.position == 8  # after its reply
-    assert dict(record.replayed) == {spare.node.id: 8} and run.route()[1] is spare
+    assert dict(record.migrated) == {spare.node.id: 8} and record.replayed == {} and run.route()[1] is spare
     c = leaving.server.counters
     assert c.sessions_closed == 1 and c.sessions_abandoned == 0 and c.sessions_drained == 0
-    assert c.positions_processed == 8 and positions(spare) == 12
+    assert c.sessions_migrated_out == 1 and spare.server.counters.sessions_migrated_in == 1
+    assert c.positions_processed == 8 and positions(spare) == 4  # only the steps after the hand-over
     swarm.kill(leaving)
     run.close()
 
