@@ -58,6 +58,11 @@ def receipt_bytes(hidden_size: int, *, adapter: bool = False, compute: str = "f3
     return len(msgspec.msgpack.encode(receipt))
 
 
+def _plain(counters: dict) -> dict:
+    """The counters a JSON report can hold (numbers and the mode; not the peers and spans)."""
+    return {k: v for k, v in counters.items() if isinstance(v, (int, float, str))}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each running every mode once")
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         "receipt_bytes_per_step": receipt_bytes(1024),
         "tokens_equal": all(torch.equal(t, reference) for runs in tokens.values() for t in runs),
         "disagreements": sum(a.get("disagreements", 0) for a in audits.values()),
-        "verification": {mode: {k: v for k, v in a.items() if isinstance(v, (int, float, str))} for mode, a in audits.items()},
+        "verification": {mode: _plain(a) for mode, a in audits.items()},
         "seconds": times,
     }
     print(json.dumps(result, indent=2))
