@@ -26,7 +26,8 @@ from shoal.cli.swarm import add_member_flags, member_settings
 
 DEFAULT_CLIENT_MEMORY = 8 << 30  # as shoal.gateway.pool's (not imported here: it imports torch)
 
-#: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it).
+#: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it). Its
+#: default is ClientConfig's, applied by leaving the flag out of the config (spelled only in help).
 VERIFY_CHOICES = ("off", "audit", "redundant")
 
 
@@ -91,21 +92,21 @@ def add_verification(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--verify",
         choices=VERIFY_CHOICES,
-        default="off",
-        help="audit: a second server recomputes every hop each K positions, a third settles a dispute, a liar is "
-        "banned and the answer regenerated from its first wrong token; text is shown only once audited. "
-        "redundant: every step also runs on a disjoint second chain",
+        help="audit (the default): a second server recomputes every hop each K positions, a third settles a "
+        "dispute, a liar is banned and the answer regenerated from its first wrong token; text is shown only "
+        "once audited. redundant: every step also runs on a disjoint second chain. off: answers from untrusted "
+        "servers are not checked. Blocks no second server serves alike are reported unverified",
     )
     group.add_argument(
         "--audit-every",
         type=positive_int,
         metavar="K",
-        help="positions between audits of a hop with --verify audit (default: 8); redundant checks every step",
+        help="positions between audits of a hop with --verify audit (default: 16); redundant checks every step",
     )
     group.add_argument(
         "--require-verified",
         action="store_true",
-        help="fail an answer rather than generate it with blocks no other server can check (needs --verify)",
+        help="fail an answer rather than generate it with blocks no other server can check (not with --verify off)",
     )
 
 
@@ -140,10 +141,11 @@ def _client_settings(args: argparse.Namespace) -> dict:
     from shoal.client.config import ClientConfig
 
     join = tuple(join_ticket(text) for text in args.join)
+    verify = {"verify": args.verify} if args.verify is not None else {}  # unset: ClientConfig's default
     client = ClientConfig(
         transport=transport_config(args, args.bind),
         compression=_codec(args.compression),
-        verify=args.verify,
+        **verify,
         audit_every=args.audit_every,
         require_verified=args.require_verified,
         route_wait=args.route_wait,

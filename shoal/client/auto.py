@@ -19,6 +19,7 @@ from shoal.client.model import DistributedModelForCausalLM
 from shoal.client.remote import RemoteSequence
 from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
 from shoal.client.training.prompts import PromptTuning
+from shoal.client.verification.audit import DEFAULT_VERIFY
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
 from shoal.models import get_family
@@ -53,7 +54,7 @@ class AutoDistributedModelForCausalLM:
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
         adapter: str | None = None,
-        verify: str = "off",
+        verify: str = DEFAULT_VERIFY,
         audit_every: int | None = None,
         require_verified: bool = False,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
@@ -83,19 +84,23 @@ class AutoDistributedModelForCausalLM:
         ``tuning_mode``: None, ``"ptune"`` or ``"deep_ptune"``, with ``pre_seq_len`` trainable prompt
         positions (see :mod:`shoal.client.training.prompts`; ``model.save_prompts`` / ``load_prompts``).
         ``adapter``: ``"NAME"`` or ``"NAME@DIGEST"`` (sha256 of the adapter's tensors): route only
-        over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"off"``;
-        ``"audit"``: every hop of a session is checked by a second server every ``audit_every``
-        positions (default 8) and before ``generate`` returns; or ``"redundant"``: every step also
+        over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"audit"``
+        (the default): every hop of a session is checked by a second server every ``audit_every``
+        positions (default 16) and before ``generate`` returns; ``"redundant"``: every step also
         runs on a second chain with no server of the main one, hop by hop on the same inputs, so a
         lie is caught at the step that told it (``audit_every`` is then 1: leave it unset; any
-        other value raises :class:`UsageError`). Either way a disagreement is settled by a third
-        replica, the liar banned and the answer repaired (:mod:`shoal.client.verification.audit`;
-        ``model.verification`` counts what audits did). ``require_verified``: with a mode that audits,
-        a session whose chain has a block no other server can check fails with
+        other value raises :class:`UsageError`); or ``"off"``: nothing is checked (the client logs
+        a warning once). Auditing, a disagreement is settled by a third opinion, a liar banned and
+        the answer repaired (:mod:`shoal.client.verification.audit`; ``model.verification`` counts
+        what audits did). Not audited in any mode: stateless forwards (``model(...)`` logits
+        without a session's cache, ``generate(use_cache=False)``, training forwards and
+        backwards), and a span nobody else can check (``model.verification.unverified`` lists its
+        blocks; the session goes on). ``require_verified``: with a mode that audits, a session
+        whose chain has a block no other server can check fails with
         :class:`~shoal.client.verification.audit.UnverifiedBlocks` instead of generating.
-        ``prefill_chunk``: a session step of more positions (a long prompt) travels the chain in chunks
-        of this many, pipelined: the second server computes chunk 1 while the first computes chunk 2
-        (same tokens; None or 0: off; see :mod:`shoal.client.remote.pipeline`);
+        ``prefill_chunk``: a session step of more positions (a long prompt) travels the chain in
+        chunks of this many, pipelined: the second server computes chunk 1 while the first
+        computes chunk 2 (same tokens; None or 0: off; see :mod:`shoal.client.remote.pipeline`);
         ``model.blocks.prefill_chunk`` changes it from the next step on.
         ``identity``: the client node's 32-byte secret key (default: a new one), and ``member_cert``
         a private swarm's member certificate issued for it (``shoal swarm invite``; its text or bytes).

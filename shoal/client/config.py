@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
-from shoal.client.verification.audit import check_verify
+from shoal.client.verification.audit import DEFAULT_VERIFY, check_verify
 from shoal.devices import check_device
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
@@ -33,7 +33,13 @@ LISTING_ANSWER_S = 2.0  # seconds beyond the connect deadline a live peer needs 
 @dataclass(frozen=True)
 class ClientConfig:
     """How one client loads its part of the model, routes, verifies and runs sessions. Checked when
-    made (:class:`UsageError`, or ``ValueError`` for a negative ``prefill_chunk``)."""
+    made (:class:`UsageError`, or ``ValueError`` for a negative ``prefill_chunk``).
+
+    ``verify`` is ``"audit"`` unless set: a second server re-runs every hop of a session each
+    ``audit_every`` positions (:mod:`shoal.client.verification.audit`). ``"off"`` checks nothing
+    and logs a warning once per client. Never audited, in any mode: stateless forwards
+    (``model(...)`` without a session's cache, ``generate(use_cache=False)``, training forwards
+    and backwards) and a span no other server serves alike (``model.verification.unverified``)."""
 
     # the client's own tensors (embeddings, final norm, LM head)
     dtype: torch.dtype = torch.float32  # of the client's tensors (hidden states travel as float32)
@@ -55,7 +61,7 @@ class ClientConfig:
     # swarm like any server's, reached by this client without a network hop (None: none)
     local_blocks: BlockRange | None = None
     # verification (shoal.client.verification.audit)
-    verify: str = "off"  # "off", "audit" (a second server checks every hop) or "redundant" (every step, twice)
+    verify: str = DEFAULT_VERIFY  # "audit" (a second server checks every hop), "redundant" (every step, twice), "off"
     audit_every: int | None = None  # positions between audits of a hop (None: the mode's default; redundant: 1)
     require_verified: bool = False  # fail (UnverifiedBlocks) rather than generate with a block nothing checks
     # sessions

@@ -21,8 +21,8 @@ key (probes, scrapers and browsers send none). Every route answers only to the a
 a POST only to a JSON body, and no other origin reads an answer unless ``--cors-origin`` names it
 (:mod:`shoal.gateway.guards`). When speculative decoding ran, a response's ``usage`` also carries
 ``"speculation": {rounds, drafted_tokens, accepted_tokens, acceptance_rate, mean_window}``.
-With verification on (``shoal api --verify audit``) a response also carries shoal's extension key
-``"shoal": {"verification": {mode, audit_every, unverified_blocks, audits, audited_positions,
+With verification on (``--verify audit``, the default, or ``redundant``) a response also carries
+shoal's extension key ``"shoal": {"verification": {mode, audit_every, unverified_blocks, audits, audited_positions,
 disagreements, settled, unsettled, bans, rollbacks}}`` (:func:`shoal.gateway.engine.checked`): a
 non-streamed body at its top level, a stream in the chunk with the ``finish_reason``. Streamed text
 then holds only audited tokens, so nothing shown is ever replaced by a repair.

@@ -142,5 +142,5 @@ def test_require_verified_fails_closed(swarm):
     with checked as model, pytest.raises(UnverifiedBlocks, match=r"blocks \[0, 1, 2, 3, 4, 5\]"):
         model.generate(prompt_of(PROMPT_SEED), max_new_tokens=4, do_sample=False)
     assert [s.server.counters.steps for s in (low_a, tail)] == before, "a step ran on unverified blocks"
-    with pytest.raises(UsageError, match="require_verified"):
-        connect_over(swarm, [low_a, tail], require_verified=True).__enter__()
+    with pytest.raises(UsageError, match="require_verified"):  # audits are the default: only 'off' contradicts it
+        connect_over(swarm, [low_a, tail], verify="off", require_verified=True).__enter__()

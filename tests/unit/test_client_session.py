@@ -88,6 +88,9 @@ class Run:
 
     def __init__(self, swarm: InProcessSwarm, *, push: bool = True, batch_size: int = 1, **connect):
         self.swarm = swarm
+        # verify="off" unless asked: these tests count each server's sessions and positions, which an
+        # auditor on the spare would add to (recovery under audits: the tests that pass verify="audit")
+        connect.setdefault("verify", "off")
         self.model = swarm.connect(push=push, refresh_period=0, routing_seed=0, **connect)
         self.sequence = self.model.blocks
         self.directory = self.sequence.directory
@@ -168,7 +171,7 @@ def test_greedy_generation_survives_a_killed_server_token_for_token(swarms, refe
     """``generate`` (push on) loses the server of blocks 2:4 after 4 new tokens: the tokens equal
     plain transformers' greedy ones, and the session was recovered once."""
     swarm = swarms()
-    model = swarm.connect(refresh_period=0, routing_seed=0)
+    model = swarm.connect(refresh_period=0, routing_seed=0, verify="off")  # the spare's counts: the replacement's
     prompt = torch.tensor([[1, 17, 42, 99, 7, 3]])
     killed = []
 
@@ -189,15 +192,17 @@ def test_greedy_generation_survives_a_killed_server_token_for_token(swarms, refe
     assert model.blocks.directory.bans.banned(victim.node.id)
 
 
-def test_a_server_that_goes_quiet_mid_step_is_found_out_by_a_ping(swarms, reference, monkeypatch):
+@pytest.mark.parametrize("verify", ["off", "audit"])
+def test_a_server_that_goes_quiet_mid_step_is_found_out_by_a_ping(swarms, reference, monkeypatch, verify):
     """From position 7 on, the server of B on the route answers nothing in time (its replies, pings
     included, are held back: the fault seam's reply delay switched on mid-session) but its streams
     stay open. The pushed step's late reply makes the client ping it, the ping times out, and the
     spare takes over: within the late-reply deadline plus the ping's timeout (0.25 s each here),
-    not the request deadline."""
+    not the request deadline. Audited too: the replacement's new auditor is never the server just
+    found quiet (a dial of it would hold the step up for the recovery timeout)."""
     monkeypatch.setattr(directory_module, "PROBE_TIMEOUT", 0.25)
     swarm = swarms(prepare={B: lambda server: make_faulty(server, [])})
-    run = Run(swarm)
+    run = Run(swarm, verify=verify)
     quiet, spare = run.on_route(B), run.spare(B)
     times = {}
 

@@ -72,6 +72,8 @@ class RemoteSequence:
         self.hosted = hosted  # the span this process serves (config.local_blocks), closed with the sequence
         self.config = config
         self.verification = verification_for(config.verify, config.audit_every)  # audit mode: the counters
+        if not self.verification.auditing:
+            log.warning("verify='off': answers from untrusted servers are not checked")
         self.runtime = runtime
         self.directory = directory
         self.num_blocks = num_blocks

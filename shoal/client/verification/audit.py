@@ -1,4 +1,4 @@
-"""Audit mode (``verify="audit"``): other servers check every hop of a session, a third opinion settles a dispute.
+"""Audit mode (``verify="audit"``, the default): other servers check each hop of a session; a third opinion, a dispute.
 
 For each hop ``[a, b)`` of a session's chain the client keeps a *checker*. The first choice is an
 *auditor*: an ordinary inference session on another server whose span is exactly ``[a, b)`` and which
@@ -61,7 +61,8 @@ the next token is chosen from it. A ``hold_back`` streamer lags by one step at m
 The span a client serves itself (``local_blocks``) is its own computation: its hop has no auditor
 and counts as verified for that client, while other clients audit it as they audit any server.
 
-Limits: stateless forwards (``use_cache=False``, training) are not audited; a span is checked only
+``verify="off"`` checks nothing (the client logs so once). Limits: stateless forwards (``use_cache=False``,
+training forwards and backwards) are not audited; a span is checked only
 if some other servers compute it alike (same quantisation and adapters) and, for pieces of longer
 spans, announce ``sub-span``: a span nobody else serves alike goes unaudited (and is priced as such by
 routing); a cover of several pieces that lies is dropped, not convicted; a stateless check re-runs
@@ -85,10 +86,13 @@ from shoal.routing.audits import Piece
 from shoal.verify.compare import tolerance_of
 
 VERIFY_MODES = ("off", "audit", "redundant")
-DEFAULT_AUDIT_EVERY = 8
+DEFAULT_VERIFY = "audit"  # what a client runs unless told otherwise (from_pretrained, ClientConfig, shoal chat/api)
+DEFAULT_AUDIT_EVERY = 16  # positions between audits of a hop: the smallest K bench.verify measured at >= 0.9x of off
 
 __all__ = [
     "DEFAULT_AUDIT_EVERY",
+    "DEFAULT_VERIFY",
+    "VERIFY_MODES",
     "Caught",
     "Conviction",
     "Disputed",
@@ -146,7 +150,7 @@ class Verification:
     receipt) proved wrong. ``disputes``: the unsettled ones, whose servers this client routes around
     (``excluded`` names them)."""
 
-    mode: str = "off"
+    mode: str = DEFAULT_VERIFY
     audit_every: int = DEFAULT_AUDIT_EVERY
     audits: int = 0
     audited_positions: int = 0
