@@ -15,9 +15,13 @@ Per run: ``ttft_ms`` = generate() call to the first token's logits (session open
 token), ``decode_tok_s`` = (new_tokens - 1) / time from the first to the last token's logits (a
 LogitsProcessor timestamps each step). ``ratio`` = swarm decode tok/s / local decode tok/s (medians);
 ``ratio_best`` compares the best run of each (on a machine shared with other work, the best run is
-the closest to an idle machine). Also per swarm setting: the client-side split of one decode step
-into time inside the remote block calls (``blocks_ms``: transport + servers) and the rest
-(``client_ms``: embedding, final norm, LM head, generate's own loop), medians of per-run means.
+the closest to an idle machine). Row ``gateway_local_span``: the client serves the first half
+itself (``from_pretrained(local_blocks=...)``, what ``shoal api --serve-blocks`` does), the first
+setting's second server the rest; its ``ratio_to_swarm`` is its decode tok/s over that 2-server
+swarm's (one network hop fewer per token: above 1 expected). Also per swarm setting: the
+client-side split of one decode step into time inside the remote block calls (``blocks_ms``:
+transport + servers) and the rest (``client_ms``: embedding, final norm, LM head, generate's own
+loop), medians of per-run means.
 
 Shared machines: each run records ``foreign_cpu``, the share of the machine's CPU that processes
 other than this benchmark and its servers used meanwhile (from /proc, steal included). Before each
@@ -73,6 +77,7 @@ TARGETS = {"llama270m": 0.9, "smollm2": 0.8}
 OMP_ENV_MARK = "SHOAL_BENCH_STARTED_OMP_ENV"  # the OpenMP variables the benchmark was started with
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. Once upon a time,"
 PROMPT_TOKENS_RANDOM = 24
+LOCAL_SPAN = "gateway_local_span"  # the client serves the first half itself (from_pretrained(local_blocks=...))
 
 
 # ---- models -----------------------------------------------------------------------------------
@@ -435,6 +440,15 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
             )
             swarm.blocks = BlockTimer(swarm.blocks)
             swarms[f"server_threads_{spec}"] = swarm
+        # the gateway as a peer: the client serves the first half itself (no hop to it), the first
+        # setting's second server the rest
+        first = next(iter(settings.values()))
+        hosted = AutoDistributedModelForCausalLM.from_pretrained(
+            str(path), [first[1].wait_ready()], transport=TransportConfig(bind_addr="127.0.0.1:0"),
+            local_blocks=f"{blocks[0][0]}:{blocks[0][1]}",
+        )  # fmt: skip
+        hosted.blocks = BlockTimer(hosted.blocks)
+        swarms[LOCAL_SPAN] = hosted
         freeze_startup_heap()  # as shoal's own long-lived processes do (see shoal.heap)
 
         def swarm_runner(model):
@@ -498,7 +512,11 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
                 summary["ratio_best"] = round(summary["decode_tok_s_best"] / local["decode_tok_s_best"], 3)
                 summary["ttft_ratio"] = round(summary["ttft_ms_median"] / local["ttft_ms_median"], 3)
             result["swarm"][label] = summary
-        rated = [k for k in result["swarm"] if "ratio" in result["swarm"][k]]
+        baseline = result["swarm"][f"server_threads_{next(iter(settings))}"]
+        if "decode_tok_s_median" in baseline and "decode_tok_s_median" in result["swarm"][LOCAL_SPAN]:
+            ratio = result["swarm"][LOCAL_SPAN]["decode_tok_s_median"] / baseline["decode_tok_s_median"]
+            result["swarm"][LOCAL_SPAN]["ratio_to_swarm"] = round(ratio, 3)  # one hop fewer: above 1 expected
+        rated = [k for k in result["swarm"] if "ratio" in result["swarm"][k] and k != LOCAL_SPAN]
         best = max(rated, key=lambda k: result["swarm"][k]["ratio"]) if rated else None
         result["best_setting"] = best
         result["ratio"] = result["swarm"][best]["ratio"] if best else None

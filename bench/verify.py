@@ -1,15 +1,18 @@
 """What verification costs: decode speed with audits against none, on honest servers.
 
-    scripts/isolated python -m bench.verify [--rounds 2] [--new-tokens 128]
+    scripts/isolated python -m bench.verify [--rounds 2] [--new-tokens 128] [--audit-every 4 8 16 32]
 
 The ~270M random llama of ``bench.generate`` (hidden 1024, 16 layers), 2 spans (blocks 0-7, 8-15)
 x 3 replicas, one torch thread per server, all in this process (``shoal.launch.InProcessSwarm``, on
-the in-memory network: the 2 cores here are shared by the six servers and the client). Four
-clients over the same servers: ``verify="off"``, ``verify="audit"`` with ``audit_every`` 8 and
-16, and ``verify="redundant"`` (every step also on a second chain of the other replicas, checked
-after each step); each generates ``--new-tokens`` greedy tokens from a 64-token prompt, modes alternating in
-every round. ``tok_s_*`` are medians over rounds; ``ratio_*`` are over ``off``. Every mode's tokens
-must equal (``tokens_equal``), and honest servers must never disagree (``disagreements``).
+the in-memory network: the 2 cores here are shared by the six servers and the client). Clients
+over the same servers: ``verify="off"``, the default (``from_pretrained`` with no ``verify``:
+audit mode at :data:`~shoal.client.verification.audit.DEFAULT_AUDIT_EVERY`), ``verify="audit"``
+with each ``audit_every`` of ``--audit-every`` (8 and 16 always), and ``verify="redundant"``
+(every step also on a second chain of the other replicas, checked after each step); each
+generates ``--new-tokens`` greedy tokens from a 64-token prompt, modes alternating in every
+round. ``tok_s_*`` are medians over rounds; ``ratio_*`` are over ``off`` (``ratio_default``: the
+default's). Every mode's tokens must equal (``tokens_equal``), and honest servers must never
+disagree (``disagreements``).
 ``receipt_bytes_per_step``: a step reply's receipt as encoded on the wire (per hop).
 """
 
@@ -32,12 +35,14 @@ from shoal.verify.receipts import ReceiptSigner, adapter_tag, sign_receipt, weig
 SPANS = (BlockRange(0, 8), BlockRange(8, 16))
 REPLICAS = 3
 PROMPT_TOKENS = 64
-MODES = {
-    "off": {},
-    "audit_k8": {"verify": "audit", "audit_every": 8},
-    "audit_k16": {"verify": "audit", "audit_every": 16},
-    "redundant": {"verify": "redundant"},
-}
+REPORTED_K = (8, 16)  # audit_every values always measured (their keys are in every report)
+
+
+def modes(audit_every: list[int]) -> dict[str, dict]:
+    """Each measured mode's ``from_pretrained`` keywords, by report name (``default``: none given)."""
+    ks = sorted({*REPORTED_K, *audit_every})
+    audits = {f"audit_k{k}": {"verify": "audit", "audit_every": k} for k in ks}
+    return {"off": {"verify": "off"}, "default": {}, **audits, "redundant": {"verify": "redundant"}}
 
 
 def receipt_bytes(hidden_size: int, *, adapter: bool = False, compute: str = "f32/cpu") -> int:
@@ -53,19 +58,27 @@ def receipt_bytes(hidden_size: int, *, adapter: bool = False, compute: str = "f3
     return len(msgspec.msgpack.encode(receipt))
 
 
+def _plain(counters: dict) -> dict:
+    """The counters a JSON report can hold (numbers and the mode; not the peers and spans)."""
+    return {k: v for k, v in counters.items() if isinstance(v, (int, float, str))}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each running every mode once")
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per generation")
+    parser.add_argument("--audit-every", type=int, nargs="*", default=[], metavar="K",
+                        help="audit_every values measured besides 8 and 16")  # fmt: skip
     args = parser.parse_args(argv)
+    measured = modes(args.audit_every)
 
     torch.set_num_threads(1)
     path = model_dir("llama270m")
     prompt = torch.randint(3, 32000, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    tokens: dict[str, list[torch.Tensor]] = {mode: [] for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in measured}
+    tokens: dict[str, list[torch.Tensor]] = {mode: [] for mode in measured}
     with InProcessSwarm(path, [span for span in SPANS for _ in range(REPLICAS)], num_threads=1) as swarm:
-        clients = {mode: swarm.connect(refresh_period=0, **kwargs) for mode, kwargs in MODES.items()}
+        clients = {mode: swarm.connect(refresh_period=0, **kwargs) for mode, kwargs in measured.items()}
         for model in clients.values():  # warm up each client's route and the servers
             model.generate(prompt, max_new_tokens=4, do_sample=False)
         for _ in range(args.rounds):
@@ -84,17 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
         "replicas": REPLICAS,
         "prompt_tokens": PROMPT_TOKENS,
         "new_tokens": args.new_tokens,
-        "tok_s_off": tok_s["off"],
-        "tok_s_audit_k8": tok_s["audit_k8"],
-        "tok_s_audit_k16": tok_s["audit_k16"],
-        "tok_s_redundant": tok_s["redundant"],
-        "ratio_audit_k8": tok_s["audit_k8"] / tok_s["off"],
-        "ratio_audit_k16": tok_s["audit_k16"] / tok_s["off"],
-        "ratio_redundant": tok_s["redundant"] / tok_s["off"],
+        "default": {"verify": audits["default"]["mode"], "audit_every": audits["default"]["audit_every"]},
+        **{f"tok_s_{mode}": tok_s[mode] for mode in measured},
+        **{f"ratio_{mode}": tok_s[mode] / tok_s["off"] for mode in measured if mode != "off"},
         "receipt_bytes_per_step": receipt_bytes(1024),
         "tokens_equal": all(torch.equal(t, reference) for runs in tokens.values() for t in runs),
         "disagreements": sum(a.get("disagreements", 0) for a in audits.values()),
-        "verification": {mode: {k: v for k, v in a.items() if not isinstance(v, tuple)} for mode, a in audits.items()},
+        "verification": {mode: _plain(a) for mode, a in audits.items()},
         "seconds": times,
     }
     print(json.dumps(result, indent=2))

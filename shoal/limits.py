@@ -90,7 +90,10 @@ class Limits:
             "hello": 0,
             "info": 0,
             "close": 0,
+            "manifest": 0,
+            "chunk": 0,
             "error": 0,
+            "migrate": 0,
             "ping": min(self.max_ping_bytes, self.max_message_bytes),
             "gossip": min(self.max_gossip_bytes, self.max_message_bytes),
         }

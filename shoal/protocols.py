@@ -11,6 +11,13 @@ Every message's metadata is a typed struct of :mod:`shoal.wire.schema` (named be
     step     StepRequest {session, position, push} [hidden, position_ids, attention_mask?]
              -> result StepReply {position, pushed, draining} [hidden]
     close    Empty -> result (the stream ends; a vanished client also frees the session)
+    migrate  MigrateRequest {session, position, step, to: PushHop}           (capability ``migrate``)
+             -> result (once the replacement took the pages)
+then, server to server, on a stream of its own:
+    pages    PagesRequest {session, token, position, step, model, blocks, weights, dtype, adapter?,
+             prompts} [keys, values, states u8] -> result; the replacement also answers the
+             session's client, under ``step``: result MigratedReply {position, state}
+             (:mod:`shoal.server.migrate`)
 
 ``push`` (capability ``push``): the rest of the chain, as :class:`~shoal.wire.schema.PushHop`
 entries ``[ticket, session, token]``. The server sends its output on to the first of them as a
@@ -24,10 +31,21 @@ move this span before its next step. A client asks for a push only when both ser
 Errors come back as ``error`` messages (ErrorReply {code, message, reason}) with a code
 (``bad_request``, ``busy``, ``not_found``, ``unavailable`` (draining), ``wire``, ``internal``); a
 request-level error, malformed metadata included, leaves a session usable.
+
+``shoal/weights/1`` — a model's weights, peer to peer (:mod:`shoal.weights`), asked of servers whose
+record announces the ``weights`` capability; any number of requests per stream:
+
+    manifest  ManifestRequest {model} -> result Empty [manifest u8]
+    chunk     ChunkRequest {manifest, item, chunk} -> result Empty [chunk u8]
+
+The asker checks the manifest against the BLAKE3 digest in the swarm's signed model record, and
+every chunk against the manifest's digest of it. Errors: ``not_found`` (another model or manifest,
+an item not held), ``busy`` (the giver is at its rate).
 """
 
 from shoal.transport import Protocol
 
 BLOCKS = Protocol("blocks", 2)
+WEIGHTS = Protocol("weights", 1)
 
-__all__ = ["BLOCKS"]
+__all__ = ["BLOCKS", "WEIGHTS"]

@@ -30,18 +30,24 @@ import msgspec.inspect as mi
 import torch
 
 from shoal.errors import ClosedError, RequestTimeout, WireError
+from shoal.ids import BlockRange
+from shoal.protocols import WEIGHTS
 from shoal.swarm.service import SWARM, blob
 from shoal.transport import META, BaseNode, MessageStream, Protocol, Ticket
 from shoal.wire import FRAME_DATA, FRAME_HEAD, FRAME_PREFIX, Message, encode
 from shoal.wire.schema import (
     BackwardRequest,
+    ChunkRequest,
     Empty,
     EvidenceRequest,
     ForwardRequest,
     Gossip,
     Hello,
+    ManifestRequest,
     Meta,
+    MigrateRequest,
     OpenRequest,
+    PagesRequest,
     Ping,
     PushHop,
     PushRequest,
@@ -204,7 +210,8 @@ async def send_raw_case(
 
 # ---- every typed metadata field of every request kind --------------------------------------------
 UNKNOWN_FIELD = "zz_not_a_field"
-PROTOCOL_OF: dict[str, Protocol] = {"hello": META, "ping": META, "gossip": SWARM}  # others: BLOCKS
+PROTOCOL_OF: dict[str, Protocol] = {"hello": META, "ping": META, "gossip": SWARM, "manifest": WEIGHTS, "chunk": WEIGHTS}
+# others: BLOCKS
 ON_SESSION_STREAM = {"step", "close"}  # push arrives on a stream of its own, as from the previous server
 
 
@@ -330,7 +337,7 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
         "hello": Hello(),
         "ping": Ping(echo=False),
         "info": Empty(),
-        "forward": ForwardRequest(prompts=True, adapter="lora-1", receipt=True),
+        "forward": ForwardRequest(prompts=True, adapter="lora-1", receipt=True, blocks=BlockRange(0, 1)),
         "backward": BackwardRequest(prompts=True, adapter="lora-1"),
         "open": OpenRequest(max_length=16, batch_size=2, prompts=True, adapter="lora-1"),
         "step": StepRequest(session=session, position=0, push=(hop,), receipt=True),
@@ -338,6 +345,21 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
         "close": Empty(),
         "evidence": EvidenceRequest(model="m", accused="ab" * 32, start=0, end=2, steps=3),
         "gossip": Gossip(op="table"),
+        "manifest": ManifestRequest(model="m"),
+        "chunk": ChunkRequest(manifest="ab" * 32, item=3, chunk=1),
+        "migrate": MigrateRequest(session=session, position=1, step=1, to=hop),
+        "pages": PagesRequest(
+            session=session,
+            token=token,
+            position=1,
+            step=1,
+            model="m",
+            blocks=BlockRange(0, 1),
+            weights=bytes(16),
+            dtype="float32",
+            adapter="lora-1",
+            prompts=True,
+        ),
     }
 
 

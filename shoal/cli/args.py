@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from shoal.limits import Limits, RegistryLimits, flag_of, limit_fields
 
 if TYPE_CHECKING:
+    from shoal.ids import BlockRange
     from shoal.transport import Ticket, TransportConfig
 
 #: shoal.transport.NetworkProfile's values
@@ -61,6 +62,30 @@ def positive_int(text: str) -> int:
 
 
 positive_int.__name__ = "positive integer"  # what argparse names in "invalid positive integer value"
+
+
+def block_range(text: str) -> BlockRange:
+    """``START:END``, half-open (``--serve-blocks``)."""
+    from shoal.ids import BlockRange
+
+    return BlockRange.parse(text)
+
+
+block_range.__name__ = "START:END block range"
+
+
+def memory_size(text: str) -> int:
+    """Bytes of ``512MiB``, ``8GiB``, ``2G`` or a plain number of bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    number = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = units.get(number[-1:], 1)
+    value = float(number[:-1] if scale != 1 else number) * scale
+    if not value >= 1:
+        raise ValueError(text)
+    return int(value)
+
+
+memory_size.__name__ = "memory size (e.g. 512MiB, 8GiB)"
 
 
 def port_number(text: str) -> int:

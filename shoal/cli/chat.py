@@ -7,9 +7,9 @@ differs). Tokens are printed as they arrive. Turns are read line by line from st
 pipe; ``/exit`` or end of input ends the chat. Standard output holds only the answers: status lines
 (the greeting, speculative decoding's acceptance after each answer) go to standard error.
 
-With ``--verify audit`` an answer is printed only as far as every hop is audited (up to
-``--audit-every`` tokens behind, the rest after a last audit round when it ends): a lie found
-mid-answer is repaired before its tokens are shown, and a status line on standard error says so.
+With audits (``--verify audit``, the default) an answer is printed only as far as every hop
+is audited (up to ``--audit-every`` tokens behind, the rest after a last audit round when it
+ends): a lie found mid-answer is repaired before its tokens are shown, and a status line on standard error says so.
 """
 
 from __future__ import annotations

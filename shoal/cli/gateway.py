@@ -12,7 +12,9 @@ from shoal.cli.args import (
     CODECS,
     NETWORK_PROFILES,
     add_limit_flags,
+    block_range,
     join_ticket,
+    memory_size,
     non_negative_float,
     port_number,
     positive_float,
@@ -22,7 +24,10 @@ from shoal.cli.args import (
 )
 from shoal.cli.swarm import add_member_flags, member_settings
 
-#: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it).
+DEFAULT_CLIENT_MEMORY = 8 << 30  # as shoal.gateway.pool's (not imported here: it imports torch)
+
+#: What ``--verify`` takes (``from_pretrained(verify=...)`` checks that the client runs it). Its
+#: default is ClientConfig's, applied by leaving the flag out of the config (spelled only in help).
 VERIFY_CHOICES = ("off", "audit", "redundant")
 
 
@@ -87,21 +92,21 @@ def add_verification(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--verify",
         choices=VERIFY_CHOICES,
-        default="off",
-        help="audit: a second server recomputes every hop each K positions, a third settles a dispute, a liar is "
-        "banned and the answer regenerated from its first wrong token; text is shown only once audited. "
-        "redundant: every step also runs on a disjoint second chain",
+        help="audit (the default): a second server recomputes every hop each K positions, a third settles a "
+        "dispute, a liar is banned and the answer regenerated from its first wrong token; text is shown only "
+        "once audited. redundant: every step also runs on a disjoint second chain. off: answers from untrusted "
+        "servers are not checked. Blocks no second server serves alike are reported unverified",
     )
     group.add_argument(
         "--audit-every",
         type=positive_int,
         metavar="K",
-        help="positions between audits of a hop with --verify audit (default: 8); redundant checks every step",
+        help="positions between audits of a hop with --verify audit (default: 16); redundant checks every step",
     )
     group.add_argument(
         "--require-verified",
         action="store_true",
-        help="fail an answer rather than generate it with blocks no other server can check (needs --verify)",
+        help="fail an answer rather than generate it with blocks no other server can check (not with --verify off)",
     )
 
 
@@ -136,10 +141,11 @@ def _client_settings(args: argparse.Namespace) -> dict:
     from shoal.client.config import ClientConfig
 
     join = tuple(join_ticket(text) for text in args.join)
+    verify = {"verify": args.verify} if args.verify is not None else {}  # unset: ClientConfig's default
     client = ClientConfig(
         transport=transport_config(args, args.bind),
         compression=_codec(args.compression),
-        verify=args.verify,
+        **verify,
         audit_every=args.audit_every,
         require_verified=args.require_verified,
         route_wait=args.route_wait,
@@ -189,15 +195,28 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
+    settings = _client_settings(args)
+    if args.serve_blocks is not None:  # the gateway as a peer: its client hosts the span
+        if args.model is None:
+            from shoal.errors import UsageError
+
+            raise UsageError("--serve-blocks serves blocks of one model: name it (shoal api MODEL --serve-blocks ...)")
+        settings["client"] = replace(settings["client"], local_blocks=args.serve_blocks)
     options = GatewayOptions(
         model=args.model,
+        every_model=args.model is None,
+        models_dirs=tuple(Path(folder).expanduser() for folder in args.models_dir or ()),
+        client_memory=args.client_memory or DEFAULT_CLIENT_MEMORY,
         api_key=_api_key(args),
         **_http_options(args),
         max_concurrency=args.max_concurrency,
         default_max_tokens=args.max_tokens,
-        **_client_settings(args),
+        **settings,
     )
     return serve_gateway(options)
 
@@ -242,7 +261,25 @@ def add_commands(sub) -> None:
     """Register ``api``, ``dashboard`` and ``chat`` on the ``shoal`` subparsers ``sub``."""
     model_help = "the model's local directory, known name (smollm2) or Hub id, as the swarm's servers name it"
     api = sub.add_parser("api", help="OpenAI-compatible HTTP API (and dashboard) over a swarm")
-    api.add_argument("model", help=model_help)
+    api.add_argument(
+        "model",
+        nargs="?",
+        help=f"{model_help}; none: every model the joined swarms list, routed by each request's model",
+    )
+    api.add_argument(
+        "--models-dir",
+        action="append",
+        metavar="DIR",
+        help="with no model named: load a model the swarms call NAME from DIR/NAME when it exists (repeatable; "
+        "else NAME is a known model or Hub id)",
+    )
+    api.add_argument(
+        "--client-memory",
+        type=memory_size,
+        metavar="SIZE",
+        help="memory for the models' client parts (embeddings, LM head) held at once; the least recently used "
+        "idle model is evicted to load another (default: 8GiB)",
+    )
     _http(api)
     api.add_argument(
         "--api-key",
@@ -251,6 +288,13 @@ def add_commands(sub) -> None:
     )
     api.add_argument("--max-concurrency", type=positive_int, default=16, help="generations running at once")
     api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
+    api.add_argument(
+        "--serve-blocks",
+        type=block_range,
+        metavar="START:END",
+        help="also serve these blocks in the gateway's process, as `shoal serve` would: announced to the swarm "
+        "for every peer, reached by the gateway's own requests without a network hop",
+    )
     _client_flags(api)
     api.set_defaults(func=cmd_api)
 

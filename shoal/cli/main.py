@@ -52,7 +52,7 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from shoal.cli.swarm import read_member_cert
+    from shoal.cli.swarm import fetch_span, read_member_cert, weights_from_swarm
     from shoal.devices import check_device
     from shoal.swarm.service import check_join
     from shoal.transport.loop import run as run_loop
@@ -61,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     join = tuple(join_ticket(t) for t in args.join)
     if join and not args.join_anyway and not args.new_swarm:  # a dead ticket fails before transformers loads
         run_loop(check_join(join, transport_config(args, f"{args.host}:0")))
+    if join and args.model and weights_from_swarm(args.model):  # no files here: the swarm's members give the span's
+        fetch_span(args, join, transport_config(args, f"{args.host}:0"))
 
     from shoal.heap import freeze_startup_heap
     from shoal.quantization import parse_quantization
@@ -70,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from shoal.swarm.gossip import GossipConfig
 
     gguf = None
-    if args.model.endswith(".gguf"):  # a known model's GGUF file: its blocks, served as they are stored
+    if args.model and args.model.endswith(".gguf"):  # a known model's GGUF file: its blocks, served as they are stored
         from shoal.checkpoints.gguf import known_model_of
         from shoal.errors import UsageError
 
@@ -78,15 +80,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"a GGUF file is served as it is stored: --quant {args.quant} does not apply")
         gguf, args.model, args.quant = Path(args.model).expanduser().resolve(), known_model_of(args.model), "gguf"
     blocks = parse_blocks(args.blocks) if args.blocks else None
-    model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
-    check_blocks(blocks, model)
-    quant = check_quantization(parse_quantization(args.quant), model)  # e.g. a missing library, before anything starts
+    model = quant = None
+    if args.model:  # else chosen in the swarm (shoal.server.roam), checked once chosen
+        model = check_model(args.model)  # before the flags that depend on it and any weight read; its config read once
+        check_blocks(blocks, model)
+        quant = check_quantization(parse_quantization(args.quant), model)  # e.g. a missing library, first thing
     config = ServerConfig(
-        model=args.model,
+        model=args.model or "",
         blocks=blocks,
         dtype=parse_dtype(args.dtype),
         device=args.device,
-        quant=quant,
+        quant=quant or parse_quantization(args.quant),
         gguf=gguf,
         cache_tokens=args.cache_tokens,
         page_size=args.page_size,
@@ -114,9 +118,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         share_counters=args.share_counters,
         adapters=tuple(parse_adapter(text) for text in args.adapter),
+        give_weights=args.give_rate > 0,
+        give_rate=args.give_rate * 1e6 if args.give_rate > 0 else 1.0,
     )
     freeze_startup_heap()  # a long-lived process, after its heavy imports (see shoal.heap)
-    run_loop(serve(config, on_ready=lambda ticket: print(f"ticket: {ticket}", flush=True), model=model))
+
+    def on_ready(ticket) -> None:
+        print(f"ticket: {ticket}", flush=True)
+
+    if model is None:
+        from shoal.server.roam import Roaming, serve_where_needed
+
+        roaming = Roaming(tuple(Path(d).expanduser() for d in args.models_dir), args.rebalance_period)
+        run_loop(serve_where_needed(config, roaming, on_ready))
+    else:
+        run_loop(serve(config, on_ready=on_ready, model=model))
     return 0
 
 
@@ -170,8 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="host a span of a model's blocks", description=SERVE_DESCRIPTION)
     serve.add_argument(
         "model",
+        nargs="?",
         help="local Hugging Face directory, known model name (smollm2), Hub id, or a known model's GGUF file "
-        "(served as stored: --quant gguf)",
+        "(served as stored: --quant gguf); with --join and no files here, the swarm's model name: the span "
+        "(--blocks) is fetched from members; none, with --join: the model the joined swarms are shortest of",
     )
     serve.add_argument(
         "--blocks", metavar="START:END", help="START:END, half-open (e.g. 0:10); omit it to be placed automatically"
@@ -267,11 +285,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="member certificate of a private swarm for the --identity key (shoal swarm invite); with --new-swarm: "
         "the new swarm is private, owned by the certificate's owner",
     )  # fmt: skip
+    swarm.add_argument(
+        "--give-rate", type=float, default=256.0, metavar="MB/S",
+        help="holding every file of the model: give its verified chunks to joining members at most this fast, "
+        "as the lowest-priority work (0: give none)",
+    )  # fmt: skip
     swarm.add_argument("--throughput", type=float, help="tokens/s per block to announce (default: measure, cached)")
     swarm.add_argument(
         "--balance-period", type=positive_float, default=120.0, help="seconds between placement re-checks"
     )
     swarm.add_argument("--no-rebalance", action="store_true", help="placed automatically: never move")
+    swarm.add_argument(
+        "--models-dir", action="append", default=[], metavar="DIR",
+        help="no model named: load a model the swarm calls NAME from DIR/NAME when it is there (repeatable)",
+    )  # fmt: skip
+    swarm.add_argument(
+        "--rebalance-period", type=positive_float, default=600.0,
+        help="no model named: seconds between re-checks of which model to serve (at most one switch each)",
+    )  # fmt: skip
     swarm.add_argument("--drain-timeout", type=float, default=5.0, help="seconds sessions get to move on at exit")
     swarm.add_argument("--gossip-period", type=positive_float, default=5.0, help="seconds between gossip rounds")
     swarm.add_argument("--refresh-period", type=positive_float, default=60.0, help="seconds between record refreshes")

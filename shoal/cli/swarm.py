@@ -56,6 +56,43 @@ def read_member_cert(value: str | None) -> bytes | None:
         raise UsageError(f"--member-cert {value}: {exc.strerror}") from None
 
 
+def weights_from_swarm(model: str) -> bool:
+    """Whether ``shoal serve MODEL --join`` fetches the span from the swarm's members: MODEL is no
+    local directory, no GGUF file, no Hub id (those keep the Hub) and no known model fetched here."""
+    from shoal.checkpoints import is_fetched
+
+    hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    return not (Path(model).expanduser().exists() or model.endswith(".gguf") or hub_id or is_fetched(model))
+
+
+def fetch_span(args: argparse.Namespace, join: tuple, transport) -> None:
+    """Fetch ``--blocks`` of the swarm's model ``args.model`` from its members (what is there already,
+    or in a fetch cut short, is kept), before the server reads its config (:mod:`shoal.weights.join`).
+    A known model the swarm does not give is fetched from its package, as without a swarm."""
+    from shoal.checkpoints import KNOWN_MODELS
+    from shoal.server.config import parse_blocks
+    from shoal.transport import Node
+    from shoal.transport.loop import run as run_loop
+    from shoal.weights.fetch import WeightsError
+    from shoal.weights.join import fetch_weights
+
+    if not args.blocks:
+        raise UsageError(f"{args.model} is not on this machine: to fetch it from the swarm, give --blocks START:END")
+    blocks = parse_blocks(args.blocks)
+    cert = read_member_cert(args.member_cert)
+    try:
+        report = run_loop(fetch_weights(Node.start, transport, join, args.model, blocks, credential=cert))
+    except WeightsError as exc:
+        if args.model not in KNOWN_MODELS:
+            raise
+        print(f"shoal: {exc}; fetching {args.model} from its package instead", file=sys.stderr, flush=True)
+        return
+    if report.fetched:
+        print(f"shoal: fetched blocks {blocks.start}:{blocks.end} of {args.model} ({report.bytes / 1e6:.1f} MB, "
+              f"{report.fetched} chunks, {report.resumed} kept from before) from {len(report.by_giver)} members "
+              f"in {report.seconds:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def member_settings(args: argparse.Namespace) -> dict:
     """``identity`` (the key) and ``member_cert`` of :func:`add_member_flags`' flags."""
     from shoal.transport import load_or_create_identity

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -17,13 +19,18 @@ from shoal.client.model import DistributedModelForCausalLM
 from shoal.client.remote import RemoteSequence
 from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
 from shoal.client.training.prompts import PromptTuning
+from shoal.client.verification.audit import DEFAULT_VERIFY
 from shoal.errors import UsageError
+from shoal.ids import BlockRange
 from shoal.models import get_family
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization, parse_min_quality
 from shoal.routing import AdapterChoice
 from shoal.swarm.members import parse_certificate
 from shoal.transport import Node, StartNode, Ticket, TransportConfig
 from shoal.wire import Codec
+
+if TYPE_CHECKING:
+    from shoal.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +54,14 @@ class AutoDistributedModelForCausalLM:
         tuning_mode: str | None = None,
         pre_seq_len: int = 0,
         adapter: str | None = None,
-        verify: str = "off",
+        verify: str = DEFAULT_VERIFY,
         audit_every: int | None = None,
         require_verified: bool = False,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         route_wait: float = 10.0,
         identity: bytes | None = None,
         member_cert: bytes | str | None = None,
+        local_blocks: str | BlockRange | None = None,
     ) -> DistributedModelForCausalLM:
         """``model``: a local Hugging Face directory, a known model name (``smollm2``) or a Hub id
         (only config, tokenizer and the shard with the client's tensors are downloaded).
@@ -76,22 +84,30 @@ class AutoDistributedModelForCausalLM:
         ``tuning_mode``: None, ``"ptune"`` or ``"deep_ptune"``, with ``pre_seq_len`` trainable prompt
         positions (see :mod:`shoal.client.training.prompts`; ``model.save_prompts`` / ``load_prompts``).
         ``adapter``: ``"NAME"`` or ``"NAME@DIGEST"`` (sha256 of the adapter's tensors): route only
-        over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"off"``;
-        ``"audit"``: every hop of a session is checked by a second server every ``audit_every``
-        positions (default 8) and before ``generate`` returns; or ``"redundant"``: every step also
+        over servers serving that LoRA adapter, and run every block with it. ``verify``: ``"audit"``
+        (the default): every hop of a session is checked by a second server every ``audit_every``
+        positions (default 16) and before ``generate`` returns; ``"redundant"``: every step also
         runs on a second chain with no server of the main one, hop by hop on the same inputs, so a
         lie is caught at the step that told it (``audit_every`` is then 1: leave it unset; any
-        other value raises :class:`UsageError`). Either way a disagreement is settled by a third
-        replica, the liar banned and the answer repaired (:mod:`shoal.client.verification.audit`;
-        ``model.verification`` counts what audits did). ``require_verified``: with a mode that audits,
-        a session whose chain has a block no other server can check fails with
+        other value raises :class:`UsageError`); or ``"off"``: nothing is checked (the client logs
+        a warning once). Auditing, a disagreement is settled by a third opinion, a liar banned and
+        the answer repaired (:mod:`shoal.client.verification.audit`; ``model.verification`` counts
+        what audits did). Not audited in any mode: stateless forwards (``model(...)`` logits
+        without a session's cache, ``generate(use_cache=False)``, training forwards and
+        backwards), and a span nobody else can check (``model.verification.unverified`` lists its
+        blocks; the session goes on). ``require_verified``: with a mode that audits, a session
+        whose chain has a block no other server can check fails with
         :class:`~shoal.client.verification.audit.UnverifiedBlocks` instead of generating.
-        ``prefill_chunk``: a session step of more positions (a long prompt) travels the chain in chunks
-        of this many, pipelined: the second server computes chunk 1 while the first computes chunk 2
-        (same tokens; None or 0: off; see :mod:`shoal.client.remote.pipeline`);
+        ``prefill_chunk``: a session step of more positions (a long prompt) travels the chain in
+        chunks of this many, pipelined: the second server computes chunk 1 while the first
+        computes chunk 2 (same tokens; None or 0: off; see :mod:`shoal.client.remote.pipeline`);
         ``model.blocks.prefill_chunk`` changes it from the next step on.
         ``identity``: the client node's 32-byte secret key (default: a new one), and ``member_cert``
         a private swarm's member certificate issued for it (``shoal swarm invite``; its text or bytes).
+        ``local_blocks``: ``"START:END"`` (or a :class:`~shoal.ids.BlockRange`): blocks this process
+        serves itself, built as ``shoal serve`` builds them and announced to the swarm of
+        ``initial_peers`` like any server (other clients' sessions use them too); this client reaches
+        them without a network hop and routes the rest. They stop with ``model.close()``.
         Every setting but ``start_node`` lands, checked before anything is loaded, on one frozen
         :class:`~shoal.client.config.ClientConfig` (``model.blocks.config``) that the client runs from."""
         client_config = ClientConfig(
@@ -114,6 +130,7 @@ class AutoDistributedModelForCausalLM:
             pre_seq_len=pre_seq_len,
             identity=identity,
             member_cert=parse_certificate(member_cert) if isinstance(member_cert, str) else member_cert,
+            local_blocks=_block_range(local_blocks),
         )
         return AutoDistributedModelForCausalLM.from_client_config(
             model, initial_peers, client_config, start_node=start_node
@@ -140,14 +157,42 @@ class AutoDistributedModelForCausalLM:
         if client_config.tuning_mode is not None:
             prompts = PromptTuning(client_config.tuning_mode, client_config.pre_seq_len, config.hidden_size, num_blocks)
             prompts = prompts.to(client_config.device)
+        host = None
+        if client_config.local_blocks is not None:
+            host, client_config = _hosted(model, initial_peers, client_config, num_blocks)
         blocks = RemoteSequence.connect(
-            initial_peers, num_blocks, config.hidden_size, client_config, model=model_name(model), start_node=start_node
-        )
+            initial_peers, num_blocks, config.hidden_size, client_config, model=model_name(model),
+            start_node=start_node, host=host,
+        )  # fmt: skip
         distributed = DistributedModelForCausalLM(config, head, blocks, prompts=prompts)
         if (Path(model_dir) / "generation_config.json").is_file():
             distributed.generation_config = GenerationConfig.from_pretrained(model_dir)
         distributed.tokenizer = _tokenizer(model_dir)
         return distributed
+
+
+def _block_range(value: str | BlockRange | None) -> BlockRange | None:
+    if value is None or isinstance(value, BlockRange):
+        return value
+    try:
+        return BlockRange.parse(value)
+    except ValueError as exc:
+        raise UsageError(f"local_blocks: {exc}") from None
+
+
+def _hosted(
+    model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, num_blocks: int
+) -> tuple[ServerConfig, ClientConfig]:
+    """The server settings of ``config.local_blocks`` (:mod:`shoal.server.hosted`), and the client's:
+    the span's node binds the given address (peers dial it), the client's any free port beside it."""
+    from shoal.server.hosted import beside, hosted_config
+
+    blocks = config.local_blocks
+    if blocks is None or not blocks.within(num_blocks):
+        raise UsageError(f"local_blocks {blocks}: the model has {num_blocks} blocks")
+    tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
+    host = hosted_config(model, blocks, tickets, config.dtype, config.device, config.transport)
+    return host, replace(config, transport=beside(config.transport))
 
 
 def _compression(value: str | Codec | None) -> Codec:

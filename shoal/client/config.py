@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
-from shoal.client.verification.audit import check_verify
+from shoal.client.verification.audit import DEFAULT_VERIFY, check_verify
 from shoal.devices import check_device
 from shoal.errors import UsageError
+from shoal.ids import BlockRange
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization
 from shoal.routing import AdapterChoice
 from shoal.swarm.members import public_key, read_certificate
@@ -32,7 +33,13 @@ LISTING_ANSWER_S = 2.0  # seconds beyond the connect deadline a live peer needs 
 @dataclass(frozen=True)
 class ClientConfig:
     """How one client loads its part of the model, routes, verifies and runs sessions. Checked when
-    made (:class:`UsageError`, or ``ValueError`` for a negative ``prefill_chunk``)."""
+    made (:class:`UsageError`, or ``ValueError`` for a negative ``prefill_chunk``).
+
+    ``verify`` is ``"audit"`` unless set: a second server re-runs every hop of a session each
+    ``audit_every`` positions (:mod:`shoal.client.verification.audit`). ``"off"`` checks nothing
+    and logs a warning once per client. Never audited, in any mode: stateless forwards
+    (``model(...)`` without a session's cache, ``generate(use_cache=False)``, training forwards
+    and backwards) and a span no other server serves alike (``model.verification.unverified``)."""
 
     # the client's own tensors (embeddings, final norm, LM head)
     dtype: torch.dtype = torch.float32  # of the client's tensors (hidden states travel as float32)
@@ -50,8 +57,11 @@ class ClientConfig:
     min_quality: Quantization = DEFAULT_MIN_QUALITY  # the lowest weight format of a server routed over
     adapter: AdapterChoice | None = None  # LoRA adapter every block runs with; only its servers are routed over
     route_wait: float = 10.0  # seconds a session waits for a server to join when no live one is left for some blocks
+    # blocks this client serves itself, in its own process (shoal.server.hosted): announced to the
+    # swarm like any server's, reached by this client without a network hop (None: none)
+    local_blocks: BlockRange | None = None
     # verification (shoal.client.verification.audit)
-    verify: str = "off"  # "off", "audit" (a second server checks every hop) or "redundant" (every step, twice)
+    verify: str = DEFAULT_VERIFY  # "audit" (a second server checks every hop), "redundant" (every step, twice), "off"
     audit_every: int | None = None  # positions between audits of a hop (None: the mode's default; redundant: 1)
     require_verified: bool = False  # fail (UnverifiedBlocks) rather than generate with a block nothing checks
     # sessions
@@ -76,6 +86,9 @@ class ClientConfig:
             raise ValueError(f"prefill_chunk must be None, 0 (off) or positive, not {self.prefill_chunk}")
         if not self.route_wait >= 0:
             raise UsageError(f"route_wait must be 0 (fail at once) or more seconds, not {self.route_wait}")
+        if self.local_blocks is not None and not isinstance(self.local_blocks, BlockRange):
+            raise UsageError(f"local_blocks must be a BlockRange (from_pretrained takes 'START:END'), not "
+                             f"{self.local_blocks!r}")  # fmt: skip
         if self.tuning_mode is None and self.pre_seq_len:
             raise UsageError(f"pre_seq_len={self.pre_seq_len} needs tuning_mode='ptune' or 'deep_ptune'")
 

@@ -248,8 +248,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     @property
     def verification(self) -> Verification:
         """What audits did (``from_pretrained(verify="audit" or "redundant")``; see
-        :mod:`shoal.client.verification.audit`)."""
-        return getattr(self.blocks, "verification", None) or Verification()
+        :mod:`shoal.client.verification.audit`). Blocks that keep no counters verify nothing: ``off``."""
+        return getattr(self.blocks, "verification", None) or Verification("off")
 
     def generate(self, *args: Any, **kwargs: Any):
         """transformers' ``generate``; without an active session, one is opened for this call and

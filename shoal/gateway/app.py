@@ -1,6 +1,7 @@
 """The HTTP side: OpenAI-compatible routes, server-sent events, the dashboard.
 
-    GET  /v1/models                 the one model this gateway serves
+    GET  /v1/models                 the models this gateway serves, each with its coverage now
+                                    (``"shoal": {"coverage": {...}, "loaded", "in_flight"}``)
     POST /v1/chat/completions       chat template, ``stream: true`` as SSE chunks ending in [DONE]
     POST /v1/completions            plain prompt continuation
     GET  /dashboard                 live swarm page (HTML + a little JS, polls /api/swarm)
@@ -20,8 +21,8 @@ key (probes, scrapers and browsers send none). Every route answers only to the a
 a POST only to a JSON body, and no other origin reads an answer unless ``--cors-origin`` names it
 (:mod:`shoal.gateway.guards`). When speculative decoding ran, a response's ``usage`` also carries
 ``"speculation": {rounds, drafted_tokens, accepted_tokens, acceptance_rate, mean_window}``.
-With verification on (``shoal api --verify audit``) a response also carries shoal's extension key
-``"shoal": {"verification": {mode, audit_every, unverified_blocks, audits, audited_positions,
+With verification on (``--verify audit``, the default, or ``redundant``) a response also carries
+shoal's extension key ``"shoal": {"verification": {mode, audit_every, unverified_blocks, audits, audited_positions,
 disagreements, settled, unsettled, bans, rollbacks}}`` (:func:`shoal.gateway.engine.checked`): a
 non-streamed body at its top level, a stream in the chunk with the ``finish_reason``. Streamed text
 then holds only audited tokens, so nothing shown is ever replaced by a repair.
@@ -48,21 +49,21 @@ from importlib.resources import files
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from shoal.errors import BusyError, ShoalError
+from shoal.gateway.catalog import Catalog
 from shoal.gateway.engine import Completion, Engine, GatewayError
 from shoal.gateway.guards import LOOPBACK_HOSTS, HostGuard, JsonOnly
+from shoal.gateway.metrics import GatewayCollector
 from shoal.gateway.schemas import ChatRequest, CompletionRequest, parse
 from shoal.gateway.swarm import SwarmWatcher, Watchers
 from shoal.gateway.views import readiness, swarm_graph
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GatewayCollector", "build_app"]
+__all__ = ["GatewayCollector", "build_app"]  # GatewayCollector: re-exported from shoal.gateway.metrics
 
 
 def _error_response(error: GatewayError) -> JSONResponse:
@@ -108,69 +109,9 @@ def _usage(done: Completion) -> dict:
     return usage
 
 
-#: The client's verification counters (:class:`~shoal.client.verification.audit.Verification`) exported as
-#: ``shoal_verify_<name>_total``, with their help text.
-VERIFY_METRICS = (
-    ("audits", "Auditor steps: a second server recomputing a hop's new positions"),
-    ("audited_positions", "Positions auditors recomputed"),
-    ("disagreements", "Audits whose outputs differed from the audited server's beyond tolerance"),
-    ("settled", "Disputes a third replica decided"),
-    ("unsettled", "Disputes no third replica could decide (both servers routed around, the answer regenerated)"),
-    ("bans", "Servers convicted of lying and never routed over again"),
-    ("rollbacks", "Sessions rolled back to a lie's first wrong position and regenerated"),
-    ("evidence_sent", "Pieces of evidence of a conviction sent to the liar's judges"),
-    ("evidence_confirmed", "Pieces of evidence a judge confirmed"),
-    ("evidence_rejected", "Pieces of evidence a judge rejected"),
-)
-
-
-class GatewayCollector(Collector):
-    """The engine's running totals (:class:`~shoal.gateway.engine.Totals`) and its client's
-    verification counters as Prometheus samples, read at scrape time; all zero without an engine
-    (a dashboard-only gateway), whose verify mode reads ``off``."""
-
-    def __init__(self, engine: Engine | None):
-        self.engine = engine
-
-    def collect(self):
-        totals = self.engine.totals.snapshot() if self.engine is not None else {}
-        counters = [
-            ("completion_tokens", "Tokens generated for API and chat answers", "completion_tokens"),
-            ("speculation_rounds", "Verification rounds of speculative decoding", "rounds"),
-            ("speculation_drafted_tokens", "Tokens drafted for the swarm to verify", "drafted_tokens"),
-            ("speculation_accepted_tokens", "Drafted tokens the model accepted", "accepted_tokens"),
-        ]
-        for name, text, key in counters:
-            yield CounterMetricFamily(f"shoal_{name}", text, value=totals.get(key, 0))
-        gauges = [
-            ("speculation_acceptance_rate", "Accepted / drafted tokens since start", "acceptance_rate"),
-            ("speculation_mean_window", "Drafted tokens per verification round since start", "mean_window"),
-        ]
-        for name, text, key in gauges:
-            yield GaugeMetricFamily(f"shoal_{name}", text, value=totals.get(key, 0.0))
-        yield from self._verification()
-
-    def _verification(self):
-        verification = self.engine.model.verification if self.engine is not None else None
-        mode = verification.mode if verification is not None else "off"
-        every = str(verification.audit_every) if verification is not None and mode != "off" else ""
-        yield InfoMetricFamily("shoal_verify", "How this gateway's client verifies servers",
-                               value={"mode": mode, "audit_every": every})  # fmt: skip
-        for name, text in VERIFY_METRICS:
-            value = getattr(verification, name, 0) if verification is not None else 0
-            yield CounterMetricFamily(f"shoal_verify_{name}", text, value=value)
-        unverified = verification.unverified_blocks if verification is not None else 0
-        text = "Blocks of the latest session's chain that no auditor checks"
-        yield GaugeMetricFamily("shoal_verify_unverified_blocks", text, value=unverified)
-        banned = GaugeMetricFamily("shoal_verify_banned", "Servers convicted of lying (1 each)", labels=["peer"])
-        for peer in getattr(verification, "banned", ()):
-            banned.add_metric([peer], 1.0)
-        yield banned
-
-
 class Gateway:
-    def __init__(self, engine: Engine | None, watchers: Watchers, api_key: str | None, max_concurrency: int):
-        self.engine = engine
+    def __init__(self, catalog: Catalog | None, watchers: Watchers, api_key: str | None, max_concurrency: int):
+        self.catalog = catalog
         self.watchers = watchers
         self.api_key = api_key
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shoal-generate")
@@ -204,34 +145,48 @@ class Gateway:
             )
         self.authorize(request)
 
-    def check_model(self, name: str) -> Engine:
-        if self.engine is None or name != self.engine.model_id:
+    async def lease(self, name: str) -> Engine:
+        """The engine of model ``name`` (loaded on first use), held until :meth:`release`: 404 for a
+        model not served, 503 for one the swarms do not cover now (see :class:`Catalog`)."""
+        if self.catalog is None:
             raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        return self.engine
+        await self.catalog.check(name)
+        return await asyncio.get_running_loop().run_in_executor(None, self.catalog.pool.acquire, name)
 
-    def models(self) -> list[dict]:
-        if self.engine is None:
+    def release(self, engine: Engine) -> None:
+        self.catalog.pool.release(engine.model_id)
+
+    async def models(self) -> list[dict]:
+        if self.catalog is None:
             return []
-        return [{"id": self.engine.model_id, "object": "model", "created": self.created, "owned_by": "shoal"}]
+        loaded = set(self.catalog.pool.loaded())
+        return [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "shoal",
+             "shoal": {"coverage": coverage.as_json() if coverage is not None else None, "loaded": name in loaded,
+                       "in_flight": self.catalog.pool.in_flight(name)}}
+            for name, coverage in (await self.catalog.served()).items()
+        ]  # fmt: skip
 
     # ---- generation ------------------------------------------------------------------------------
-    async def run(self, request: Request, prompt: list[int], body) -> Completion:
+    async def run(self, engine: Engine, request: Request, prompt: list[int], body) -> Completion:
         """A non-streamed generation; a client that went away cancels it."""
         cancel = threading.Event()
         loop = asyncio.get_running_loop()
-        sampling = body.sampling(self.engine.budget(prompt, body.limit, _param(body)))
-        future = loop.run_in_executor(self.pool, self.engine.complete, prompt, sampling, None, cancel)
+        sampling = body.sampling(engine.budget(prompt, body.limit, _param(body)))
+        future = loop.run_in_executor(self.pool, engine.complete, prompt, sampling, None, cancel)
         try:
             return await _watching(request, future, cancel)
         finally:
             cancel.set()  # also when this handler is cancelled
 
-    async def stream(self, request: Request, prompt: list[int], body, chunk, first: dict | None) -> AsyncIterator[str]:
+    async def stream(
+        self, engine: Engine, request: Request, prompt: list[int], body, chunk, first: dict | None
+    ) -> AsyncIterator[str]:
         """SSE events: ``chunk(delta_text, finish_reason)`` builds each payload (the first one carries
         ``first``); ends with ``data: [DONE]``. Waits for the first text (or the failure) before
         answering, so a request the swarm cannot serve gets its status code, not a broken stream.
-        Leaving early (client gone) cancels the generation."""
-        sampling = body.sampling(self.engine.budget(prompt, body.limit, _param(body)))
+        Leaving early (client gone) cancels the generation. The events release ``engine`` when they end."""
+        sampling = body.sampling(engine.budget(prompt, body.limit, _param(body)))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | None] = asyncio.Queue()
         cancel = threading.Event()
@@ -239,7 +194,7 @@ class Gateway:
         def on_text(delta: str) -> None:  # in the worker thread
             loop.call_soon_threadsafe(queue.put_nowait, delta)
 
-        future = loop.run_in_executor(self.pool, self.engine.complete, prompt, sampling, on_text, cancel)
+        future = loop.run_in_executor(self.pool, engine.complete, prompt, sampling, on_text, cancel)
         future.add_done_callback(lambda _: queue.put_nowait(None))  # after every on_text of the run
         try:
             head = await _watching(request, asyncio.ensure_future(queue.get()), cancel)
@@ -271,6 +226,7 @@ class Gateway:
                 yield _sse("[DONE]")
             finally:
                 cancel.set()  # the client went away (this generator was cancelled or closed): stop generate
+                self.release(engine)
 
         return events()
 
@@ -290,7 +246,7 @@ def _param(body) -> str:
 
 
 def build_app(
-    engine: Engine | None,
+    served: Catalog | Engine | None,
     watchers: Watchers,
     api_key: str | None = None,
     max_concurrency: int = 16,
@@ -298,10 +254,12 @@ def build_app(
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
     cors_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """The ASGI app; ``engine`` None serves only the dashboard. It answers only requests whose
+    """The ASGI app of the models ``served`` (a catalog, or one engine); None serves only the dashboard.
+    It answers only requests whose
     ``Host`` is one of ``allowed_hosts`` (``"*"``: any; see :func:`shoal.gateway.guards.allowed_hosts`)
     or an IP address, and lets pages of ``cors_origins`` (none by default) read its answers."""
-    gateway = Gateway(engine, watchers, api_key, max_concurrency)
+    catalog = served if served is None or isinstance(served, Catalog) else Catalog.of_engine(served)
+    gateway = Gateway(catalog, watchers, api_key, max_concurrency)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -323,7 +281,7 @@ def build_app(
         )
     app.add_middleware(HostGuard, hosts=allowed_hosts)  # outermost: nothing answers a foreign Host
     registry = CollectorRegistry(auto_describe=False)  # this app's own: apps in one process do not mix
-    registry.register(GatewayCollector(engine))
+    registry.register(GatewayCollector(catalog))
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
@@ -339,19 +297,24 @@ def build_app(
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         gateway.authorize(request)
-        return {"object": "list", "data": gateway.models()}
+        return {"object": "list", "data": await gateway.models()}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str, request: Request) -> dict:
         gateway.authorize(request)
-        gateway.check_model(name)
-        return gateway.models()[0]
+        found = [m for m in await gateway.models() if m["id"] == name]
+        if not found:
+            raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return found[0]
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         gateway.authorize(request)
         body = parse(await request.body(), ChatRequest)
-        engine = gateway.check_model(body.model)
+        engine = await gateway.lease(body.model)
+        return await _answering(gateway, engine, _chat(engine, request, body))
+
+    async def _chat(engine: Engine, request: Request, body: ChatRequest) -> Response:
         prompt = engine.chat_prompt([m.as_template_input() for m in body.messages])
         ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
 
@@ -361,9 +324,9 @@ def build_app(
                     "system_fingerprint": None, "choices": [choice]}  # fmt: skip
 
         if body.stream:
-            events = await gateway.stream(request, prompt, body, chunk, {"role": "assistant", "content": ""})
+            events = await gateway.stream(engine, request, prompt, body, chunk, {"role": "assistant", "content": ""})
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        done = await _guarded(gateway.run(request, prompt, body))
+        done = await _guarded(gateway.run(engine, request, prompt, body))
         message = {"role": "assistant", "content": done.text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
         head = {"id": ident, "object": "chat.completion", "created": created, "model": engine.model_id}
@@ -374,7 +337,10 @@ def build_app(
     async def completions(request: Request) -> Response:
         gateway.authorize(request)
         body = parse(await request.body(), CompletionRequest)
-        engine = gateway.check_model(body.model)
+        engine = await gateway.lease(body.model)
+        return await _answering(gateway, engine, _complete(engine, request, body))
+
+    async def _complete(engine: Engine, request: Request, body: CompletionRequest) -> Response:
         prompt = engine.text_prompt(body.prompt_input)
         ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
 
@@ -384,9 +350,9 @@ def build_app(
                     "choices": [choice]}  # fmt: skip
 
         if body.stream:
-            events = await gateway.stream(request, prompt, body, chunk, None)
+            events = await gateway.stream(engine, request, prompt, body, chunk, None)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        done = await _guarded(gateway.run(request, prompt, body))
+        done = await _guarded(gateway.run(engine, request, prompt, body))
         return JSONResponse({**chunk(done.text, done.finish_reason), "usage": _usage(done), **_extension(done)})
 
     @app.get("/", include_in_schema=False)
@@ -411,9 +377,11 @@ def build_app(
         status = await watcher.status()
         default = gateway.watchers.default
         own = default is not None and watcher.table.swarm == default.swarm_id  # the swarm the engine uses
-        routes = engine.routes() if engine is not None and own else []
+        routes = catalog.routes() if catalog is not None and own else []
         status["graph"] = swarm_graph(status, routes)
-        status["gateway_model"] = engine.model_id if engine is not None else None
+        served = list(await catalog.served()) if catalog is not None else []
+        status["gateway_model"] = served[0] if len(served) == 1 else None  # the one model it serves
+        status["gateway_models"] = await gateway.models()
         return JSONResponse(status, headers={"Cache-Control": "no-store"})
 
     @app.get("/api/swarm/history")
@@ -432,10 +400,23 @@ def build_app(
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         status = await watcher_of(None).status()
-        ready, body = readiness(status, engine.model_id if engine is not None else None)
+        served = list(await catalog.served()) if catalog is not None else []
+        ready, body = readiness(status, served[0] if len(served) == 1 else None)
         return JSONResponse(body, status_code=200 if ready else 503, headers={"Cache-Control": "no-store"})
 
     return app
+
+
+async def _answering(gateway: Gateway, engine: Engine, answer) -> Response:
+    """``answer``'s response; ``engine``'s lease ends with it, or with its events when it streams."""
+    streams = False
+    try:
+        response = await answer
+        streams = isinstance(response, StreamingResponse)
+        return response
+    finally:
+        if not streams:
+            gateway.release(engine)
 
 
 async def _guarded(coro):

@@ -15,14 +15,16 @@ from typing import TYPE_CHECKING
 
 from shoal.client.config import ClientConfig
 from shoal.errors import BindError, ModelNotFoundError
+from shoal.gateway.pool import DEFAULT_CLIENT_MEMORY
 from shoal.transport import Ticket
 
 if TYPE_CHECKING:
-    from shoal.gateway.engine import Speculation
+    from shoal.gateway.catalog import Catalog
+    from shoal.gateway.engine import Engine, Speculation
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GatewayOptions", "check_draft", "load_speculation", "serve_gateway", "shown_swarm"]
+__all__ = ["GatewayOptions", "build_catalog", "check_draft", "load_speculation", "serve_gateway", "shown_swarm"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,10 @@ class GatewayOptions:
     # tickets of swarm members and standalone servers, routed over together (the dashboard shows the
     # swarm of the first that names one: shown_swarm)
     join: tuple[Ticket, ...]
-    model: str | None = None  # None: serve only the dashboard
+    model: str | None = None  # None: no model named (``every_model``: each the swarms list; else only the dashboard)
+    every_model: bool = False  # with no ``model``: serve every model the joined swarms list (shoal api --join T)
+    models_dirs: tuple[Path, ...] = ()  # where a model the swarms list is loaded from: DIR/NAME (else known or Hub)
+    client_memory: int = DEFAULT_CLIENT_MEMORY  # bytes of models' client parts held at once (LRU eviction)
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the printed URL names it)
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 when set
@@ -91,9 +96,53 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _engine_maker(options: GatewayOptions):
+    """How the gateway makes the engine of a model: its client (over the tickets given) and speculation."""
+
+    def make(name: str, path: str, tickets: tuple[Ticket, ...]) -> Engine:
+        from shoal.client import AutoDistributedModelForCausalLM
+        from shoal.gateway.engine import Engine
+
+        model = AutoDistributedModelForCausalLM.from_client_config(path, tickets, options.client)
+        try:
+            speculation = load_speculation(options.draft, options.prompt_lookup, model.tokenizer)
+            return Engine(model, name, options.default_max_tokens, speculation)
+        except BaseException:
+            model.close()
+            raise
+
+    return make
+
+
+def _client_size(path: str) -> int:
+    """The bytes of a model's client part, from its config (see :func:`shoal.gateway.pool.client_bytes`)."""
+    from shoal.checkpoints import load_config, resolve_model
+    from shoal.gateway.pool import client_bytes
+
+    return client_bytes(load_config(resolve_model(path, metadata_only=True)))
+
+
+def build_catalog(options: GatewayOptions, watchers) -> Catalog | None:
+    """The models ``options`` serve (None: only the dashboard); a named model is loaded now, so a
+    broken one fails the start."""
+    from shoal.checkpoints import model_name
+    from shoal.gateway.catalog import Catalog
+
+    if options.model is None and not options.every_model:
+        return None
+    named = {model_name(options.model): options.model} if options.model is not None else None
+    catalog = Catalog(options.join, watchers, _engine_maker(options), _client_size, options.client_memory,
+                      named=named, every=options.every_model, models_dirs=options.models_dirs)  # fmt: skip
+    if options.model is not None:
+        with catalog.pool.lease(model_name(options.model)):
+            pass
+    return catalog
+
+
 def serve_gateway(options: GatewayOptions) -> int:
     import uvicorn
 
+    from shoal.checkpoints import model_name
     from shoal.gateway.app import build_app
     from shoal.gateway.guards import allowed_hosts
     from shoal.gateway.swarm import Watchers
@@ -106,27 +155,18 @@ def serve_gateway(options: GatewayOptions) -> int:
     if options.draft is not None:
         check_draft(options.draft)
     sock = _bind(options.host, options.port)
-    model, engine = None, None
+    catalog = None
     try:
-        if options.model is not None:
+        if options.num_threads:
             import torch
 
-            from shoal.checkpoints import model_name
-            from shoal.client import AutoDistributedModelForCausalLM
-            from shoal.gateway.engine import Engine
-
-            if options.num_threads:
-                torch.set_num_threads(options.num_threads)
-            model = AutoDistributedModelForCausalLM.from_client_config(options.model, options.join, options.client)
-            speculation = load_speculation(options.draft, options.prompt_lookup, model.tokenizer)
-            engine = Engine(model, model_name(options.model), options.default_max_tokens, speculation)
+            torch.set_num_threads(options.num_threads)
+        member = (options.client.identity, options.client.member_cert)
+        watchers = Watchers(options.client.transport, shown_swarm(options.join), member=member)
+        catalog = build_catalog(options, watchers)
         app = build_app(
-            engine,
-            Watchers(
-                options.client.transport,
-                shown_swarm(options.join),
-                member=(options.client.identity, options.client.member_cert),
-            ),
+            catalog,
+            watchers,
             options.api_key,
             options.max_concurrency,
             allowed_hosts=allowed_hosts(options.host, options.allowed_hosts),
@@ -135,8 +175,9 @@ def serve_gateway(options: GatewayOptions) -> int:
         freeze_startup_heap()  # a long-lived process, after its heavy imports, before it says it is ready
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        if engine is not None:
-            print(f"model: {engine.model_id}", flush=True)
+        if catalog is not None:
+            shown = model_name(options.model) if options.model is not None else "every model the swarms list"
+            print(f"model: {shown}", flush=True)
             print(f"api: {url}/v1", flush=True)
         print(f"dashboard: {url}/dashboard", flush=True)
         print(f"gateway: {url}", flush=True)  # last: the gateway is ready (the socket is listening)
@@ -144,9 +185,9 @@ def serve_gateway(options: GatewayOptions) -> int:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
-        if model is not None:
+        if catalog is not None:
             try:
-                model.close()
+                catalog.pool.close()
             except Exception as exc:  # closing at exit: nothing left to do about it
                 print(f"shoal: closing the client failed: {exc}", file=sys.stderr)
     return 0

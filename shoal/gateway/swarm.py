@@ -223,6 +223,14 @@ class Watchers:
             watcher.start_sampling()
         return watcher
 
+    def of(self, ticket: Ticket) -> SwarmWatcher:
+        """The watcher of ``ticket``'s swarm (a joined swarm: not counted against ``limit``)."""
+        watcher = self._by_swarm.get(ticket.swarm_id or "")
+        if watcher is None:
+            watcher = self._by_swarm[ticket.swarm_id or ""] = SwarmWatcher(ticket, self.transport, member=self.member)
+            watcher.start_sampling()
+        return watcher
+
     async def close(self) -> None:
         for watcher in self._by_swarm.values():
             await watcher.close()

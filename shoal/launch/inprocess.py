@@ -113,7 +113,8 @@ class InProcessSwarm:
             raise
 
     def add(self, span: BlockRange, prepare: Prepare | None = None, **settings: Any) -> LocalServer:
-        """Load one more server for ``span`` and start serving it; ``settings`` (``cache_tokens``,
+        """Load one more server for ``span`` and start serving it; ``settings`` (``model``: another
+        name for the swarm's model, e.g. one whose weights were fetched from peers, ``cache_tokens``,
         ``max_sessions_per_peer``, ``session_timeout``, ``num_threads``, and any other
         :class:`~shoal.server.config.ServerConfig` field, e.g. ``quant``) override the swarm's."""
         settings = {**self._settings, **settings}
@@ -122,8 +123,8 @@ class InProcessSwarm:
         settings["transport"] = replace(transport, limits=replace(transport.limits, **limits))
         if self.swarm_id is not None:  # announced as given: no throughput measurement
             settings = {"throughput": 100.0, "gossip": self.gossip, "join": tuple(self.tickets()[:1]), **settings}
-        config = ServerConfig(model=str(self.model_dir), blocks=span, **settings)
-        checked = check_server(config, self.model)
+        config = ServerConfig(**{"model": str(self.model_dir), "blocks": span, **settings})
+        checked = check_server(config, self.model if config.model == str(self.model_dir) else None)
         compute = compute_thread(config.num_threads)
         key = node_key(config)  # the node's, and the one its receipts are signed with
         check_member(config, self.swarm_id, key)

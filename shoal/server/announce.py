@@ -16,7 +16,7 @@ from shoal.swarm.service import SwarmService
 from shoal.swarm.verdicts import convicted
 from shoal.transport import META, Node
 from shoal.wire import Message
-from shoal.wire.schema import CAPABILITIES, Ping
+from shoal.wire.schema import CAPABILITIES, WEIGHTS, Ping
 
 MAX_RTTS = 8  # next hops a record lists at most
 FOLLOW_INTERVAL = 1.0  # seconds between looks at the table for next hops that came or went
@@ -35,6 +35,8 @@ class Announcement:
     throughput: float  # tokens/s per block (see ServerRecord)
     gossip: GossipConfig
     model_fingerprints: list[str] | None = None  # of every block, when this server can vouch for them
+    model_manifest: bytes = b""  # BLAKE3 of the model's chunk manifest, when this server can vouch for it
+    gives_weights: bool = False  # answers the weights protocol (announced as the WEIGHTS capability)
     state: State = State.JOINING
     cache_tokens_free: int = 0
     step_ms: float = 0.0  # one-token step latency per block
@@ -65,7 +67,7 @@ class Announcement:
             timestamp=now,
             expires=now + self.gossip.expiry,
             step_ms=self.step_ms,
-            capabilities=tuple(sorted(CAPABILITIES)),
+            capabilities=tuple(sorted(CAPABILITIES | ({WEIGHTS} if self.gives_weights else set()))),
             quantization=self.quantization,
             adapters=tuple(sorted(self.adapters)),
             compute=self.compute,
@@ -89,6 +91,7 @@ class Announcement:
                 model = ModelRecord(
                     self.swarm, self.node.id, self.model, len(self.model_fingerprints),
                     tuple(bytes.fromhex(f) for f in self.model_fingerprints), now, now + self.gossip.expiry,
+                    self.model_manifest,
                 )  # fmt: skip
                 out.append(sign(model, self.secret_key, self.cert))
         return out

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 
 import torch
@@ -30,8 +30,8 @@ from shoal.server.builder import (
 )
 from shoal.server.config import ServerConfig
 from shoal.server.preflight import CheckedModel, check_server
-from shoal.server.presence import LoadingGate
-from shoal.transport import BaseNode, Node, Ticket
+from shoal.server.presence import LoadingGate, Presence
+from shoal.transport import BaseNode, Node, StartNode, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +41,30 @@ async def serve(
     on_ready: Callable[[Ticket], None] | None = None,
     stop: asyncio.Event | None = None,
     model: CheckedModel | None = None,
+    start_node: StartNode = Node.start,
+    beside: Callable[[Presence], Awaitable[None]] | None = None,
 ) -> None:
-    """Join (or create) the swarm, load the blocks, serve until ``stop`` is set or SIGINT/SIGTERM.
+    """Join (or create) the swarm, load the blocks, serve until ``stop`` is set (none given: SIGINT/SIGTERM).
     The model and the span are checked first (:mod:`shoal.server.preflight`; ``model``: the model
-    checked already, its config read), before anything binds."""
+    checked already, its config read), before anything binds. ``start_node``: iroh's (tests: an
+    in-memory network's; a span hosted by a client, :mod:`shoal.server.hosted`: the client's);
+    ``beside``: a task run with the swarm presence once online (the re-check across models of
+    :mod:`shoal.server.roam`)."""
     checked = check_server(config, model)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     compute = compute_thread(config.num_threads)
     key = node_key(config)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signum, stop.set)
+    if stop is None:  # stopped by signals (a caller with its own ``stop``, e.g. a hosted span, stops it)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # off the main thread (e.g. in a test's loop) there are none to add: uvloop says ValueError
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signum, stop.set)
     swarm_id = swarm_id_of(config, checked)  # the config requires --blocks outside a swarm
     check_member(config, swarm_id, key)
-    node, gate = await start_endpoint(config, key, Node.start, swarm=swarm_id is not None)
+    node, gate = await start_endpoint(config, key, start_node, swarm=swarm_id is not None)
     tasks: list[asyncio.Task] = []
     metrics = None  # the Prometheus exporter (--metrics-port)
     try:
@@ -82,6 +89,8 @@ async def serve(
             tasks.append(asyncio.create_task(presence.track_cache()))
             if config.placed_automatically and config.rebalance:
                 tasks.append(asyncio.create_task(presence.keep_balanced(load)))
+            if beside is not None:
+                tasks.append(asyncio.create_task(beside(presence)))
         ticket = node.ticket(swarm_id)
         if config.ticket_file:
             config.ticket_file.write_text(f"{ticket}\n")

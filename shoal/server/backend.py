@@ -352,6 +352,11 @@ class SpanBackend(SpanInputs):
         compute thread's, and from then on every barrier sleeps (decode steps ~1.8x slower)."""
         return await self._submit(Priority.INFERENCE, self.span.allocate_cache, batch_size, max_length)
 
+    async def cache_work(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the compute thread with the session steps (a migration reads or writes a
+        session's pages: between steps, never during one)."""
+        return await self._submit(Priority.INFERENCE, fn, *args)
+
     async def on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` moved to the span's device once (a session's deep prompts), on the compute thread."""
         return await self._submit(Priority.INFERENCE, tensor.to, self.device)

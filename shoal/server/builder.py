@@ -27,6 +27,7 @@ from pathlib import Path
 
 from shoal import __version__
 from shoal.checkpoints import load_span, model_fingerprints, model_name, resolve_model
+from shoal.checkpoints.manifest import cached_manifest, manifest_digest
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
 from shoal.models import BlockSpan
@@ -40,13 +41,15 @@ from shoal.server.judge import Judge, Jurisdiction
 from shoal.server.preflight import CheckedServer, check_blocks
 from shoal.server.presence import Loader, LoadingGate, Presence
 from shoal.server.push import Pusher
+from shoal.server.scheduler import ComputeScheduler, Priority
 from shoal.swarm.members import public_key, read_certificate, refusal
 from shoal.swarm.records import State
 from shoal.swarm.swarmid import model_digest, new_swarm_id, owner_tag, parse_swarm_id
 from shoal.transport import BaseNode, StartNode, load_or_create_identity
 from shoal.transport.identity import generate_key
 from shoal.verify.receipts import ReceiptSigner, announced_compute
-from shoal.wire.schema import CAPABILITIES, RECEIPTS, ServerCounters, SpanInfo
+from shoal.weights.give import Giver
+from shoal.wire.schema import CAPABILITIES, MIGRATE, RECEIPTS, ServerCounters, SpanInfo
 
 log = logging.getLogger(__name__)
 #: Turns a loaded server into the one that serves (e.g. :func:`testkit.faulty.make_faulty`).
@@ -160,11 +163,31 @@ async def come_online(
     server = gate.server = await load(span)
     if presence is not None:
         model = checked.model
-        presence.announcement.model_fingerprints = await asyncio.get_running_loop().run_in_executor(
+        loop = asyncio.get_running_loop()
+        announcement = presence.announcement
+        announcement.model_fingerprints = await loop.run_in_executor(
             compute, model_fingerprints, model.model_dir, model.hf_config
         )
+        if announcement.model_fingerprints and checked.config.give_weights:
+            gate.giver = await loop.run_in_executor(compute, make_giver, checked, compute)
+            if gate.giver is not None:
+                announcement.model_manifest, announcement.gives_weights = gate.giver.digest, True
         presence.announce_online()
     return server
+
+
+def make_giver(checked: CheckedServer, compute: Executor) -> Giver | None:
+    """What gives the model's weights to peers (None when this server does not hold every file):
+    its manifest built (or read from beside the checkpoint), its reads queued as the compute
+    thread's lowest class of work, at most ``give_rate`` bytes per second."""
+    model = checked.model
+    built = cached_manifest(model.model_dir, model_name(checked.config.model), checked.config.weights_chunk)
+    if built is None:
+        return None
+    manifest, data = built
+    lowest = isinstance(compute, ComputeScheduler)
+    read = functools.partial(compute.submit_as, Priority.GIVING) if lowest else compute.submit
+    return Giver(model.model_dir, manifest, data, manifest_digest(data), read, checked.config.give_rate)
 
 
 def load_block_server(
@@ -214,7 +237,7 @@ def load_block_server(
         version=__version__,
         quantization=config.quant,
         adapters=adapters.infos() if adapters is not None else (),
-        capabilities=CAPABILITIES if signer is not None else CAPABILITIES - {RECEIPTS},
+        capabilities=CAPABILITIES if signer is not None else CAPABILITIES - {RECEIPTS, MIGRATE},  # no key: no chain
     )
     log.info(
         "loaded blocks %d:%d of %s (%s weights) in %.1f s", start, end, info.model,
@@ -253,6 +276,7 @@ __all__ = [
     "founding_pin",
     "load_adapters",
     "load_block_server",
+    "make_giver",
     "make_presence",
     "node_key",
     "span_loader",

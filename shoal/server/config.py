@@ -65,7 +65,7 @@ def parse_adapter(text: str) -> tuple[str, Path]:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str  # local Hugging Face directory, known model name or Hub id
+    model: str  # local Hugging Face directory, known model name or Hub id; "": chosen where the swarm is short
     blocks: BlockRange | None = None  # half-open [start, end); None: placed automatically (needs a swarm)
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -98,9 +98,17 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     share_counters: bool = False  # info answers any peer with this server's counters (else: the metrics endpoint)
     adapters: tuple[tuple[str, Path], ...] = ()  # LoRA adapters (name, peft directory) for the span
+    give_weights: bool = True  # in a swarm, holding every file: give the model's chunks to peers (shoal.weights)
+    give_rate: float = 256e6  # bytes/s given to all peers together, at most (reads are the lowest-priority work)
+    weights_chunk: int = 4 << 20  # bytes per chunk of the manifest this server builds (every giver must agree)
 
     def __post_init__(self):
         check_device(self.device)
+        if not self.model and not (self.join and self.blocks is None):
+            raise UsageError(
+                "a server without a model chooses one in the swarms it joins: give --join TICKET (and no --blocks), "
+                "or name the model"
+            )
         if self.blocks is None and not (self.new_swarm or self.join):
             raise UsageError(
                 "--blocks START:END is required outside a swarm; to let the server choose its blocks, "

@@ -19,7 +19,9 @@ to at all (online members of its swarm serving the next blocks), is :mod:`shoal.
 Stateless requests (:mod:`shoal.server.stateless`): ``forward``, and for training (``train``)
 ``backward``, the gradient of a pass's inputs (recomputed with autograd, at the lowest priority);
 requests may carry deep prompts and name a LoRA adapter.
-Drain (leaving): new work gets ``unavailable``; open sessions' steps are served flagged ``draining``.
+Drain (leaving): new work gets ``unavailable``; open sessions' steps are served flagged ``draining``,
+and a client may have a session's KV pages handed to a replacement of the same span (``migrate``,
+``pages``: :mod:`shoal.server.migrate`) instead of replaying its history there.
 Codecs: the output travels in the codec the hidden states came in (:mod:`shoal.wire.codecs`), to
 the client and, pushed, to the next server, so both decode the very same tensor. Receipts
 (``receipts``, :mod:`shoal.verify.receipts`): a step, push or forward that asks gets a receipt
@@ -36,6 +38,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 
 import msgspec
 import torch
@@ -57,6 +60,7 @@ from shoal.server.admission import Admission
 from shoal.server.backend import SpanBackend
 from shoal.server.budget import CacheBudget
 from shoal.server.judge import Judge
+from shoal.server.migrate import Migrations
 from shoal.server.prefix import PrefixIndex, SessionPrefix, prefix_seed
 from shoal.server.push import Pusher
 from shoal.server.session import ServedSession
@@ -112,6 +116,12 @@ class BlockServer:
         self._push_tasks: set[asyncio.Task] = set()
         self._session_tasks: set[asyncio.Task] = set()  # streams serving a session, until their handler ends
         self.prefix = PrefixIndex(budget.pool)  # closed sessions' full pages, reused by digest; sets pool.reclaim
+        self.migrations = Migrations(self)  # sessions' pages handed to a replacement, or taken from a drainer
+
+    @property
+    def sessions(self) -> Mapping[SessionId, ServedSession]:
+        """The open sessions, by id (read only)."""
+        return self._sessions
 
     def describe(self, counters: bool = True) -> InfoReply:
         """What this server is and has free; with ``counters`` (this process's metrics, or peers
@@ -152,6 +162,8 @@ class BlockServer:
                     await stream.send(await forward(self, request, peer_id))
                 elif request.kind == "backward":
                     await stream.send(await backward(self, request))
+                elif request.kind == "pages":  # a draining server hands over a session's KV (MIGRATE)
+                    await stream.send(await self.migrations.receive(request, peer_id))
                 elif request.kind == "evidence":
                     await stream.send(await self.judge.judge(request, peer_id, draining=self.draining))
                 elif request.kind == "open":
@@ -258,9 +270,16 @@ class BlockServer:
                         self._free(session)  # before the reply: a client that saw it sees the cache free
                     await stream.send(Message("result", message.id))
                     return
+                if message.kind == "migrate":  # hand the pages to a replacement (MIGRATE)
+                    try:
+                        await stream.send(await self.migrations.send(session, message))
+                    except RemoteError as exc:
+                        self.counters.errors += 1
+                        await stream.send(error_message(message.id, exc.code, exc.remote_message))
+                    continue
                 if message.kind != "step":
                     self.counters.errors += 1
-                    text = f"a session stream takes step or close, not {message.kind!r}"
+                    text = f"a session stream takes step, migrate or close, not {message.kind!r}"
                     await stream.send(error_message(message.id, "bad_request", text))
                     continue
                 await self._serve_step(session, message)

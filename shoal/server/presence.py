@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from shoal.checkpoints import model_name
 from shoal.errors import Forbidden, RefusedError, ShoalError, TransportError
 from shoal.ids import BlockRange
-from shoal.protocols import BLOCKS
+from shoal.protocols import BLOCKS, WEIGHTS
 from shoal.server.announce import Announcement
 from shoal.server.handler import BlockServer
 from shoal.server.judge import Jurisdiction
@@ -34,7 +34,8 @@ from shoal.swarm.service import SWARM, SwarmService, fetch_table, join_failure, 
 from shoal.swarm.table import RecordTable
 from shoal.swarm.verdicts import VerdictKeeper
 from shoal.transport import BaseNode, Handler, Protocol, Ticket
-from shoal.wire import error_message
+from shoal.weights.give import Giver
+from shoal.wire import InvalidMessage, error_message
 
 log = logging.getLogger(__name__)
 MAX_DEFERRALS = 3  # re-checks in a row a server leaves a move to another one
@@ -52,10 +53,11 @@ class LoadingGate:
     def __init__(self) -> None:
         self.server: BlockServer | None = None  # the span served now
         self.presence: Presence | None = None  # the server's part in the swarm, once made
+        self.giver: Giver | None = None  # gives the model's weights to peers, when this server holds them
 
     def handlers(self, swarm: bool) -> dict[Protocol, Handler]:
         """Per protocol, what answers (``swarm``: the server takes part in one)."""
-        return {BLOCKS: self.blocks, SWARM: self.swarm} if swarm else {BLOCKS: self.blocks}
+        return {BLOCKS: self.blocks, SWARM: self.swarm, WEIGHTS: self.weights} if swarm else {BLOCKS: self.blocks}
 
     def refusal(self, peer_id: str, serving: bool = True) -> str | None:
         """Why ``peer_id`` may not use this server (``serving``: as a server; else as a client), or
@@ -81,6 +83,19 @@ class LoadingGate:
             return
         serve_only = self.refusal(peer_id, serving=False)  # passed only when there is one: handle's usual call
         await (server.handle(stream, peer_id) if serve_only is None else server.handle(stream, peer_id, serve_only))
+
+    async def weights(self, stream, peer_id: str) -> None:
+        if (why := self.refusal(peer_id)) is not None:
+            await self._refuse(stream, why)
+        elif self.giver is None:
+            try:
+                request = await stream.recv(5.0)
+            except InvalidMessage as exc:
+                await stream.send(error_message(exc.request_id, exc.code, exc.remote_message))
+                return
+            await stream.send(error_message(request.id, "not_found", "this server gives no weights"))
+        else:
+            await self.giver.handle(stream, peer_id)
 
     async def swarm(self, stream, peer_id: str) -> None:
         if (why := self.refusal(peer_id)) is not None:

@@ -1,4 +1,5 @@
-"""The server's one compute thread, as a priority executor: inference before forwards before training.
+"""The server's one compute thread, as a priority executor: inference before forwards before training
+before giving weights to peers.
 
 Every torch call of a server runs on one thread (:func:`shoal.server.backend.compute_thread` says
 why: libgomp keeps a thread pool per thread that opens a parallel region). With training on the same
@@ -35,6 +36,7 @@ class Priority(IntEnum):
     INFERENCE = 0  # session steps, a session's cache allocation, loading and warm-up
     FORWARD = 1  # stateless forwards
     TRAINING = 2  # the chunks of a backward
+    GIVING = 3  # reading chunks of the model's weights for peers that fetch them (shoal.weights.give)
 
 
 @dataclass

@@ -37,3 +37,4 @@ class ServedSession:
     adapter: str | None = None  # the LoRA adapter the session runs with (None: the base weights)
     state: StateChain = field(default_factory=StateChain)  # what its cache holds: receipts commit to it
     prefix: SessionPrefix | None = None  # its rows' chains in the server's prefix cache (None: never shares)
+    handed_over: int = 0  # tries to hand its KV pages to a replacement (shoal.server.migrate)

@@ -38,6 +38,7 @@ SIGNING_CONTEXT = b"shoal/record/1\0"
 MAX_RECORD_BYTES = 8192
 MAX_FIELD_LEN = 512  # strings, lists
 FINGERPRINT_BYTES = 32
+MANIFEST_DIGEST_BYTES = 32  # BLAKE3
 EVIDENCE_DIGEST_BYTES = 32  # a verdict names its evidence by sha256
 MAX_RECEIPT_BYTES = 1024  # a receipt is about 150 bytes
 
@@ -155,6 +156,9 @@ class ModelRecord:
     fingerprints: tuple[bytes, ...]  # one per block of the whole model
     timestamp: float
     expires: float
+    # BLAKE3 of the model's chunk manifest (shoal.checkpoints.manifest), when its publisher holds every
+    # file: members fetch the manifest from peers and check it against this; sent only when known
+    manifest: bytes = b""
 
     TAG = "mdl"
 
@@ -175,16 +179,19 @@ class ModelRecord:
             list(self.fingerprints),
             self.timestamp,
             self.expires,
+            *([self.manifest] if self.manifest else []),
         ]
 
     @classmethod
     def from_fields(cls, f: list) -> ModelRecord:
-        _expect(len(f) == 7, "field count")
-        swarm, publisher, name, num_blocks, fps, ts, exp = f
+        _expect(len(f) in (7, 8), "field count")  # 7: no manifest (or before manifests)
+        swarm, publisher, name, num_blocks, fps, ts, exp = f[:7]
+        manifest = f[7] if len(f) == 8 else b""
         _expect(_is_int(num_blocks) and 0 < num_blocks <= 4096, "num_blocks")
         _expect(isinstance(fps, list) and len(fps) == num_blocks, "fingerprints")
         _expect(all(isinstance(x, bytes) and len(x) == FINGERPRINT_BYTES for x in fps), "fingerprints")
-        return cls(_swarm(swarm), _peer(publisher), _str(name), num_blocks, tuple(fps), *_times(ts, exp))
+        _expect(len(f) == 7 or (isinstance(manifest, bytes) and len(manifest) == MANIFEST_DIGEST_BYTES), "manifest")
+        return cls(_swarm(swarm), _peer(publisher), _str(name), num_blocks, tuple(fps), *_times(ts, exp), manifest)
 
 
 @dataclass(frozen=True)

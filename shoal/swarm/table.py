@@ -109,6 +109,13 @@ class RecordTable:
         # a conflicting model definition is a forgery whatever its age: say so rather than "stale"
         if isinstance(record, ModelRecord) and held is not None and held.record.fingerprints != record.fingerprints:
             raise RecordError("fingerprint_mismatch", f"model {record.name} is already defined with other weights")
+        if (
+            isinstance(record, ModelRecord)
+            and held is not None
+            and held.record.manifest
+            and record.manifest not in (b"", held.record.manifest)
+        ):  # the chunk manifest is a model's too: the first one stands
+            raise RecordError("manifest_mismatch", f"model {record.name} is already defined with another manifest")
         if held is not None and record.timestamp <= held.timestamp:
             raise RecordError("stale", f"{record.key} is not newer than the one held")
         self._check_admitted(signed, now)

@@ -9,7 +9,9 @@ speaks. A node with a :attr:`~BaseNode.credential` (a private swarm's member cer
 in a ``hello`` before each connection of another protocol it dials; what peers presented is kept in
 :attr:`~BaseNode.credentials` (opaque bytes here: their checks are the swarm's). A connection
 carries one protocol (QUIC binds it to one ALPN), so the pool keeps one connection per (peer,
-protocol), shared by all concurrent streams of that protocol.
+protocol), shared by all concurrent streams of that protocol. A peer hosted in this very process
+(:meth:`BaseNode.add_local_peer`: the span a gateway serves itself) is reached over in-process pipes
+(:mod:`shoal.transport.pipes`) instead: the same frames and handler boundary, no network hop.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 from typing import Protocol as TypingProtocol
 from typing import Self
 
-from shoal.errors import ClosedError, RequestTimeout, ShoalError, WireError
+from shoal.errors import ClosedError, ProtocolMismatch, RequestTimeout, ShoalError, WireError
 from shoal.transport.config import TransportConfig
 from shoal.transport.guard import PeerGuard
+from shoal.transport.pipes import Link
 from shoal.transport.stream import ByteChannel, MessageStream, ReceivedBytes
 from shoal.transport.ticket import Ticket
 from shoal.wire import CAPABILITIES, InvalidMessage, Message, error_message
@@ -91,6 +94,8 @@ class BaseNode:
         self.guard = PeerGuard(config.limits)  # what each peer holds here: connections, streams, unfinished bytes
         self.credential: bytes | None = None  # what this node presents to the peers it dials (see hello)
         self.credentials: OrderedDict[str, bytes] = OrderedDict()  # what peers presented to us, by peer id
+        self.links: set[Link] = set()  # open in-process connections, dialled or accepted
+        self._local_peers: dict[str, BaseNode] = {}  # peers in this process, dialled over pipes
 
     @property
     def protocols(self) -> list[str]:
@@ -189,6 +194,28 @@ class BaseNode:
             self.credentials.popitem(last=False)
 
     # ---- dialling --------------------------------------------------------------------------
+    def add_local_peer(self, peer: BaseNode) -> None:
+        """Reach ``peer``, a node of this process on this event loop, over in-process pipes from now
+        on, whatever its ticket's addresses: its streams carry the same frames (encoded, limited and
+        validated as over QUIC) without a network hop, and its round trip measures about zero."""
+        if peer is self:
+            raise ValueError("a node does not dial itself")
+        self._local_peers[peer.id] = peer
+
+    def is_local(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` is reached in-process (:meth:`add_local_peer`)."""
+        return peer_id in self._local_peers
+
+    async def _dial_local(self, peer: BaseNode, protocol: Protocol) -> Link:
+        if self.closed:
+            raise ClosedError("node is closed")
+        if peer.closed:
+            raise ClosedError(f"peer {peer.id[:10]} (in this process) is closed")
+        if protocol.alpn not in peer._handlers:
+            raise ProtocolMismatch(str(protocol), peer.protocols)
+        await asyncio.sleep(0)  # as a dial: let the loop run
+        return Link(self, peer, protocol.alpn)
+
     async def connect(self, ticket: Ticket, protocol: Protocol, timeout: float | None = None) -> Connection:
         """A pooled connection to ``ticket``'s peer for ``protocol`` (dialled if needed)."""
         key = (ticket.peer_id, protocol.alpn)
@@ -201,7 +228,11 @@ class BaseNode:
                 return conn
             if self.credential is not None and protocol != META:  # before anything it may be refused for
                 await self.request(ticket, META, Message("hello", 1, Hello(credential=self.credential)), timeout)
-            conn = await self._dial(ticket, protocol, timeout)
+            local = self._local_peers.get(ticket.peer_id)
+            if local is not None:
+                conn = await self._dial_local(local, protocol)
+            else:
+                conn = await self._dial(ticket, protocol, timeout)
             self._conns[key] = conn
             self._conn_addrs[key] = tuple(ticket.addrs)
             return conn
@@ -267,6 +298,8 @@ class BaseNode:
             conn.close("bye")
         self._conns.clear()
         await self._release(linger)
+        for link in list(self.links):
+            link.close("peer closed")
         for task in list(self._tasks):
             task.cancel()
 

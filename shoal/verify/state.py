@@ -110,6 +110,12 @@ class StateChain:
         del self._digests[(position + 1) * STATE_BYTES :]
         self._digests += states
 
+    def digests(self, end: int) -> bytes:
+        """``c_1 .. c_end`` concatenated (what a migrated session's replacement commits at 0)."""
+        if not 0 <= end <= len(self):
+            raise IndexError(f"the chain knows {len(self)} positions, not {end}")
+        return bytes(self._digests[STATE_BYTES : (end + 1) * STATE_BYTES])
+
     def forget(self, position: int) -> None:
         """The cache from ``position`` on is in no state a chain names (a step there failed midway)."""
         del self._digests[(position + 1) * STATE_BYTES :]

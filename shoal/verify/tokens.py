@@ -21,6 +21,7 @@ import hmac
 
 PUSH_TOKEN_CONTEXT = b"shoal/push-token/1\0"
 PUSH_TOKEN_CHARS = 32  # 128 bits, in hex
+MIGRATE_TOKEN_CONTEXT = b"shoal/migrate-token/1\0"
 
 
 def push_token(secret: str, previous: str, *, step: int, position: int, n: int, receipt: bool) -> str:
@@ -37,4 +38,26 @@ def push_allowed(secret: str, token: str, pusher: str, *, step: int, position: i
     return hmac.compare_digest(expected.encode(), token.encode())
 
 
-__all__ = ["PUSH_TOKEN_CHARS", "PUSH_TOKEN_CONTEXT", "push_allowed", "push_token"]
+def migrate_token(secret: str, source: str, *, step: int, position: int) -> str:
+    """The token that lets peer ``source`` (the session's draining server) hand its KV pages of
+    positions ``[0, position)`` to the session of ``secret`` in migration ``step`` (never a push token:
+    another context)."""
+    what = f"{source}\0{step}\0{position}".encode()
+    return hmac.new(secret.encode(), MIGRATE_TOKEN_CONTEXT + what, hashlib.sha256).hexdigest()[:PUSH_TOKEN_CHARS]
+
+
+def migrate_allowed(secret: str, token: str, source: str, *, step: int, position: int) -> bool:
+    """Whether ``token`` lets ``source`` (the sending stream's peer id) hand those pages over."""
+    expected = migrate_token(secret, source, step=step, position=position)
+    return hmac.compare_digest(expected.encode(), token.encode())
+
+
+__all__ = [
+    "MIGRATE_TOKEN_CONTEXT",
+    "PUSH_TOKEN_CHARS",
+    "PUSH_TOKEN_CONTEXT",
+    "migrate_allowed",
+    "migrate_token",
+    "push_allowed",
+    "push_token",
+]

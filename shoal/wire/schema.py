@@ -23,6 +23,7 @@ from shoal.errors import BadRequest
 from shoal.ids import BlockRange, PeerId, SessionId
 from shoal.quantization.formats import Quantization
 from shoal.wire.codecs import Codec
+from shoal.wire.counters import ServerCounters
 
 MAX_SESSION_LENGTH = 1 << 20
 MAX_BATCH = 1024
@@ -43,9 +44,15 @@ CODEC_Q8 = Codec.Q8.capability  # float32 tensors as int8 blocks of 64 with a sc
 TRAIN = "train"  # the backward kind; deep prompts (``prompts``) on forward, backward and open
 ADAPTERS = "adapters"  # ``adapter`` on forward, backward and open: run with one of the server's LoRA adapters
 RECEIPTS = "receipts"  # ``receipt`` on step, push and forward: the reply carries a signed Receipt
+#: announced in a server record (not a blocks capability): the server gives its model's chunks (shoal/weights)
+WEIGHTS = "weights"
 EVIDENCE = "evidence"  # the evidence kind: the server judges another's signed lie (shoal.server.judge)
 SUB_SPAN = "sub-span"  # ``blocks`` on forward: run only those blocks of the span (an audit through pieces)
-CAPABILITIES = frozenset({PUSH, TRAIN, ADAPTERS, RECEIPTS, EVIDENCE, SUB_SPAN, *(codec.capability for codec in Codec)})
+# the migrate and pages kinds: a session's KV pages handed to a replacement of the same span (shoal.server.migrate)
+MIGRATE = "migrate"
+CAPABILITIES = frozenset(
+    {PUSH, TRAIN, ADAPTERS, RECEIPTS, EVIDENCE, SUB_SPAN, MIGRATE, *(codec.capability for codec in Codec)}
+)
 
 Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
 StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
@@ -92,70 +99,6 @@ class Ping(Meta):
 # ---- shoal/blocks ------------------------------------------------------------------------------
 
 
-class ServerCounters(msgspec.Struct, kw_only=True):
-    """What a server has done, readable through ``info`` (tests and dashboards use them)."""
-
-    sessions_opened: int = 0
-    sessions_closed: int = 0  # closed by the client
-    sessions_abandoned: int = 0  # the client vanished mid-session (or broke its stream)
-    sessions_timed_out: int = 0  # idle for longer than the timeout
-    reservations_taken_back: int = 0  # unused KV reservations of unstepped or idle sessions, given to others
-    sessions_active: int = 0
-    sessions_rejected_busy: int = 0
-    steps: int = 0
-    positions_processed: int = 0
-    positions_rolled_back: int = 0  # cached positions a step overwrote (rejected drafts, replays)
-    forward_requests: int = 0
-    forward_tokens: int = 0
-    errors: int = 0
-    pushes_sent: int = 0  # step outputs handed to the next server
-    pushes_received: int = 0  # steps that arrived from the previous server
-    pushes_failed: int = 0  # the next server could not be reached (the client falls back to its own hop)
-    pushes_rejected: int = 0  # unknown session, wrong token, or a stale step
-    sessions_drained: int = 0  # still open when a drain closed them
-    step_seconds: float = 0.0  # compute time of all steps (metrics: latency = step_seconds / steps)
-    backward_requests: int = 0  # backward passes served (needs TRAIN)
-    backward_tokens: int = 0  # batch x tokens of those passes
-    # tasks the compute thread ran, by priority class (shoal.server.scheduler): session steps and cache
-    # allocations; stateless forwards; training chunks (a backward is one per block, or one for the span)
-    inference_tasks: int = 0
-    forward_tasks: int = 0
-    training_chunks: int = 0
-    # tasks taken before earlier-queued work of a lower class: how often priority let a session step
-    # (or a forward) go first instead of waiting behind a forward or a training chunk
-    inference_ahead_of_forward: int = 0
-    inference_ahead_of_training: int = 0
-    forward_ahead_of_training: int = 0
-    # the KV page pool (shoal.models.kv): its pages, and those held by sessions or the prefix cache
-    kv_pages_total: int = 0
-    kv_pages_in_use: int = 0
-    prefix_cache_pages: int = 0  # pages only the prefix cache holds (closed sessions' full pages)
-    prefix_hit_tokens: int = 0  # positions a step adopted from the prefix cache instead of computing
-    # continuous batching (shoal.server.batching): batched forwards run (a lone step is a batch of one),
-    # the session steps (or prefill chunks) they carried, the most rows one took, times a waiting step
-    # was left out of a batch that ran, the chunks run of steps cut in pieces, the batches that
-    # waited (briefly) for sessions due back before they started, the groups the sessions run in now
-    # (one batch each: as many as their chains keep busy, shoal.server.pacing) and how often that changed
-    batches: int = 0
-    batched_steps: int = 0
-    batch_rows_max: int = 0
-    steps_deferred: int = 0
-    prefill_chunks: int = 0
-    merge_waits: int = 0
-    batch_groups: int = 1
-    regroupings: int = 0
-    # evidence of other servers' lies judged here (shoal.server.judge): received, confirmed (a verdict
-    # signed and gossiped), rejected; and the rejections by reason (the EvidenceReply's tag)
-    evidence_received: int = 0
-    evidence_confirmed: int = 0
-    evidence_rejected: int = 0
-    evidence_malformed: int = 0
-    evidence_not_judged: int = 0  # not this server's blocks or weights, too large, about itself, draining
-    evidence_forged: int = 0
-    evidence_replayed: int = 0
-    evidence_framing: int = 0  # the accused was honest: its outputs recompute within tolerance
-
-
 class AdapterInfo(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """A LoRA adapter a server can run its span with: its name and the sha256 of the whole adapter's
     tensors (:func:`shoal.models.lora.adapter_digest`; the same on every server that loaded the
@@ -182,6 +125,13 @@ class SpanInfo(Meta):
     # how it computes, as its receipts sign it ("bf16/cuda", one of shoal.verify.receipts.COMPUTE_LABELS;
     # "" from a server predating the field): a receipt signing another label is refused
     compute: Annotated[str, msgspec.Meta(max_length=24)] = ""
+
+
+def same_weights(a: SpanInfo, b: SpanInfo) -> bool:
+    """Whether a server of ``b`` can take ``a``'s KV pages (MIGRATE): same model, blocks, weights, dtype."""
+    return (a.model, a.num_blocks, a.blocks, a.fingerprints, a.dtype, a.quantization) == (
+        b.model, b.num_blocks, b.blocks, b.fingerprints, b.dtype, b.quantization
+    )  # fmt: skip
 
 
 class InfoReply(Meta):
@@ -312,6 +262,39 @@ class PushRequest(Meta):
     receipt: bool = False  # needs RECEIPTS: as the client's step asked (it asks a whole push segment or none)
 
 
+class MigrateRequest(Meta):
+    """Needs MIGRATE, on a session's stream: hand its KV pages of ``[0, position)`` to the session ``to``
+    names on a server of the same span (:mod:`shoal.server.migrate`); an empty result once taken."""
+
+    session: Session
+    position: Annotated[int, msgspec.Meta(ge=1, le=MAX_SESSION_LENGTH)]
+    step: StepId  # the client's id of this migration: the replacement reports under it
+    to: PushHop  # its token: shoal.verify.tokens.migrate_token
+
+
+class PagesRequest(Meta):
+    """Needs MIGRATE, server to server: KV pages for ``session``. Tensors: keys and values ``[blocks,
+    batch, position, kv heads, head dim]``, and u8 ``c_1 .. c_position`` (:mod:`shoal.verify.state`)."""
+
+    session: Session
+    token: Text
+    position: Annotated[int, msgspec.Meta(ge=1, le=MAX_SESSION_LENGTH)]
+    step: StepId
+    model: Text  # the sender's span, weights (shoal.verify.receipts.weights_digest) and cache dtype
+    blocks: BlockRange
+    weights: Digest16
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    adapter: AdapterName | None = None
+    prompts: bool = False
+
+
+class MigratedReply(Meta):
+    """The replacement to the client (a result under the migration's ``step``): what it holds now."""
+
+    position: Position
+    state: Digest16  # c_position: the client checks it against its own chain before switching over
+
+
 class ErrorReply(Meta):
     code: Text
     message: Text
@@ -352,6 +335,27 @@ class EvidenceReply(Meta):
     detail: Text = ""
 
 
+# ---- shoal/weights -----------------------------------------------------------------------------
+
+
+class ManifestRequest(Meta):
+    """The chunk manifest of ``model`` (:mod:`shoal.checkpoints.manifest`), asked of a server that
+    announced :data:`WEIGHTS`. Reply: ``result`` Empty ``[manifest u8]``, checked by the asker against
+    the digest in the swarm's model record."""
+
+    model: Text
+
+
+class ChunkRequest(Meta):
+    """Chunk ``chunk`` of item ``item`` of the manifest whose BLAKE3 digest is ``manifest`` (hex). Reply:
+    ``result`` Empty ``[chunk u8]``, its size and digest checked by the asker; ``not_found`` when this
+    peer gives another manifest or lacks the item, ``busy`` while it is giving all it may."""
+
+    manifest: Digest
+    item: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    chunk: Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
+
+
 # ---- shoal/swarm -------------------------------------------------------------------------------
 
 
@@ -370,8 +374,12 @@ KIND_META: dict[str, type[Meta] | None] = {
     "step": StepRequest,  # one inference step of a session
     "push": PushRequest,  # a server hands its step output to the next server of the chain
     "evidence": EvidenceRequest,  # another server's signed lie, to judge (needs EVIDENCE)
+    "migrate": MigrateRequest,  # hand a session's KV pages to a replacement (needs MIGRATE)
+    "pages": PagesRequest,  # a session's KV pages, server to server (needs MIGRATE)
     "close": Empty,  # close a session
     "gossip": Gossip,  # swarm record exchange; payload as one u8 tensor
+    "manifest": ManifestRequest,  # a model's chunk manifest (shoal/weights)
+    "chunk": ChunkRequest,  # one verified chunk of a model's weights (shoal/weights)
     "result": None,  # a successful reply
     "error": ErrorReply,  # an error reply
 }
@@ -414,13 +422,16 @@ __all__ = [
     "MAX_EVIDENCE_STEPS",
     "MAX_PUSH_HOPS",
     "MAX_SESSION_LENGTH",
+    "MIGRATE",
     "PUSH",
     "RECEIPTS",
     "SUB_SPAN",
     "TRAIN",
+    "WEIGHTS",
     "AdapterInfo",
     "AdapterName",
     "BackwardRequest",
+    "ChunkRequest",
     "Empty",
     "ErrorReply",
     "EvidenceReply",
@@ -431,9 +442,13 @@ __all__ = [
     "Hello",
     "HelloReply",
     "InfoReply",
+    "ManifestRequest",
     "Meta",
+    "MigrateRequest",
+    "MigratedReply",
     "OpenReply",
     "OpenRequest",
+    "PagesRequest",
     "PeerId",
     "Ping",
     "PushHop",
@@ -444,4 +459,5 @@ __all__ = [
     "SpanInfo",
     "StepReply",
     "StepRequest",
+    "same_weights",
 ]

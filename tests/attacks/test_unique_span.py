@@ -144,5 +144,5 @@ def test_require_verified_fails_closed(swarm):
     assert [s.server.counters.steps for s in (low_a, tail)] == before, "a step ran on unverified blocks"
     # the sessions the refused chain opened are closed, not left to fill the peer's session limit
     assert [s.server.counters.sessions_active for s in (low_a, tail)] == [0, 0]
-    with pytest.raises(UsageError, match="require_verified"):
-        connect_over(swarm, [low_a, tail], require_verified=True).__enter__()
+    with pytest.raises(UsageError, match="require_verified"):  # audits are the default: only 'off' contradicts it
+        connect_over(swarm, [low_a, tail], verify="off", require_verified=True).__enter__()

@@ -151,6 +151,11 @@ def test_blocks_required_outside_a_swarm(tiny_dir: Path):
     assert_one_line_error(shoal("serve", str(tiny_dir)), USAGE, "--blocks START:END is required outside a swarm")
 
 
+def test_a_server_without_a_model_needs_a_swarm_to_choose_in():
+    assert_one_line_error(shoal("serve"), USAGE, "a server without a model chooses one in the swarms it joins")
+    assert_one_line_error(shoal("serve", "--new-swarm"), USAGE, "give --join TICKET")
+
+
 # the cases that get past argument parsing import torch (seconds each): in the slow step
 @pytest.mark.parametrize(
     ("flags", "fragment"),

@@ -28,7 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from shoal.cli.chat import ChatOptions, converse
+from shoal.cli.gateway import VERIFY_CHOICES, _client_settings
 from shoal.cli.main import build_parser
+from shoal.client.config import ClientConfig
+from shoal.client.verification.audit import VERIFY_MODES
 from shoal.errors import UsageError
 from shoal.gateway.app import build_app
 from shoal.gateway.engine import Engine
@@ -74,9 +77,16 @@ def test_verify_flag_takes_each_mode(command, mode):
 
 
 @pytest.mark.parametrize("command", ["api", "chat"])
-def test_verify_is_off_and_audit_every_the_modes_default_unless_given(command):
+def test_verify_and_audit_every_are_the_clients_defaults_unless_given(command):
+    """The flags leave both unset, so ClientConfig's defaults (audit mode, its K) are the only ones."""
     args = build_parser().parse_args([command, "m", "--join", TICKET])
-    assert (args.verify, args.audit_every) == ("off", None)
+    assert (args.verify, args.audit_every) == (None, None)
+    client = _client_settings(args)["client"]
+    assert (client.verify, client.audit_every) == (ClientConfig().verify, None) == ("audit", None)
+
+
+def test_the_verify_choices_are_the_modes_the_client_runs():
+    assert VERIFY_CHOICES == VERIFY_MODES
 
 
 @pytest.mark.parametrize(
@@ -251,7 +261,7 @@ def test_gateway_streams_only_the_honest_text_and_metrics_show_the_ban(world):
 def test_without_verification_a_response_has_no_shoal_key(world):
     """verify off: the body is OpenAI's alone, and /metrics says mode off with zero counts."""
     prompt = prompt_ids()
-    with connect_over(world.swarm, [*world.low, *world.high]) as model:
+    with connect_over(world.swarm, [*world.low, *world.high], verify="off") as model:  # audits are the default
         app = build_app(Engine(model, MODEL_ID), Watchers(world.swarm.transport, None))
         client = TestClient(app, base_url="http://localhost")
         with client:

@@ -85,7 +85,9 @@ def test_killing_any_route_server_keeps_the_tokens(local_swarm, reference_and_di
     rng = random.Random(2026)
     hit: set[tuple[int, bool]] = set()  # (hop killed, in the second half of the generation)
     for run in range(KILL_RUNS):
-        model = local_swarm.connect(refresh_period=0)
+        # verify="off": the counts below are of failover's work alone; an auditor on the spare
+        # replicas would process every position too (failover under audits: tests/integration/test_verify*)
+        model = local_swarm.connect(refresh_period=0, verify="off")
         try:
             assert len(model.blocks.directory.spans) == 4, f"run {run}: the client sees {model.blocks.directory.spans}"
             before = {s.ticket.peer_id: counts(s) for s in local_swarm.servers}
@@ -171,7 +173,9 @@ def test_the_last_server_of_blocks_draining_mid_generation_ends_in_one_error(loc
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert sum("no replacement for draining server" in line for line in lines) == 1, lines
     assert sum("waiting up to 1.5 s" in line for line in lines) == 1, lines
-    assert len(lines) <= 5, lines
+    # audits (the default) may say once that 3-5 have no second server (the spare is dead): not per step
+    unverified = [line for line in lines if "unverified in this session" in line]
+    assert len(unverified) <= 1 and len(lines) - len(unverified) <= 5, lines
 
 
 @pytest.mark.timeout(60)
@@ -252,7 +256,8 @@ def test_sigkill_of_a_route_server_process_keeps_the_tokens(swarm, reference_and
 @pytest.mark.timeout(120)
 def test_sigterm_drain_during_generation_keeps_the_tokens(swarm, reference_and_dir):
     """The route's first server gets SIGTERM mid-generation: it drains (its replies say so), the
-    client moves to the spare at its next step, and the server exits with 0."""
+    client moves to the spare at its next step (which takes the session's KV pages from it), and the
+    server exits with 0."""
     expected, _ = reference_and_dir
     model = connect(swarm)
     try:
@@ -272,4 +277,7 @@ def test_sigterm_drain_during_generation_keeps_the_tokens(swarm, reference_and_d
     assert torch.equal(out, expected)
     assert [r.failed for r in session.recoveries] == [swarm.peer(victim)]
     assert session.recoveries[0].drain, "the client should move on the draining flag, not on a failure"
+    (spare,) = set(session.recoveries[0].migrated) | set(session.recoveries[0].replayed)
+    # the spare of the same span took the session's KV pages (shoal.server.migrate): no replay
+    assert session.recoveries[0].migrated == {spare: PROMPT.shape[1] + 11}, session.recoveries[0]
     assert swarm.members[victim].proc.wait(30) == 0  # it drained and exited cleanly

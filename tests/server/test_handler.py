@@ -332,7 +332,7 @@ def test_open_and_step_arguments_outside_the_session_are_bad_requests(serve, spa
     bench.run(go())
 
 
-def test_a_session_stream_takes_only_step_and_close(serve, span):
+def test_a_session_stream_takes_only_step_migrate_and_close(serve, span):
     """``info``, ``forward`` or a second ``open`` on a session's stream: a bad request naming the
     kind, and the session goes on."""
     bench = serve()
@@ -342,7 +342,7 @@ def test_a_session_stream_takes_only_step_and_close(serve, span):
         session = await Session.open(node, bench.ticket(), max_length=8)
         for kind, meta in [("info", None), ("forward", None), ("open", OpenRequest(max_length=8))]:
             message = Message(kind, session.stream.next_id()) if meta is None else Message(kind, 9, meta)
-            with pytest.raises(BadRequest, match=rf"a session stream takes step or close, not '{kind}'"):
+            with pytest.raises(BadRequest, match=rf"a session stream takes step, migrate or close, not '{kind}'"):
                 await session.stream.request(message)
         x = inputs(HIDDEN, 3, seed=8)
         assert_same(await session.step(0, x), local_forward(span, x, span.allocate_cache(1, 8), 0))

@@ -1,6 +1,8 @@
 """One contract, two transports: every test runs on iroh (:class:`Node`, both peers in this
-process) and in memory (:class:`MemoryNode`), and must behave the same on both: tensors, deadlines,
-closed streams, size limits, malformed frames, protocol mismatch, dead peers, concurrency, meta."""
+process), in memory (:class:`MemoryNode`), and on iroh nodes that reach each other in-process
+(:meth:`BaseNode.add_local_peer`, a gateway and its own span), and must behave the same on all:
+tensors, deadlines, closed streams, size limits, malformed frames, protocol mismatch, dead peers,
+concurrency, meta."""
 
 from __future__ import annotations
 
@@ -40,11 +42,23 @@ async def contract_handler(stream: MessageStream, peer_id: str) -> None:
             await stream.send(Message("result", request.id, tensors=request.tensors))
 
 
-@pytest.fixture(params=["iroh", "memory"])
+@pytest.fixture(params=["iroh", "memory", "local"])
 def start(request) -> Start:
     """Starts a node on this test's transport: ``await start(config=..., handlers=...)``."""
     if request.param == "iroh":
         return lambda config=CONFIG, handlers=None: Node.start(config, handlers)
+    if request.param == "local":  # iroh nodes, each reaching the live ones started before in-process
+        started: list[BaseNode] = []
+
+        async def local(config=CONFIG, handlers=None) -> BaseNode:
+            node = await Node.start(config, handlers)
+            for other in started:
+                if not other.closed:
+                    node.add_local_peer(other)
+            started.append(node)
+            return node
+
+        return local
     network = MemoryNetwork()
     return lambda config=CONFIG, handlers=None: network.start(config, handlers)
 

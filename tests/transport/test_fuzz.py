@@ -25,7 +25,7 @@ import torch
 
 from shoal.checkpoints import load_span, save_sharded
 from shoal.launch import ServerProcess
-from shoal.protocols import BLOCKS
+from shoal.protocols import BLOCKS, WEIGHTS
 from shoal.swarm.service import SWARM, blob, blob_bytes
 from shoal.transport import META, MessageStream, Node
 from shoal.verify.tokens import push_token
@@ -230,7 +230,7 @@ def test_every_metadata_field_mutated_at_a_live_server(blocks_server, model_dir)
             opened = (await session_stream.request(Message("open", 1, OpenRequest(max_length=16)))).reply(OpenReply)
             hop = PushHop(ticket=str(ticket), session="no-such-session", token="0" * 32)
             mutations = meta_mutations(valid_requests(opened.session, opened.token, hop))
-            streams = {p: await node.open_stream(ticket, p) for p in (META, SWARM)}
+            streams = {p: await node.open_stream(ticket, p) for p in (META, SWARM, WEIGHTS)}
             streams[BLOCKS] = await node.open_stream(ticket, BLOCKS)
             push_stream = await node.open_stream(ticket, BLOCKS)
             on_blocks = 0

@@ -36,6 +36,7 @@ from shoal.wire import (
 from shoal.wire.schema import (
     KIND_META,
     BackwardRequest,
+    ChunkRequest,
     Empty,
     ErrorReply,
     EvidenceReply,
@@ -46,9 +47,13 @@ from shoal.wire.schema import (
     Hello,
     HelloReply,
     InfoReply,
+    ManifestRequest,
     Meta,
+    MigratedReply,
+    MigrateRequest,
     OpenReply,
     OpenRequest,
+    PagesRequest,
     Ping,
     PushHop,
     PushRequest,
@@ -81,7 +86,21 @@ REQUESTS: dict[str, Meta] = {
     "push": PushRequest(session="s-2", token="k", position=4, step=9, push=(HOP,), receipt=True),
     "close": Empty(),
     "evidence": EvidenceRequest(model="m", accused="ab" * 32, start=2, end=4, steps=3),
+    "migrate": MigrateRequest(session="s-1", position=40, step=12, to=HOP),
+    "pages": PagesRequest(
+        session="s-2",
+        token="k",
+        position=40,
+        step=12,
+        model="m",
+        blocks=BlockRange(2, 4),
+        weights=bytes(16),
+        dtype="float32",
+        adapter="style-v1",
+    ),
     "gossip": Gossip(op="table"),
+    "manifest": ManifestRequest(model="m"),
+    "chunk": ChunkRequest(manifest="cd" * 32, item=7, chunk=2),
     "error": ErrorReply(code="wire", message="bad frame", reason="bad_frame"),
 }
 REPLIES: list[Meta] = [
@@ -107,6 +126,7 @@ REPLIES: list[Meta] = [
     ForwardReply(),
     EvidenceReply(confirmed=True),
     EvidenceReply(confirmed=False, reason="framing", detail="recomputed outputs agree"),
+    MigratedReply(position=40, state=bytes(range(16))),
     Empty(),
 ]
 

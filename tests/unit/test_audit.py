@@ -69,8 +69,8 @@ def test_verify_modes():
 
 
 def test_each_mode_audits_at_its_own_period():
-    """Audit mode every ``audit_every`` (8 unless given), redundant mode every step; both audit."""
-    assert verification_for("audit") == Verification("audit", 8)
+    """Audit mode every ``audit_every`` (16 unless given: bench.verify's pick), redundant every step; both audit."""
+    assert verification_for("audit") == Verification("audit", 16)
     assert verification_for("audit", 3) == Verification("audit", 3)
     redundant = verification_for("redundant")
     assert (redundant.mode, redundant.audit_every) == ("redundant", 1) and redundant.auditing and redundant.redundant

@@ -134,12 +134,13 @@ def generate(model_dir, reference):
     announcing those capabilities; a session of a 4-position prefill then 3 one-token steps."""
     swarms: list[InProcessSwarm] = []
 
-    def run(*capabilities: frozenset[str], push: bool = True) -> Generated:
+    def run(*capabilities: frozenset[str], push: bool = True, verify: str = "off") -> Generated:
         swarm = InProcessSwarm(model_dir, [])
         swarms.append(swarm)
         recordings = {name: Recording(caps) for name, caps in zip(SPANS, capabilities, strict=True)}
         servers = {name: swarm.add(span, recordings[name]) for name, span in SPANS.items()}
-        model = swarm.connect(push=push, refresh_period=0, routing_seed=0)
+        # verify="off" unless asked: these tests are of push reach, which audit mode narrows (see below)
+        model = swarm.connect(push=push, refresh_period=0, routing_seed=0, verify=verify)
         session = model.blocks.open_session(batch_size=1, max_length=16)
         assert [s.peer_id for s in session.chain] == [servers[n].node.id for n in SPANS]
         x = torch.randn(1, PROMPT + STEPS, 64, generator=torch.Generator().manual_seed(7))
@@ -209,6 +210,16 @@ def test_a_first_server_without_push_is_sent_no_route_and_the_rest_is_pushed(gen
     assert all([hop.ticket for hop in step.push] == [c_ticket] for step in run.client_steps("b"))
     assert [run.counter(n, "pushes_received") for n in SPANS] == [0, 0, 4]
     assert [run.counter(n, "pushes_sent") for n in SPANS] == [0, 4, 0]
+
+
+def test_audit_mode_pushes_only_over_hops_whose_receipts_pin_their_inputs(generate):
+    """Audit mode (the default) compares a hop's outputs with an auditor's on the inputs recorded for
+    it; a pushed hop's receipts prove it computed on those. c announces no receipts, so the client
+    sends every hop itself, and the answer is the same."""
+    run = generate(CAPABILITIES, CAPABILITIES, WITHOUT_PUSH, verify="audit")
+    assert_matches(run)
+    assert [len(run.client_steps(n)) for n in SPANS] == [4, 4, 4]
+    assert [run.counter(n, "pushes_sent") for n in SPANS] == [0, 0, 0]
 
 
 def test_push_off_sends_every_hop_from_the_client(generate):

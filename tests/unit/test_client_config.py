@@ -31,11 +31,19 @@ def test_the_config_has_a_field_for_every_setting_from_pretrained_takes():
     assert settings - {"start_node"} == {f.name for f in dataclasses.fields(ClientConfig)}  # start_node: not a value
 
 
+def test_from_pretrained_defaults_are_the_configs():
+    """One source of truth: a keyword left out of from_pretrained means the config's default."""
+    keywords = inspect.signature(AutoDistributedModelForCausalLM.from_pretrained).parameters
+    defaults = {f.name: f.default for f in dataclasses.fields(ClientConfig) if f.default is not dataclasses.MISSING}
+    assert keywords["verify"].default == defaults["verify"] == "audit"
+    assert keywords["audit_every"].default is defaults["audit_every"] is None
+
+
 def test_the_config_is_frozen_with_from_pretrained_defaults():
     config = ClientConfig()
     assert (config.push, config.compression, config.refresh_period, config.routing_seed) == (True, Codec.RAW, 30, None)
     assert (config.min_quality, config.adapter, config.audit_every) == (Quantization.INT8, None, None)
-    assert (config.verify, config.prefill_chunk) == ("off", DEFAULT_PREFILL_CHUNK)
+    assert (config.verify, config.prefill_chunk) == ("audit", DEFAULT_PREFILL_CHUNK)  # audits are on by default
     assert (config.tuning_mode, config.pre_seq_len, config.dtype, config.device) == (None, 0, torch.float32, "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.push = False  # type: ignore[misc]

@@ -88,6 +88,9 @@ class Run:
 
     def __init__(self, swarm: InProcessSwarm, *, push: bool = True, batch_size: int = 1, **connect):
         self.swarm = swarm
+        # verify="off" unless asked: these tests count each server's sessions and positions, which an
+        # auditor on the spare would add to (recovery under audits: the tests that pass verify="audit")
+        connect.setdefault("verify", "off")
         self.model = swarm.connect(push=push, refresh_period=0, routing_seed=0, **connect)
         self.sequence = self.model.blocks
         self.directory = self.sequence.directory
@@ -168,7 +171,7 @@ def test_greedy_generation_survives_a_killed_server_token_for_token(swarms, refe
     """``generate`` (push on) loses the server of blocks 2:4 after 4 new tokens: the tokens equal
     plain transformers' greedy ones, and the session was recovered once."""
     swarm = swarms()
-    model = swarm.connect(refresh_period=0, routing_seed=0)
+    model = swarm.connect(refresh_period=0, routing_seed=0, verify="off")  # the spare's counts: the replacement's
     prompt = torch.tensor([[1, 17, 42, 99, 7, 3]])
     killed = []
 
@@ -189,15 +192,17 @@ def test_greedy_generation_survives_a_killed_server_token_for_token(swarms, refe
     assert model.blocks.directory.bans.banned(victim.node.id)
 
 
-def test_a_server_that_goes_quiet_mid_step_is_found_out_by_a_ping(swarms, reference, monkeypatch):
+@pytest.mark.parametrize("verify", ["off", "audit"])
+def test_a_server_that_goes_quiet_mid_step_is_found_out_by_a_ping(swarms, reference, monkeypatch, verify):
     """From position 7 on, the server of B on the route answers nothing in time (its replies, pings
     included, are held back: the fault seam's reply delay switched on mid-session) but its streams
     stay open. The pushed step's late reply makes the client ping it, the ping times out, and the
     spare takes over: within the late-reply deadline plus the ping's timeout (0.25 s each here),
-    not the request deadline."""
+    not the request deadline. Audited too: the replacement's new auditor is never the server just
+    found quiet (a dial of it would hold the step up for the recovery timeout)."""
     monkeypatch.setattr(directory_module, "PROBE_TIMEOUT", 0.25)
     swarm = swarms(prepare={B: lambda server: make_faulty(server, [])})
-    run = Run(swarm)
+    run = Run(swarm, verify=verify)
     quiet, spare = run.on_route(B), run.spare(B)
     times = {}
 
@@ -244,8 +249,9 @@ def test_a_dropped_reply_is_recovered(swarms, reference, push):
 # ---- a server leaves -----------------------------------------------------------------------------
 def test_a_draining_server_is_moved_before_the_next_step(swarms, reference):
     """The server of B on the route starts draining before position 7: its reply to that step says
-    so, the client moves B to the spare before the next step (replaying 8 positions) and closes
-    the old session politely; the drain then ends at once, long before its 5 s timeout."""
+    so, the client moves B to the spare before the next step (the leaving server hands it the
+    session's 8 positions of KV pages: no replay, :mod:`shoal.server.migrate`) and closes the old
+    session politely; the drain then ends at once, long before its 5 s timeout."""
     swarm = swarms()
     run = Run(swarm)
     leaving, spare = run.on_route(B), run.spare(B)
@@ -258,10 +264,11 @@ def test_a_draining_server_is_moved_before_the_next_step(swarms, reference):
     assert time.perf_counter() - started < 1.0
     (record,) = run.session.recoveries
     assert record.drain and record.failed == leaving.node.id and record.position == 8  # after its reply
-    assert dict(record.replayed) == {spare.node.id: 8} and run.route()[1] is spare
+    assert dict(record.migrated) == {spare.node.id: 8} and record.replayed == {} and run.route()[1] is spare
     c = leaving.server.counters
     assert c.sessions_closed == 1 and c.sessions_abandoned == 0 and c.sessions_drained == 0
-    assert c.positions_processed == 8 and positions(spare) == 12
+    assert c.sessions_migrated_out == 1 and spare.server.counters.sessions_migrated_in == 1
+    assert c.positions_processed == 8 and positions(spare) == 4  # only the steps after the hand-over
     swarm.kill(leaving)
     run.close()
 

@@ -25,6 +25,7 @@ LAYERS = {
     "routing": 2,
     "swarm": 2,
     "verify": 2,
+    "weights": 2,
     "wire": 1,
     "transport": 1,
     "models": 1,

@@ -57,8 +57,20 @@ from shoal.verify.receipts import LIAR_BAN_SECONDS, ReceiptError, adapter_tag, e
 from shoal.verify.state import StateChain, step_states
 from shoal.wire import Codec, Message
 from shoal.wire.codecs import carried
-from shoal.wire.schema import PUSH, RECEIPTS, PushHop, Receipt, StepReply, StepRequest
+from shoal.wire.schema import (
+    MIGRATE,
+    PUSH,
+    RECEIPTS,
+    MigratedReply,
+    MigrateRequest,
+    PushHop,
+    Receipt,
+    StepReply,
+    StepRequest,
+)
 from shoal.wire.tensors import roundtrip
+
+log = logging.getLogger(__name__)
 
 MIN_DEADLINE = 0.25  # seconds before a late reply makes the client check that the server lives
 DEADLINE_FACTOR = 4.0  # ... or this many times the expected reply time, if longer
@@ -154,6 +166,7 @@ class ChainDriver:
         self._reach: list[int] = []  # the last hop a step sent to each hop reaches by push
         self._step_id = 0
         self._signed: weakref.WeakKeyDictionary[Hop, _Signed] = weakref.WeakKeyDictionary()  # a hop's, while it lives
+        self.migration_mismatches = 0  # replacements that reported pages of other inputs (see migrate)
 
     def install(self, hops: Sequence[Hop]) -> None:
         self.hops = tuple(hops)
@@ -286,6 +299,50 @@ class ChainDriver:
         self.feedback.succeeded(hop.span.peer_id)
         hop.draining = reply.draining
         return message.tensors[0], reply, receipt
+
+    async def migrate(self, source: Hop, target: Hop, position: int) -> bool:
+        """Have ``source``'s server (leaving) hand its session's KV pages of ``[0, position)`` to
+        ``target``, a fresh session on a server of the same span (:mod:`shoal.server.migrate`). True
+        once the replacement reported the chain digest of those positions' inputs and it is the one
+        this client keeps for ``source`` (what it sent there): ``target`` then holds the session
+        and its receipts are checked against that chain. False (the caller replays instead) when
+        either server cannot (no receipts asked, no :data:`MIGRATE`, other weights), refused, failed,
+        timed out, or reported another digest (counted in :attr:`migration_mismatches`)."""
+        signed = self._signed.get(source)
+        why = self._cannot_migrate(source, target) or (None if signed and len(signed.chain) >= position else "no chain")
+        if why is not None:
+            log.info("no migration from %s: %s; replaying instead", source.span.peer_id[:10], why)
+            return False
+        step_id = self.next_id()
+        to = target.migrate_hop(source.span.peer_id, step=step_id, position=position)
+        request = MigrateRequest(session=source.session, position=position, step=step_id, to=to)
+        try:
+            await source.stream.send(Message("migrate", step_id, request))
+            await self._reply(source, step_id, position)  # the pages were taken (or an error)
+            reply = (await self._reply(target, step_id, position)).reply(MigratedReply)
+        except (ShoalError, TimeoutError) as exc:
+            log.info("migration from %s failed (%s): replaying instead", source.span.peer_id[:10], exc)
+            return False
+        if reply.position != position or reply.state != signed.chain.at(position):
+            self.migration_mismatches += 1
+            log.warning("server %s took pages of other inputs than this session's: replaying instead",
+                        target.span.peer_id[:10])  # fmt: skip
+            return False
+        chain = StateChain()
+        chain.commit(0, signed.chain.digests(position))
+        self._signed[target] = _Signed(chain)
+        return True
+
+    def _cannot_migrate(self, source: Hop, target: Hop) -> str | None:
+        """Why ``source``'s pages cannot go to ``target`` (None: they can be offered)."""
+        if not (self._asks(source) and self._asks(target)):
+            return "receipts are not asked of both (no chain to check the pages against)"
+        if not (source.span.supports(MIGRATE) and target.span.supports(MIGRATE)):
+            return "a server does not announce the migrate capability"
+        a, b = source.span.info, target.span.info  # the servers check dtype too (records may not say it)
+        if (source.span.blocks, a.fingerprints, a.quantization) != (target.span.blocks, b.fingerprints, b.quantization):
+            return "the servers hold other blocks or weights"
+        return None
 
     async def replay(self, hop: Hop, tensors: list[Tensor], n: int, position: int = 0) -> Tensor:
         """One step over positions ``[position, position + n)`` on ``hop`` (not pushed on): its

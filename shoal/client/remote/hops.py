@@ -13,7 +13,7 @@ from shoal.ids import PeerId
 from shoal.protocols import BLOCKS
 from shoal.routing import ServerSpan
 from shoal.transport import BaseNode, MessageStream
-from shoal.verify.tokens import push_token
+from shoal.verify.tokens import migrate_token, push_token
 from shoal.wire import Message
 from shoal.wire.schema import OpenReply, OpenRequest, PushHop
 
@@ -65,6 +65,12 @@ class Hop:
         this session (``n`` positions at ``position``, ``receipt`` asked or not), with a token that
         lets only that peer push only that step (:mod:`shoal.verify.tokens`)."""
         token = push_token(self._secret, previous, step=step, position=position, n=n, receipt=receipt)
+        return PushHop(ticket=self._ticket, session=self.session, token=token)
+
+    def migrate_hop(self, source: PeerId, *, step: int, position: int) -> PushHop:
+        """Where the server ``source`` (a draining hop's) sends its pages of ``[0, position)`` in
+        migration ``step``, with a token that lets only that peer do so (:mod:`shoal.server.migrate`)."""
+        token = migrate_token(self._secret, source, step=step, position=position)
         return PushHop(ticket=self._ticket, session=self.session, token=token)
 
     @property

@@ -7,7 +7,9 @@ session to install.
   block), preferring servers that already hold the session (``REPLAY_MS``);
 * every new server of the plan gets the history of its first block replayed (one step over all
   positions so far), so that it rebuilds its cache; a replacement that fails is banned and the
-  plan drawn again;
+  plan drawn again. A draining server's replacement of the very same span is first offered the
+  session's KV pages instead (:mod:`shoal.server.migrate`): no replay when they arrive and their
+  inputs' digest is the client's own;
 * when no live server is left for some blocks, one bounded wait (``route_wait`` seconds, the
   client's setting) for a server to join with them, announced in one line; then
   :class:`~shoal.routing.NoRouteError` naming those blocks. Otherwise a bounded number of attempts
@@ -47,6 +49,8 @@ DRAIN_RETRY_SECONDS = 1.0  # a draining server without a replacement: how often 
 
 #: Replays ``tensors`` (a step over positions ``[0, n)``) on a hop; returns its output.
 Replay = Callable[[Hop, list[Tensor], int], Awaitable[Tensor]]
+#: Has a leaving hop's server hand its pages of ``[0, n)`` to a new hop of the same span; False: replay.
+Migrate = Callable[[Hop, Hop, int], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class RecoveryRecord:
     blocks: BlockRange  # its span
     position: int  # the session's length when it happened
     replayed: Mapping[PeerId, int] = field(default_factory=dict)  # new server -> positions replayed to it
+    migrated: Mapping[PeerId, int] = field(default_factory=dict)  # new server -> positions whose KV it took
     seconds: float = 0.0  # planning, opening and replaying
     drain: bool = False  # the server was leaving (else: it failed)
 
@@ -207,13 +212,16 @@ class ChainRecovery:
         position: int,
         replay: Replay,
         drain: bool = False,
+        migrate: Migrate | None = None,
         blame: bool = True,
     ) -> Rebuilt | None:
         """A chain without hop ``index`` (which the caller has aborted, unless ``drain``: a
         draining hop keeps serving until its replacement is ready). None: ``drain`` and nobody can
-        take over yet. Raises ``cause`` if it is a :class:`BadRequest` (another server would refuse
-        it too), :class:`NoRouteError` when the tries are used up. ``blame``: the hop's server failed
-        (it is banned for a while); else it leaves for a reason kept elsewhere (a dispute)."""
+        take over yet. ``migrate`` (with ``drain``): a replacement of the draining hop's very span
+        is first offered its KV pages; it is replayed only if that fails. Raises ``cause`` if it
+        is a :class:`BadRequest` (another server would refuse it too), :class:`NoRouteError` when
+        the tries are used up. ``blame``: the hop's server failed (it is banned for a while); else
+        it leaves for a reason kept elsewhere (a dispute)."""
         if isinstance(cause, BadRequest):
             raise cause
         broken = hops[index]
@@ -244,8 +252,11 @@ class ChainRecovery:
                     raise gave_up(self.planner, failed, broken.span.start, exc, self.needs, waited) from exc
                 continue
             reusable = {hop.key: hop for i, hop in enumerate(hops) if i >= first and i != index}
+            source = broken if drain and migrate is not None else None
             try:
-                suffix, boundaries, replayed = await self._open_route(route, reusable, history, position, replay)
+                suffix, boundaries, replayed, migrated = await self._open_route(
+                    route, reusable, history, position, replay, source, migrate
+                )
             except _RebuildFailed as rebuild:
                 failed.add(rebuild.span.peer_id)
                 self.feedback.failed(rebuild.span.peer_id)
@@ -260,6 +271,7 @@ class ChainRecovery:
                 blocks=broken.span.blocks,
                 position=position,
                 replayed=replayed,
+                migrated=migrated,
                 seconds=round(time.perf_counter() - started, 4),
                 drain=drain,
             )
@@ -306,14 +318,18 @@ class ChainRecovery:
         history: SpanHistory,
         position: int,
         replay: Replay,
-    ) -> tuple[list[Hop], dict[int, Tensor], dict[PeerId, int]]:
+        source: Hop | None = None,
+        migrate: Migrate | None = None,
+    ) -> tuple[list[Hop], dict[int, Tensor], dict[PeerId, int], dict[PeerId, int]]:
         """Hops for ``route``: reuse the ones holding the session, open and replay the others (in
-        order: each replay's output is the history the next new hop may need). On failure, the
-        hops opened here are closed again."""
+        order: each replay's output is the history the next new hop may need); a new hop of the
+        leaving ``source``'s very blocks first gets its pages (``migrate``), then no replay. On
+        failure, the hops opened here are closed again."""
         hops: list[Hop] = []
         opened: list[Hop] = []
         fresh: dict[int, Tensor] = {}
         replayed: dict[PeerId, int] = {}
+        migrated: dict[PeerId, int] = {}
         try:
             for span in route:
                 reused = reusable.get((span.peer_id, span.start, span.end))
@@ -327,6 +343,11 @@ class ChainRecovery:
                         self._dead[span.peer_id] = time.monotonic() + DEAD_FOR
                     raise _RebuildFailed(span, exc) from exc
                 opened.append(hop)
+                same = source is not None and migrate is not None and span.blocks == source.span.blocks
+                if position and same and await migrate(source, hop, position):  # same end: no new boundary
+                    migrated[span.peer_id] = position
+                    hops.append(hop)
+                    continue
                 if position:
                     try:
                         output = await replay(hop, history.replay_inputs(span.start, position, fresh), position)
@@ -339,7 +360,7 @@ class ChainRecovery:
         except _RebuildFailed:
             await close_all(opened)
             raise
-        return hops, fresh, replayed
+        return hops, fresh, replayed, migrated
 
 
 __all__ = ["MAX_RECOVERIES", "ChainRecovery", "Rebuilt", "RecoveryRecord", "gave_up"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -41,6 +42,10 @@ from shoal.wire.codecs import carried
 from shoal.wire.schema import RECEIPTS, TRAIN, ForwardReply, ForwardRequest, InfoReply, Receipt
 from shoal.wire.tensors import roundtrip
 
+if TYPE_CHECKING:
+    from shoal.server.config import ServerConfig
+    from shoal.server.hosted import HostedSpan
+
 log = logging.getLogger(__name__)
 
 
@@ -55,11 +60,20 @@ class RemoteSequence:
     Forwards, backwards and sessions run with the config's adapter, if it has one."""
 
     def __init__(
-        self, node: BaseNode, runtime: LoopThread, directory: ServerDirectory, num_blocks: int, config: ClientConfig
+        self,
+        node: BaseNode,
+        runtime: LoopThread,
+        directory: ServerDirectory,
+        num_blocks: int,
+        config: ClientConfig,
+        hosted: HostedSpan | None = None,
     ):
         self.node = node
+        self.hosted = hosted  # the span this process serves (config.local_blocks), closed with the sequence
         self.config = config
         self.verification = verification_for(config.verify, config.audit_every)  # audit mode: the counters
+        if not self.verification.auditing:
+            log.warning("verify='off': answers from untrusted servers are not checked")
         self.runtime = runtime
         self.directory = directory
         self.num_blocks = num_blocks
@@ -69,7 +83,7 @@ class RemoteSequence:
         directory.vouched = self.verification.vouched  # what its audits see decides whose verdicts count
         self.witness = Witness(node, directory, self.verification)  # testifies for every session (audit mode)
         # closed by close(), when garbage-collected, or at the latest at interpreter exit (runtime.shutdown)
-        self._token = runtime.track(_closer(node, directory, self.witness))
+        self._token = runtime.track(_closer(node, directory, self.witness, hosted))
         self._finalizer = weakref.finalize(self, runtime.close_soon, self._token)
 
     @classmethod
@@ -83,6 +97,7 @@ class RemoteSequence:
         model: str | None = None,
         runtime: LoopThread | None = None,
         start_node: StartNode = Node.start,
+        host: ServerConfig | None = None,
     ) -> RemoteSequence:
         """Tickets with a swarm id: pull the swarm's table through any of them and route over it
         (servers of ``model`` whose fingerprints match the swarm's model record). Plain tickets
@@ -91,7 +106,9 @@ class RemoteSequence:
         ``config``: the client's settings (default: all defaults),
         shared with the directory. ``start_node``: how the client's node starts with
         ``config.transport`` (iroh by default; e.g. ``MemoryNetwork.start`` for a swarm inside
-        this process)."""
+        this process). ``host``: a span to serve in this process first (``config.local_blocks``, see
+        :mod:`shoal.server.hosted`), on a node started by ``start_node`` too, which the client's node
+        reaches in-process; it closes with the sequence."""
         config = config if config is not None else ClientConfig()
         runtime = runtime or shared_loop()
         tickets = [t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers]
@@ -99,18 +116,34 @@ class RemoteSequence:
             raise ValueError("initial_peers is empty: give at least one server ticket")
 
         async def setup() -> RemoteSequence:
-            keyed = {"secret_key": config.identity} if config.identity is not None else {}
-            node = await start_node(config.transport, **keyed)
-            node.credential = config.member_cert  # presented to every server it dials (private swarms)
+            hosted = None
+            if host is not None:
+                from shoal.server.hosted import host_span
+
+                hosted = await host_span(host, start_node)
             try:
-                directory = ServerDirectory(node, tickets, model, num_blocks, hidden_size, config)
+                keyed = {"secret_key": config.identity} if config.identity is not None else {}
+                node = await start_node(config.transport, **keyed)
+            except BaseException:
+                if hosted is not None:
+                    await hosted.close()
+                raise
+            node.credential = config.member_cert  # presented to every server it dials (private swarms)
+            known = tickets
+            if hosted is not None:  # listed first: its table has its own record at once
+                node.add_local_peer(hosted.node)
+                known = [hosted.ticket, *tickets]
+            try:
+                directory = ServerDirectory(node, known, model, num_blocks, hidden_size, config)
                 await directory.refresh()
                 directory.check_coverage()
-                sequence = cls(node, runtime, directory, num_blocks, config)
+                sequence = cls(node, runtime, directory, num_blocks, config, hosted)
                 directory.start()
                 return sequence
             except BaseException:
                 await node.close()
+                if hosted is not None:
+                    await hosted.close()
                 raise
 
         sequence = runtime.run(setup())
@@ -252,13 +285,18 @@ class RemoteSequence:
             self.runtime.run(close())
 
 
-def _closer(node: BaseNode, directory: ServerDirectory, witness: Witness) -> Callable[[], Awaitable[None]]:
-    """How a sequence's resources end; holds them, not the sequence (which may be collected first)."""
+def _closer(
+    node: BaseNode, directory: ServerDirectory, witness: Witness, hosted: HostedSpan | None = None
+) -> Callable[[], Awaitable[None]]:
+    """How a sequence's resources end; holds them, not the sequence (which may be collected first).
+    The span this process hosts goes last, as ``shoal serve`` leaves (other peers' sessions move on)."""
 
     async def close() -> None:
         await witness.close()  # testimony still on its way, bounded (its judges answer meanwhile)
         await directory.stop()
         await node.close()
+        if hosted is not None:
+            await hosted.close()
 
     return close
 

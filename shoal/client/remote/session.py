@@ -112,6 +112,11 @@ class RemoteSession(SessionPositions):
         return list(self._chain)
 
     @property
+    def migration_mismatches(self) -> int:
+        """Replacements that reported KV pages of other inputs than this session's (then replayed)."""
+        return self._driver.migration_mismatches
+
+    @property
     def cache_tokens(self) -> int:
         return self.batch_size * self.max_length
 
@@ -333,6 +338,7 @@ class RemoteSession(SessionPositions):
             position=self._position,
             replay=driver.replay,
             drain=drain,
+            migrate=driver.migrate,
             blame=blame,
         )
         if rebuilt is None:  # draining, and nobody can take over yet

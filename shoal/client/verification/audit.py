@@ -1,4 +1,4 @@
-"""Audit mode (``verify="audit"``): other servers check every hop of a session, a third opinion settles a dispute.
+"""Audit mode (``verify="audit"``, the default): other servers check each hop of a session; a third opinion, a dispute.
 
 For each hop ``[a, b)`` of a session's chain the client keeps a *checker*. The first choice is an
 *auditor*: an ordinary inference session on another server whose span is exactly ``[a, b)`` and which
@@ -58,7 +58,11 @@ second chain, the hops' outputs are compared on the same inputs (all hops in par
 disagreement is settled by a third replica, and a lie is caught at the step that told it, before
 the next token is chosen from it. A ``hold_back`` streamer lags by one step at most.
 
-Limits: stateless forwards (``use_cache=False``, training) are not audited; a span is checked only
+The span a client serves itself (``local_blocks``) is its own computation: its hop has no auditor
+and counts as verified for that client, while other clients audit it as they audit any server.
+
+``verify="off"`` checks nothing (the client logs so once). Limits: stateless forwards (``use_cache=False``,
+training forwards and backwards) are not audited; a span is checked only
 if some other servers compute it alike (same quantisation and adapters) and, for pieces of longer
 spans, announce ``sub-span``: a span nobody else serves alike goes unaudited (and is priced as such by
 routing); a cover of several pieces that lies is dropped, not convicted; a stateless check re-runs
@@ -82,10 +86,13 @@ from shoal.routing.audits import Piece
 from shoal.verify.compare import tolerance_of
 
 VERIFY_MODES = ("off", "audit", "redundant")
-DEFAULT_AUDIT_EVERY = 8
+DEFAULT_VERIFY = "audit"  # what a client runs unless told otherwise (from_pretrained, ClientConfig, shoal chat/api)
+DEFAULT_AUDIT_EVERY = 16  # positions between audits of a hop: the smallest K bench.verify measured at >= 0.9x of off
 
 __all__ = [
     "DEFAULT_AUDIT_EVERY",
+    "DEFAULT_VERIFY",
+    "VERIFY_MODES",
     "Caught",
     "Conviction",
     "Disputed",
@@ -143,7 +150,7 @@ class Verification:
     receipt) proved wrong. ``disputes``: the unsettled ones, whose servers this client routes around
     (``excluded`` names them)."""
 
-    mode: str = "off"
+    mode: str = DEFAULT_VERIFY
     audit_every: int = DEFAULT_AUDIT_EVERY
     audits: int = 0
     audited_positions: int = 0
@@ -291,7 +298,9 @@ class Track:
     opens, ``pieces`` (a cover of the span by other servers, run statelessly; see
     :mod:`shoal.routing.audits`), and the positions ``[0, audited)`` checked so far. ``unverified``:
     no checker could be had; the span is reported unverified and no
-    longer audited.
+    longer audited. ``trusted``: the hop's server is the span this client serves itself
+    (``local_blocks``): its own computation, verified without a checker (other clients audit it as
+    any server).
 
     The history at the hop's end block holds its own outputs from ``since`` on; before that, those
     of the hop it replaced (``before``: that server, when it had exactly this span; None when the
@@ -305,6 +314,12 @@ class Track:
     auditor: Hop | None = None
     unverified: bool = False
     pieces: tuple[Piece, ...] = ()
+    trusted: bool = False  # its server is this client's own span (local_blocks): nothing to audit
+
+    @property
+    def verified(self) -> bool:
+        """Checked, or the client's own computation."""
+        return self.trusted or self.checked
 
     @property
     def checked(self) -> bool:

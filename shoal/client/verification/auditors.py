@@ -96,6 +96,7 @@ class Audits:
         self.request_deadline = request_deadline
         self.adapter = adapter
         self.tracks: list[Track] = []
+        self._warned = False  # unverified spans are logged once a session, not at every chain change
 
     # ---- following the chain -------------------------------------------------------------------
 
@@ -119,8 +120,9 @@ class Audits:
                 staff.append(track)
             if track is None:
                 track = successor(hop, left, position, hop.span.end in adopted)
-                track.auditor = take_spare(spare, hop, shunned)
-                if track.auditor is None:
+                track.trusted = self.node.is_local(hop.span.peer_id)  # the client's own span
+                track.auditor = None if track.trusted else take_spare(spare, hop, shunned)
+                if track.auditor is None and not track.trusted:
                     staff.append(track)
             tracks.append(track)
         self.tracks = tracks
@@ -172,7 +174,6 @@ class Audits:
                      ", ".join(f"{p.server.peer_id[:10]}[{p.blocks}]" for p in pieces))  # fmt: skip
             return
         track.unverified = True
-        log.warning("no other server can check blocks %s: they are unverified", span.blocks)
 
     def _cover(self, span: ServerSpan, exclude: Collection[str]) -> list[Piece] | None:
         """A stateless checker of ``span``: pieces of other servers (whole spans only where the
@@ -197,12 +198,16 @@ class Audits:
             track.since = min(track.since, position)
 
     def _report(self) -> None:
-        blocks = tuple(b for t in self.tracks if not t.checked for b in t.hop.span.blocks.blocks())
+        blocks = tuple(b for t in self.tracks if not t.verified for b in t.hop.span.blocks.blocks())
         self.verification.unverified, self.verification.unverified_blocks = blocks, len(blocks)
+        if blocks and not self._warned:
+            self._warned = True
+            spans = ", ".join(str(t.hop.span.blocks) for t in self.tracks if not t.checked)
+            log.warning("blocks %s are unverified in this session: no other server can check them", spans)
 
     def verified(self) -> dict[tuple[int, int], bool]:
-        """Whether each hop's span ``(start, end)`` is checked by an auditor."""
-        return {(t.hop.span.start, t.hop.span.end): t.checked for t in self.tracks}
+        """Whether each hop's span ``(start, end)`` is checked by an auditor (or is the client's own)."""
+        return {(t.hop.span.start, t.hop.span.end): t.verified for t in self.tracks}
 
     def checked_up_to(self, position: int) -> int:
         """Positions ``[0, result)`` every hop has been audited for (a streamer holding tokens back

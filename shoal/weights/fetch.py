@@ -1,0 +1,180 @@
+"""The fetching side of the weights protocol: a span's chunks from several givers at once, each
+checked against the manifest before it is kept.
+
+Every giver gets a few streams, each asking for the next missing chunk, so a faster giver gives
+more. A chunk whose size or BLAKE3 digest is wrong is dropped and asked again of another giver, and
+its sender is banned for the rest of the fetch (a giver that lies once may lie again); a giver that
+fails or lacks a chunk hands the chunk back to the others. Chunks are kept in a
+:class:`~shoal.weights.partial.PartialSpan`, so a fetch cut short resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from shoal.checkpoints.loading import progress_bar
+from shoal.checkpoints.manifest import Manifest, ManifestError, chunk_digest, decode_manifest, manifest_digest
+from shoal.errors import BusyError, NotFound, RemoteError, ShoalError, TransportError, WireError
+from shoal.protocols import WEIGHTS
+from shoal.transport import BaseNode, Ticket
+from shoal.weights.partial import PartialSpan
+from shoal.wire import Message
+from shoal.wire.schema import ChunkRequest, ManifestRequest
+
+log = logging.getLogger(__name__)
+STREAMS_PER_GIVER = 4
+MAX_FAILURES = 3  # requests in a row a giver may fail (not lie: that bans at once) before it is dropped
+
+
+class WeightsError(ShoalError):
+    """A span's weights could not be fetched from the swarm: no model record with a manifest, no
+    giver, every giver banned or gone, or fetched blocks whose fingerprints are not the model's."""
+
+
+@dataclass
+class FetchReport:
+    """What one fetch did: chunks fetched now, kept from before (resumed), refused (bad digest or
+    size) and re-asked, and the givers banned for sending them."""
+
+    fetched: int = 0
+    resumed: int = 0
+    discarded: int = 0  # journalled before a restart, but not what the manifest says: fetched again
+    rejected: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    banned: set[str] = field(default_factory=set)
+    by_giver: Counter = field(default_factory=Counter)
+
+
+def _payload(reply: Message) -> memoryview:
+    """The reply's bytes, as a view of its one u8 tensor (no copy)."""
+    tensors = reply.tensors
+    if len(tensors) != 1 or tensors[0].dim() != 1 or tensors[0].element_size() != 1:
+        raise WireError("bad_reply", "a weights reply carries one 1-d u8 tensor")
+    return memoryview(tensors[0].numpy()).cast("B")
+
+
+async def fetch_manifest(node: BaseNode, givers: list[Ticket], model: str, digest: bytes, timeout: float) -> Manifest:
+    """The manifest of ``model`` whose BLAKE3 is ``digest``, from the first giver whose copy matches."""
+    for ticket in givers:
+        try:
+            data = _payload(await node.request(ticket, WEIGHTS, Message("manifest", 1, ManifestRequest(model=model)),
+                                               timeout))  # fmt: skip
+            data = bytes(data)
+            if manifest_digest(data) != digest:
+                log.warning("giver %s sent a manifest that is not the model record's", ticket.peer_id[:12])
+                continue
+            return decode_manifest(data)
+        except (ShoalError, ManifestError) as exc:
+            log.info("giver %s gave no manifest: %s", ticket.peer_id[:12], exc)
+    raise WeightsError(f"no giver of {model} gave its manifest (of {len(givers)} asked)")
+
+
+async def fetch_chunks(
+    node: BaseNode, givers: list[Ticket], partial: PartialSpan, timeout: float,
+    streams_per_giver: int = STREAMS_PER_GIVER, progress: bool | None = None,
+) -> FetchReport:  # fmt: skip
+    """Fetch every chunk ``partial`` misses from ``givers``; raises :class:`WeightsError` when chunks
+    remain that no giver left can give. The partial span is left open: finish or close it."""
+    manifest, digest = partial.manifest, partial.digest.hex()
+    report = FetchReport(resumed=len(partial.done), discarded=partial.discarded)
+    pending = deque(partial.missing)
+    lacking: dict[tuple[int, int], set[str]] = {}
+    live = {t.peer_id for t in givers}
+    in_flight = 0
+    started = time.perf_counter()
+    total = sum(manifest.chunk_bytes(manifest.items[i], c) for i, c in pending)
+
+    async def worker(ticket: Ticket, stream_holder: list, bar) -> None:
+        nonlocal in_flight
+        peer, failures = ticket.peer_id, 0
+        while peer in live:
+            if not pending:
+                if in_flight == 0:
+                    return
+                await asyncio.sleep(0.01)
+                continue
+            key = pending.popleft()
+            if peer in lacking.get(key, ()):
+                if live <= lacking[key]:  # no giver left has it: the fetch fails once the rest is in
+                    continue
+                pending.append(key)
+                await asyncio.sleep(0.01)
+                continue
+            in_flight += 1
+            try:
+                item, index = key
+                size = manifest.chunk_bytes(manifest.items[item], index)
+                try:
+                    if not stream_holder:
+                        stream_holder.append(await node.open_stream(ticket, WEIGHTS, timeout))
+                    request = Message("chunk", stream_holder[0].next_id(),
+                                      ChunkRequest(manifest=digest, item=item, chunk=index))  # fmt: skip
+                    data = _payload(await stream_holder[0].request(request, timeout))
+                except (NotFound, BusyError) as exc:
+                    pending.append(key)
+                    if isinstance(exc, NotFound):
+                        lacking.setdefault(key, set()).add(peer)
+                    else:
+                        await asyncio.sleep(0.05)
+                    continue
+                except (TransportError, WireError, RemoteError) as exc:
+                    pending.append(key)
+                    stream_holder.clear()
+                    failures += 1
+                    if failures >= MAX_FAILURES:
+                        log.warning("giver %s dropped from the fetch: %s", peer[:12], exc)
+                        live.discard(peer)
+                    continue
+                failures = 0
+                if len(data) != size or chunk_digest(data) != manifest.items[item].chunks[index]:
+                    report.rejected += 1
+                    report.banned.add(peer)
+                    live.discard(peer)
+                    pending.appendleft(key)
+                    log.warning("giver %s sent item %d chunk %d that is not the manifest's: banned for this fetch",
+                                peer[:12], item, index)  # fmt: skip
+                    return
+                await asyncio.to_thread(partial.write, item, index, data)
+                report.fetched += 1
+                report.bytes += size
+                report.by_giver[peer] += 1
+                bar.update(size)
+            finally:
+                in_flight -= 1
+
+    with progress_bar(progress, total=total, unit="B", unit_scale=True, desc="fetch weights") as bar:
+        holders: list[list] = []
+        tasks = []
+        for ticket in givers:
+            for _ in range(streams_per_giver):
+                holders.append([])
+                tasks.append(asyncio.create_task(worker(ticket, holders[-1], bar)))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for holder in holders:
+                for stream in holder:
+                    await _quietly(stream.finish())
+    report.seconds = time.perf_counter() - started
+    if partial.missing:
+        gone = f"{len(report.banned)} banned for bad chunks, " if report.banned else ""
+        raise WeightsError(f"{len(partial.missing)} chunks could not be fetched: {gone}no giver left that has them")
+    return report
+
+
+async def _quietly(awaitable) -> None:
+    try:
+        await awaitable
+    except ShoalError:
+        pass
+
+
+__all__ = ["FetchReport", "WeightsError", "fetch_chunks", "fetch_manifest"]
