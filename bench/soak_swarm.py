@@ -126,8 +126,8 @@ class Swarm:
         chooses (``--join`` without ``--blocks``); ``join`` None: the swarm of a live member, or a
         new swarm when none lives. Waits until it is ready."""
         name = f"{kind}-{next(self._names)}"
-        join = join or self.join_ticket()
-        swarm = ["--new-swarm"] if join is None else ["--join", str(join)]
+        joins = [join] if join is not None else self.join_tickets()
+        swarm = ["--new-swarm"] if not joins else [flag for t in joins for flag in ("--join", str(t))]
         record = None
         extra: list[str] = []
         if kind != "honest":
@@ -149,9 +149,10 @@ class Swarm:
             self.members.append(member)
         return member
 
-    def join_ticket(self) -> Ticket | None:
-        live = [m for m in self.alive() if m.kind == "honest"]
-        return live[0].process.ticket if live else None
+    def join_tickets(self, most: int = 3) -> list[Ticket]:
+        """Tickets of up to ``most`` live honest servers (several: one may be killed meanwhile)."""
+        live = [m.process.ticket for m in self.alive("honest")]
+        return self.rng.sample(live, min(most, len(live)))
 
     def alive(self, kind: str | None = None) -> list[Member]:
         with self._lock:
@@ -188,7 +189,7 @@ class Swarm:
         ``--require-verified`` a span left with one server (a liar with no one to check it) is
         served unverified, and its lies reach the answer (see docs/performance.md)."""
         args = [
-            "-m", "shoal.cli.main", "api", str(self.model_dir), "--join", str(self.join_ticket()), "--port", "0",
+            "-m", "shoal.cli.main", "api", str(self.model_dir), "--join", str(self.join_tickets(1)[0]), "--port", "0",
             "--bind", "127.0.0.1:0", "--num-threads", "1", "--verify", "audit", "--audit-every", str(audit_every),
             "--max-concurrency", str(concurrency), "--request-timeout", "10", "--route-wait", "10",
             "--require-verified",
