@@ -292,7 +292,7 @@ def add_commands(sub) -> None:
         "--max-concurrency-per-model",
         type=positive_int,
         default=None,
-        help="requests of one model in flight at once; past it that model answers 429 (default: --max-concurrency)",
+        help="requests of one model in flight at once; past it, 429 (default: none of its own)",
     )
     api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
     api.add_argument(

@@ -121,7 +121,8 @@ class Gateway:
         self.catalog = catalog
         self.watchers = watchers
         self.api_key = api_key
-        self.per_model = max_concurrency if per_model is None else per_model  # requests in flight per model
+        # requests of one model in flight at once (None: no limit of its own; --max-concurrency queues the rest)
+        self.per_model = per_model
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shoal-generate")
         self.created = int(time.time())
 
@@ -268,8 +269,8 @@ def build_app(
     It answers only requests whose
     ``Host`` is one of ``allowed_hosts`` (``"*"``: any; see :func:`shoal.gateway.guards.allowed_hosts`)
     or an IP address, and lets pages of ``cors_origins`` (none by default) read its answers. A model
-    with ``max_concurrency_per_model`` requests in flight (default: ``max_concurrency``) answers 429
-    while the others still answer."""
+    with ``max_concurrency_per_model`` requests in flight (default None: no limit of its own, the
+    ``max_concurrency`` threads queue the rest) answers 429 while the others still answer."""
     catalog = served if served is None or isinstance(served, Catalog) else Catalog.of_engine(served)
     gateway = Gateway(catalog, watchers, api_key, max_concurrency, max_concurrency_per_model)
 

@@ -64,12 +64,14 @@ def test_a_model_at_its_limit_answers_429_while_another_still_answers():
         gateway.pool.shutdown(wait=False)
 
 
-def test_the_per_model_limit_defaults_to_the_global_one():
+def test_without_a_per_model_limit_requests_queue_for_the_global_one():
+    """By default a model has no limit of its own: a single-model gateway queues requests past
+    ``--max-concurrency`` (its threads) as before, rather than answering 429."""
     watcher = Watcher()
     catalog = Catalog((TICKET,), watcher, engine_of, lambda path: 1, 1 << 20, every=True)
     gateway = Gateway(catalog, watcher, None, max_concurrency=3)
     gateway.pool.shutdown(wait=False)
-    assert gateway.per_model == 3
+    assert gateway.per_model is None
 
 
 def test_api_takes_a_per_model_limit(monkeypatch):

@@ -64,4 +64,3 @@ def test_records_without_the_field_read_as_nothing_queued_and_bad_counts_are_ref
         decode(_signed_fields(key, [*blank[:19], "bf16/zz", 1]))
     with pytest.raises(RecordError, match="malformed: compute"):
         decode(_signed_fields(key, blank[:20]))  # "" names no compute without a queue after it
-
