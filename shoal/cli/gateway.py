@@ -215,6 +215,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         api_key=_api_key(args),
         **_http_options(args),
         max_concurrency=args.max_concurrency,
+        max_concurrency_per_model=args.max_concurrency_per_model,
         default_max_tokens=args.max_tokens,
         **settings,
     )
@@ -287,6 +288,12 @@ def add_commands(sub) -> None:
         "(default: $SHOAL_API_KEY; none)",
     )
     api.add_argument("--max-concurrency", type=positive_int, default=16, help="generations running at once")
+    api.add_argument(
+        "--max-concurrency-per-model",
+        type=positive_int,
+        default=None,
+        help="requests of one model in flight at once; past it, 429 (default: none of its own)",
+    )
     api.add_argument("--max-tokens", type=positive_int, default=512, help="answer length when a request names none")
     api.add_argument(
         "--serve-blocks",

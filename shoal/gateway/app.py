@@ -110,10 +110,19 @@ def _usage(done: Completion) -> dict:
 
 
 class Gateway:
-    def __init__(self, catalog: Catalog | None, watchers: Watchers, api_key: str | None, max_concurrency: int):
+    def __init__(
+        self,
+        catalog: Catalog | None,
+        watchers: Watchers,
+        api_key: str | None,
+        max_concurrency: int,
+        per_model: int | None = None,
+    ):
         self.catalog = catalog
         self.watchers = watchers
         self.api_key = api_key
+        # requests of one model in flight at once (None: no limit of its own; --max-concurrency queues the rest)
+        self.per_model = per_model
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="shoal-generate")
         self.created = int(time.time())
 
@@ -147,11 +156,12 @@ class Gateway:
 
     async def lease(self, name: str) -> Engine:
         """The engine of model ``name`` (loaded on first use), held until :meth:`release`: 404 for a
-        model not served, 503 for one the swarms do not cover now (see :class:`Catalog`)."""
+        model not served, 503 for one the swarms do not cover now (see :class:`Catalog`), 429 for one
+        with :attr:`per_model` requests in flight already."""
         if self.catalog is None:
             raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         await self.catalog.check(name)
-        return await asyncio.get_running_loop().run_in_executor(None, self.catalog.pool.acquire, name)
+        return await asyncio.get_running_loop().run_in_executor(None, self.catalog.pool.acquire, name, self.per_model)
 
     def release(self, engine: Engine) -> None:
         self.catalog.pool.release(engine.model_id)
@@ -251,15 +261,18 @@ def build_app(
     api_key: str | None = None,
     max_concurrency: int = 16,
     *,
+    max_concurrency_per_model: int | None = None,
     allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
     cors_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The ASGI app of the models ``served`` (a catalog, or one engine); None serves only the dashboard.
     It answers only requests whose
     ``Host`` is one of ``allowed_hosts`` (``"*"``: any; see :func:`shoal.gateway.guards.allowed_hosts`)
-    or an IP address, and lets pages of ``cors_origins`` (none by default) read its answers."""
+    or an IP address, and lets pages of ``cors_origins`` (none by default) read its answers. A model
+    with ``max_concurrency_per_model`` requests in flight (default None: no limit of its own, the
+    ``max_concurrency`` threads queue the rest) answers 429 while the others still answer."""
     catalog = served if served is None or isinstance(served, Catalog) else Catalog.of_engine(served)
-    gateway = Gateway(catalog, watchers, api_key, max_concurrency)
+    gateway = Gateway(catalog, watchers, api_key, max_concurrency, max_concurrency_per_model)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shoal.checkpoints import model_source
@@ -169,6 +169,8 @@ class Catalog:
                                param="model", code="model_not_found")  # fmt: skip
         coverage = served[name]
         if coverage is not None and not coverage.covered:
+            coverage = self._with_hosted(name, coverage)
+        if coverage is not None and not coverage.covered:
             blocks = format_blocks(list(coverage.uncovered))
             raise GatewayError(
                 503,
@@ -180,6 +182,17 @@ class Catalog:
             )
         if coverage is not None:
             await self._catch_up(name, coverage)
+
+    def _with_hosted(self, name: str, coverage: Coverage) -> Coverage:
+        """``coverage`` with the blocks this gateway serves itself (``--serve-blocks``) counted: its own
+        span is up while its engine is loaded, however long the swarm's tables take to list it."""
+        engine = self.pool.peek(name)
+        blocks = getattr(engine.model, "blocks", None) if engine is not None else None
+        hosted = getattr(blocks, "hosted", None)
+        span = getattr(getattr(blocks, "config", None), "local_blocks", None)
+        if hosted is None or span is None or hosted.task.done():
+            return coverage
+        return replace(coverage, uncovered=tuple(b for b in coverage.uncovered if not span.start <= b < span.end))
 
     async def _catch_up(self, name: str, coverage: Coverage) -> None:
         """Have ``name``'s loaded client list its servers again when the swarms show servers it has not

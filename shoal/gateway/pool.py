@@ -6,6 +6,8 @@ size is estimated from the config before it loads (:func:`client_bytes`), so the
 first. A model bigger than the whole budget still loads once nothing else is held: a gateway can
 always serve one model at a time. When the models in use leave no room, the request is refused
 with a 503 (``model_memory_busy``) rather than waiting: it can be retried when one finishes.
+A request past a model's own limit of requests in flight (``shoal api --max-concurrency-per-model``)
+is refused with a 429 (``model_busy``): one busy model does not take every generation slot.
 
 Thread-safe: loading runs outside the lock (other models keep serving), and two first requests
 for one model load it once.
@@ -45,6 +47,17 @@ class _Held(Generic[T]):
     value: T
     size: int
     in_flight: int = 0
+
+
+def _busy(name: str, limit: int) -> GatewayError:
+    return GatewayError(
+        429,
+        f"model {name} has {limit} requests in flight, its limit on this gateway "
+        "(--max-concurrency-per-model): retry when one finishes",
+        "requests",
+        param="model",
+        code="model_busy",
+    )
 
 
 class ModelPool(Generic[T]):
@@ -101,13 +114,16 @@ class ModelPool(Generic[T]):
         finally:
             self.release(name)
 
-    def acquire(self, name: str) -> T:
-        """The model ``name`` with one more request in flight: pair with :meth:`release`."""
+    def acquire(self, name: str, limit: int | None = None) -> T:
+        """The model ``name`` with one more request in flight: pair with :meth:`release`. Raises
+        (429) when ``limit`` requests of it are in flight already."""
         size: int | None = None
         while True:
             with self._lock:
                 held = self._held.get(name)
                 if held is not None:
+                    if limit is not None and held.in_flight >= limit:
+                        raise _busy(name, limit)
                     held.in_flight += 1
                     self._held.move_to_end(name)
                     return held.value

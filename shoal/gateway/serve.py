@@ -42,6 +42,7 @@ class GatewayOptions:
     # the client's settings (its transport is the dashboard's too): connection, codec, verification
     client: ClientConfig = field(default_factory=ClientConfig)
     max_concurrency: int = 16  # generations running at once (each holds one server-side session)
+    max_concurrency_per_model: int | None = None  # requests in flight per model (None: none of its own); 429 past it
     default_max_tokens: int = 512
     num_threads: int | None = None  # torch threads (embeddings, LM head, sampling)
     draft: str | None = None  # speculative decoding with this local draft model (a model name, as ``model``)
@@ -169,6 +170,7 @@ def serve_gateway(options: GatewayOptions) -> int:
             watchers,
             options.api_key,
             options.max_concurrency,
+            max_concurrency_per_model=options.max_concurrency_per_model,
             allowed_hosts=allowed_hosts(options.host, options.allowed_hosts),
             cors_origins=options.cors_origins,
         )

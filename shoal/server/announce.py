@@ -11,7 +11,7 @@ from shoal import __version__
 from shoal.ids import BlockRange
 from shoal.quantization import Quantization
 from shoal.swarm.gossip import GossipConfig
-from shoal.swarm.records import ModelRecord, ServerRecord, SignedRecord, State, sign
+from shoal.swarm.records import MAX_QUEUED, ModelRecord, ServerRecord, SignedRecord, State, sign
 from shoal.swarm.service import SwarmService
 from shoal.swarm.verdicts import convicted
 from shoal.transport import META, Node
@@ -43,6 +43,7 @@ class Announcement:
     quantization: Quantization = Quantization.NONE  # how the span's weights are held
     adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters the span runs with: (name, digest), by name
     compute: str = ""  # the label its receipts sign ("bf16/cuda"; "": not known yet)
+    queued: int = 0  # steps waiting in its batcher, sampled every gossip period (capped at MAX_QUEUED)
     service: SwarmService | None = None
     cert: bytes | None = None  # the server's member certificate, carried by its records (private swarms)
     _signed: SignedRecord | None = None
@@ -71,6 +72,7 @@ class Announcement:
             quantization=self.quantization,
             adapters=tuple(sorted(self.adapters)),
             compute=self.compute,
+            queued=min(max(self.queued, 0), MAX_QUEUED),
         )
         self._signed = sign(record, self.secret_key, self.cert)
         return self._signed

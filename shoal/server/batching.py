@@ -132,6 +132,12 @@ class Batcher:
         self.prefill_chunks = 0
 
     @property
+    def queued(self) -> int:
+        """Steps waiting for a batch now (the server's record announces it: demand placement)."""
+        with self._lock:
+            return len(self._queue)
+
+    @property
     def steps_deferred(self) -> int:
         return self._queue.deferred
 

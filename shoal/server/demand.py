@@ -5,9 +5,13 @@ where the swarm is short. A model is weighed by its :class:`~shoal.server.placem
 the free KV cache its servers announce (``cache_tokens_free``: what sessions leave of their
 caches, so it falls as the model's load rises): ``uncovered`` blocks no server hosts, and the free
 tokens at its weakest block (its *headroom*). A model nobody serves has every block uncovered.
+Its *queue*: the steps waiting at its busiest block, per server there (records' ``queued``, the
+servers' batcher queues when they signed): work already asking for more servers than it has.
 
 * :func:`choose_model`: a new server takes the worst-served model it can load: the most uncovered
-  blocks, then the least headroom (ties: the name, so equal views decide alike).
+  blocks, then the longest queue, then the least headroom (ties: the name, so equal views decide
+  alike). The periodic re-check (below) weighs coverage and headroom only: queues come and go
+  within a period, and a server does not move for a burst.
 * :func:`plan_switch`: the periodic re-check (once per ``--rebalance-period``, so at most one move
   per period). The server leaves its model for another only when that clearly helps the two
   together (fewer uncovered blocks; else the smaller headroom of the two up by ``margin``:
@@ -27,14 +31,24 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from shoal.ids import BlockRange, OnBlocks
 from shoal.server.placement import DEFAULT_MARGIN, Balance, Placed, balance, block_throughputs, choose_span
 
-__all__ = ["Choice", "Hosted", "SwitchPlan", "Switcher", "choose_model", "combined", "plan_switch", "shortages"]
+__all__ = [
+    "Choice",
+    "Hosted",
+    "SwitchPlan",
+    "Switcher",
+    "choose_model",
+    "combined",
+    "plan_switch",
+    "queue",
+    "shortages",
+]
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class Hosted(OnBlocks):
     model: str
     blocks: BlockRange
     free_tokens: int  # its record's cache_tokens_free
+    queued: int = 0  # its record's queued: steps waiting in its batcher
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,7 @@ class Choice(OnBlocks):
     blocks: BlockRange
     before: Balance
     after: Balance
+    queue: float = 0.0  # the model's queue before (see the module's docstring)
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,17 @@ def _placed(hosted: Iterable[Hosted], model: str) -> list[Placed]:
 def _free(hosted: Iterable[Hosted], model: str, num_blocks: int) -> np.ndarray:
     """Per block of ``model``: free tokens summed over its servers (a server announcing 0 still covers)."""
     return block_throughputs(_placed(hosted, model), num_blocks)
+
+
+def queue(hosted: Iterable[Hosted], model: str, num_blocks: int) -> float:
+    """The steps waiting at ``model``'s busiest block, per server hosting that block (0 uncovered)."""
+    waiting, servers = np.zeros(num_blocks), np.zeros(num_blocks)
+    for h in hosted:
+        if h.model == model:
+            start, end = max(0, h.start), min(num_blocks, h.end)
+            waiting[start:end] += h.queued
+            servers[start:end] += 1
+    return float(np.max(waiting / np.maximum(servers, 1), initial=0.0))
 
 
 def shortages(models: Mapping[str, int], hosted: Iterable[Hosted]) -> dict[str, Balance]:
@@ -106,8 +133,15 @@ def choose_model(
     candidates = [name for name in sorted(models) if name in spans]
     if not candidates:
         return None
-    choices = [_place(_free(hosted, name, models[name]), name, spans[name], capacity) for name in candidates]
-    return min(choices, key=lambda c: (c.before.key(), tuple(-x for x in c.after.key()), c.model))
+    choices = [
+        replace(_place(_free(hosted, name, models[name]), name, spans[name], capacity),
+                queue=queue(hosted, name, models[name]))
+        for name in candidates
+    ]  # fmt: skip
+    return min(
+        choices,
+        key=lambda c: (-c.before.uncovered, -c.queue, c.before.bottleneck, tuple(-x for x in c.after.key()), c.model),
+    )
 
 
 @dataclass(frozen=True)

@@ -291,13 +291,15 @@ class Presence:
             self.service.publish(signed)
 
     async def track_cache(self) -> None:
-        """Free cache changes with sessions: republish early when it moved by more than 10%."""
+        """Free cache changes with sessions: republish early when it moved by more than 10%. The
+        batcher's queue is sampled every period too, and signed with the next record."""
         a = self.announcement
         while True:
             await asyncio.sleep(self.config.gossip.period)
             server = self.gate.server
             if server is None or a.state is not State.ONLINE:
                 continue
+            a.queued = server.backend.batcher.queued
             free = server.budget.free_tokens
             if abs(free - a.cache_tokens_free) > 0.1 * server.budget.capacity_tokens:
                 a.cache_tokens_free = free

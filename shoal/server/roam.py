@@ -73,7 +73,7 @@ class Swarms:
                     swarm_of.setdefault(record.name, table.swarm)
             for r in table.servers(include_unreachable=True):
                 if r.expires > now and r.state is not State.OFFLINE and swarm_of.get(r.model) == table.swarm:
-                    hosted.append(Hosted(r.peer, r.model, r.blocks, r.cache_tokens_free))
+                    hosted.append(Hosted(r.peer, r.model, r.blocks, r.cache_tokens_free, r.queued))
         return cls(models, tuple(hosted), swarm_of)
 
 

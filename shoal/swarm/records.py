@@ -37,6 +37,7 @@ from shoal.wire.schema import Receipt
 SIGNING_CONTEXT = b"shoal/record/1\0"
 MAX_RECORD_BYTES = 8192
 MAX_FIELD_LEN = 512  # strings, lists
+MAX_QUEUED = 1 << 16  # a server record's queued steps (a deeper queue is announced as this many)
 FINGERPRINT_BYTES = 32
 MANIFEST_DIGEST_BYTES = 32  # BLAKE3
 EVIDENCE_DIGEST_BYTES = 32  # a verdict names its evidence by sha256
@@ -86,6 +87,10 @@ class ServerRecord(OnBlocks):
     # only when known (field 20, after quantization and adapters, then always sent): clients refuse a
     # receipt signing another label, judges hold the server to this one
     compute: str = ""
+    # steps waiting in its batcher's queue when the record was signed (at most MAX_QUEUED): demand
+    # placement reads a model's queued work; sent only when nonzero (field 21, after compute, then
+    # always sent, compute "" when unknown)
+    queued: int = 0
 
     TAG = "srv"
 
@@ -104,23 +109,27 @@ class ServerRecord(OnBlocks):
             [list(r) for r in self.rtts], self.version, self.timestamp, self.expires, self.step_ms,
             list(self.capabilities),
             *([] if self.quantization is Quantization.NONE and not self.adapters and not self.compute
-              else [str(self.quantization)]),
-            *([[list(a) for a in self.adapters]] if self.adapters or self.compute else []),
-            *([self.compute] if self.compute else []),
+              and not self.queued else [str(self.quantization)]),
+            *([[list(a) for a in self.adapters]] if self.adapters or self.compute or self.queued else []),
+            *([self.compute] if self.compute or self.queued else []),
+            *([self.queued] if self.queued else []),
         ]  # fmt: skip
 
     @classmethod
     def from_fields(cls, f: list) -> ServerRecord:
         # 15: before step_ms existed, 16: before capabilities, 17: full precision (or before quantization),
-        # 18: no adapters (or before them), 19: no compute label (or before it)
-        _expect(len(f) in (15, 16, 17, 18, 19, 20), "field count")
+        # 18: no adapters (or before them), 19: no compute label (or before it), 20: nothing queued
+        _expect(len(f) in (15, 16, 17, 18, 19, 20, 21), "field count")
         swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f[:15]
         step_ms = f[15] if len(f) >= 16 else 0.0
         capabilities = f[16] if len(f) >= 17 else []
         quantization = f[17] if len(f) >= 18 else str(Quantization.NONE)
         adapters = f[18] if len(f) >= 19 else []
-        compute = f[19] if len(f) == 20 else ""
-        _expect(len(f) < 20 or (_is_str(compute) and compute in COMPUTE_LABELS), "compute")
+        compute = f[19] if len(f) >= 20 else ""
+        queued = f[20] if len(f) == 21 else 0
+        known = _is_str(compute) and compute in COMPUTE_LABELS
+        _expect(len(f) < 20 or known or (len(f) == 21 and compute == ""), "compute")
+        _expect(_is_int(queued) and 0 <= queued <= MAX_QUEUED and (len(f) != 21 or queued), "queued")
         _expect(_is_str(quantization) and quantization in Quantization.__members__.values(), "quantization")
         _expect(len(f) != 18 or quantization != Quantization.NONE, "quantization")  # "none": only before adapters
         _expect(isinstance(adapters, list) and len(adapters) <= 64 and (len(f) != 19 or adapters), "adapters")
@@ -143,7 +152,7 @@ class ServerRecord(OnBlocks):
             _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), BlockRange(start, end), tuple(fps),
             State(state), float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp),
             float(step_ms), tuple(sorted(set(capabilities))), Quantization(quantization),
-            tuple(sorted((name, digest) for name, digest in adapters)), compute,
+            tuple(sorted((name, digest) for name, digest in adapters)), compute, queued,
         )  # fmt: skip
 
 

@@ -126,3 +126,30 @@ def test_a_slow_swarm_pull_answers_with_the_last_look(monkeypatch):
         assert (unknown.value.status, unknown.value.code) == (404, "model_not_found")
 
     asyncio.run(scenario())
+
+
+def test_blocks_the_gateway_serves_itself_count_before_the_swarm_lists_them():
+    """``--serve-blocks 0:1``: the gateway's own span is up while its engine is loaded, so a table that
+    does not list it yet answers no 503 for those blocks (and still does for blocks nobody hosts)."""
+    from types import SimpleNamespace
+
+    from shoal.ids import BlockRange
+
+    running = SimpleNamespace(done=lambda: False)
+    blocks = SimpleNamespace(
+        hosted=SimpleNamespace(task=running), config=SimpleNamespace(local_blocks=BlockRange(0, 1))
+    )
+    engine = SimpleNamespace(model=SimpleNamespace(blocks=blocks))
+    watcher = Watcher(status("swarm-1", [model("alpha", [0, 1], [server("a1")])]))
+    catalog = Catalog((TICKET,), watcher, lambda *a: engine, lambda path: 1, 1, named={"alpha": "alpha"})
+
+    async def scenario() -> None:
+        with catalog.pool.lease("alpha"):
+            await catalog.check("alpha")  # block 0 is this process's own
+            watcher.status_now = status("swarm-1", [model("alpha", [0, 0], [server("a1")])])
+            await asyncio.sleep(0.6)  # the next pull
+            with pytest.raises(GatewayError) as refused:
+                await catalog.check("alpha")
+            assert refused.value.status == 503 and "blocks 1 " in str(refused.value)
+
+    asyncio.run(scenario())

@@ -124,7 +124,7 @@ def test_one_gateway_serves_both_models_and_one_that_loses_coverage_comes_back(m
             ("alpha", True, True), ("beta", True, True)]  # fmt: skip
 
         last = beta.running[-1]
-        last.stop()
+        last.kill()  # SIGKILL: no offline record; the members find it unreachable within a probe or two
         wait_for(lambda: not listed(url)["beta"]["covered"], 60, what="beta uncovered")
         assert scrape(f"{url}/metrics")['shoal_model_covered{model="beta"}'] == 0.0
         status, payload = chat_status(url, "beta")

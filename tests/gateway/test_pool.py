@@ -155,3 +155,16 @@ def test_client_bytes_counts_embeddings_head_and_norm():
     tied = LlamaConfig(vocab_size=1000, hidden_size=64, tie_word_embeddings=True)
     assert client_bytes(untied) == (2 * 1000 * 64 + 64) * 4
     assert client_bytes(tied, dtype_bytes=2) == (1000 * 64 + 64) * 2
+
+
+def test_a_model_past_its_limit_is_refused_and_others_load():
+    recorder = Recorder({"a": MIB, "b": MIB})
+    pool = recorder.pool(10 * MIB)
+    pool.acquire("a", limit=1)
+    with pytest.raises(GatewayError) as refused:
+        pool.acquire("a", limit=1)
+    assert (refused.value.status, refused.value.code) == (429, "model_busy")
+    assert pool.acquire("b", limit=1).name == "b"
+    assert pool.in_flight("a") == pool.in_flight("b") == 1
+    pool.release("a")
+    assert pool.acquire("a", limit=1).name == "a"

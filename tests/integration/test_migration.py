@@ -43,10 +43,12 @@ def reference_and_dir(tmp_path_factory):
     return expected, path
 
 
-def generate_draining(swarm: InProcessSwarm, blocks: BlockRange, max_new_tokens: int = NEW_TOKENS):
+def generate_draining(swarm: InProcessSwarm, blocks: BlockRange, max_new_tokens: int = NEW_TOKENS, verify: str = "off"):
     """Greedy tokens of one session whose server of ``blocks`` starts draining at step ``DRAIN_AT``;
     returns (tokens, session, the leaving server, the one the session moved to)."""
-    model = swarm.connect(refresh_period=0, routing_seed=0)
+    # verify='off': the replacement's counters must be the migrated session's alone (with the default
+    # audits the other server of the span also audits the session, adding its own positions)
+    model = swarm.connect(refresh_period=0, routing_seed=0, verify=verify)
     drains: list[threading.Thread] = []
     with model.inference_session(max_length=PROMPT.shape[1] + max_new_tokens) as cache:
         route = {span.peer_id for span in cache.session.chain}
@@ -82,6 +84,18 @@ def test_a_drained_session_moves_its_pages_and_keeps_the_tokens(reference_and_di
         # the replacement computed only the steps after the hand-over, never the history
         assert taker.server.counters.positions_processed == PROMPT.shape[1] + NEW_TOKENS - 1 - position
         assert leaving.server.counters.sessions_drained == 0  # the session left: the drain cut nothing off
+
+
+@pytest.mark.timeout(60)
+def test_an_audited_session_moves_its_pages_too(reference_and_dir):
+    """With the default audits, the span's other server both audits the session and takes its pages."""
+    expected, path = reference_and_dir
+    with InProcessSwarm(path, [A, B, B]) as swarm:
+        out, session, _, taker = generate_draining(swarm, B, verify="audit")
+        assert torch.equal(out, expected)
+        (record,) = session.recoveries
+        assert dict(record.migrated) == {taker.node.id: PROMPT.shape[1] + DRAIN_AT + 1} and record.replayed == {}
+        assert taker.server.counters.sessions_migrated_in == 1
 
 
 @pytest.mark.timeout(60)

@@ -271,6 +271,9 @@ class Servers:
     def route_cover(self, like: ServerSpan, *, exclude=(), needs=()) -> None:
         return None  # one span only: no pieces of other spans
 
+    def is_local(self, peer_id: str) -> bool:
+        return False  # no span runs in the client's own process
+
     def failed_peer(self, peer: str, ban_seconds: float | None = None) -> None:
         self.failed.append(peer)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from shoal.ids import BlockRange
-from shoal.server.demand import Hosted, Switcher, SwitchPlan, choose_model, plan_switch, shortages
+from shoal.server.demand import Hosted, Switcher, SwitchPlan, choose_model, plan_switch, queue, shortages
 from shoal.server.placement import Balance
 
 WHOLE = BlockRange(0, 4)
@@ -161,3 +161,19 @@ def test_servers_of_part_of_a_model_never_uncover_a_block_and_settle():
         # (each waits once for a smaller peer id), 2 to 4 a shift
         assert [len(m) for m in history] == [1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0, 0, 0]
         assert all("p0" not in {peer for peer, _, _ in moves} for moves in history)
+
+
+def test_queued_work_tips_the_choice_after_coverage():
+    """Equal headroom: the model whose servers have more steps waiting per server is shorter; a
+    larger headroom does not outweigh a queue; an uncovered block still comes first."""
+    models, spans = {"a": 4, "b": 4}, {"a": 4, "b": 4}
+    even = [host("p1", "a"), host("p2", "b")]
+    assert choose_model(models, even, spans, 1000).model == "a"  # the name breaks the tie
+    queued = [host("p1", "a"), Hosted("p2", "b", WHOLE, 1000, queued=6)]
+    choice = choose_model(models, queued, spans, 1000)
+    assert choice.model == "b" and choice.queue == 6.0
+    roomy = [host("p1", "a", free=100), Hosted("p2", "b", WHOLE, 900, queued=6), host("p3", "b", free=900)]
+    assert queue(roomy, "b", 4) == 3.0  # 6 steps over the 2 servers of its blocks
+    assert choose_model(models, roomy, spans, 1000).model == "b"
+    holed = [host("p1", "a", BlockRange(0, 3)), Hosted("p2", "b", WHOLE, 1000, queued=50)]
+    assert choose_model(models, holed, spans, 1000).model == "a"
