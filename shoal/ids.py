@@ -8,6 +8,7 @@ struct, so it travels on the wire as ``[start, end]`` and is validated where it 
 
 from __future__ import annotations
 
+import ipaddress
 from typing import NewType
 
 import msgspec
@@ -70,7 +71,26 @@ class OnBlocks:
         return self.blocks.end
 
 
-__all__ = ["BlockRange", "OnBlocks", "PeerId", "SessionId"]
+def socket_address(text: str) -> str:
+    """``IP:PORT`` (an IPv6 address in brackets), normalised as tickets and records carry it
+    (``127.0.0.1:7000``, ``[::1]:7000``). A peer announces such addresses (``--announce-addr``):
+    they are dialled as given, so a host name, a missing port or port 0 is refused here."""
+    host, colon, port = text.strip().rpartition(":")
+    if not colon or not host:
+        raise ValueError(f"an address is IP:PORT (IPv6 as [IP]:PORT), got {text!r}")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IP address (names are not resolved): IP:PORT, got {text!r}") from None
+    if ip.version == 6 and not bracketed:
+        raise ValueError(f"an IPv6 address goes in brackets: [{host}]:{port}")
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"the port of {text!r} must be within 1..65535")
+    return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
+
+
+__all__ = ["BlockRange", "OnBlocks", "PeerId", "SessionId", "socket_address"]
 
 
 def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:

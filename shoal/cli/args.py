@@ -140,6 +140,22 @@ def probability(text: str) -> float:
 probability.__name__ = "probability in (0, 1]"
 
 
+def announce_address(text: str) -> str:
+    """An ``--announce-addr`` value: ``IP:PORT``, normalised (:func:`shoal.ids.socket_address`)."""
+    from shoal.ids import socket_address
+
+    try:
+        return socket_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+ANNOUNCE_HELP = (
+    "announce this address (IP:PORT; repeatable) in tickets and swarm records instead of the bound ones: "
+    "a public address forwarded to --port, a proxy in front of this peer"
+)
+
+
 def add_limit_flags(parser: argparse.ArgumentParser, scope: str) -> None:
     """A flag for every limit of ``scope`` (:mod:`shoal.limits`: ``node`` or ``server``)."""
     group = parser.add_argument_group(f"limits ({'per peer and per node' if scope == 'node' else 'work and cache'})")
@@ -172,6 +188,7 @@ def transport_config(args: argparse.Namespace, bind_addr: str) -> TransportConfi
         bind_addr=bind_addr,
         deadlines=Deadlines(connect=args.connect_timeout, request=args.request_timeout),
         limits=limits_of(args),
+        announce_addrs=tuple(getattr(args, "announce_addr", None) or ()),
     )
 
 

@@ -9,9 +9,11 @@ import argparse
 import os
 
 from shoal.cli.args import (
+    ANNOUNCE_HELP,
     CODECS,
     NETWORK_PROFILES,
     add_limit_flags,
+    announce_address,
     block_range,
     join_ticket,
     memory_size,
@@ -200,6 +202,10 @@ def cmd_api(args: argparse.Namespace) -> int:
 
     from shoal.gateway.serve import GatewayOptions, serve_gateway
 
+    if args.announce_addr and args.serve_blocks is None:
+        from shoal.errors import UsageError
+
+        raise UsageError("--announce-addr goes with --serve-blocks (the gateway's client is only dialled out of)")
     settings = _client_settings(args)
     if args.serve_blocks is not None:  # the gateway as a peer: its client hosts the span
         if args.model is None:
@@ -302,6 +308,8 @@ def add_commands(sub) -> None:
         help="also serve these blocks in the gateway's process, as `shoal serve` would: announced to the swarm "
         "for every peer, reached by the gateway's own requests without a network hop",
     )
+    api.add_argument("--announce-addr", action="append", type=announce_address, metavar="IP:PORT",
+                     help=f"with --serve-blocks: {ANNOUNCE_HELP} (the span's endpoint, bound at --bind)")  # fmt: skip
     _client_flags(api)
     api.set_defaults(func=cmd_api)
 

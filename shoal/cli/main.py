@@ -18,10 +18,12 @@ import sys
 from pathlib import Path
 
 from shoal.cli.args import (
+    ANNOUNCE_HELP,
     DEFAULT_PAGE_SIZE,
     NETWORK_PROFILES,
     ArgumentParser,
     add_limit_flags,
+    announce_address,
     join_ticket,
     port_number,
     positive_float,
@@ -37,7 +39,9 @@ model's blocks, clients (the Python API, `shoal api`, `shoal chat`) drive them. 
 --help` for a command's flags."""
 
 
-def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0: any free one)") -> None:
+def _add_network(
+    parser: argparse.ArgumentParser, port_help: str = "UDP port (0: any free one)", *, announce: bool = False
+) -> None:
     group = parser.add_argument_group("network")
     group.add_argument(
         "--network",
@@ -47,6 +51,9 @@ def _add_network(parser: argparse.ArgumentParser, port_help: str = "UDP port (0:
     )
     group.add_argument("--host", default="0.0.0.0", help="address to bind")
     group.add_argument("--port", type=port_number, default=0, help=port_help)
+    if announce:
+        group.add_argument("--announce-addr", action="append", type=announce_address, metavar="IP:PORT",
+                           help=ANNOUNCE_HELP)  # fmt: skip
     group.add_argument("--connect-timeout", type=positive_float, default=5.0, help="seconds to reach a peer")
     group.add_argument("--request-timeout", type=positive_float, default=60.0, help="seconds for one request or step")
 
@@ -312,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=180.0,
         help="seconds a record stays valid (at most 600: tables refuse longer)",
     )
-    _add_network(serve)
+    _add_network(serve, announce=True)
     add_limit_flags(serve, "node")
     add_limit_flags(serve, "server")
     serve.set_defaults(func=cmd_serve)

@@ -105,8 +105,9 @@ def hosted_config(
 
 def beside(transport: TransportConfig) -> TransportConfig:
     """The transport of the client whose span takes ``transport``: its bind address on any free port
-    (the span's node takes the given one, which peers dial; the client's is only dialled out of)."""
+    (the span's node takes the given one, which peers dial, and the announced addresses; the
+    client's is only dialled out of)."""
     if transport.bind_addr is None:
-        return transport
+        return replace(transport, announce_addrs=())
     host, _, _ = transport.bind_addr.rpartition(":")
-    return replace(transport, bind_addr=f"{host}:0")
+    return replace(transport, bind_addr=f"{host}:0", announce_addrs=())

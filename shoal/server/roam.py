@@ -140,7 +140,8 @@ async def serve_where_needed(
     spans = _Spans(config, roaming)
     deadline = config.transport.deadlines.request
     host = (config.transport.bind_addr or "0.0.0.0:0").rsplit(":", 1)[0]
-    looker = await start_node(replace(config.transport, bind_addr=f"{host}:0"), {}, secret_key=node_key(config))
+    looking = replace(config.transport, bind_addr=f"{host}:0", announce_addrs=())  # only dials: nothing to announce
+    looker = await start_node(looking, {}, secret_key=node_key(config))
     looker.credential = config.member_cert
     try:
         swarms = await read_swarms(looker, config.join, deadline)

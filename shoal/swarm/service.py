@@ -133,7 +133,7 @@ async def check_join(tickets: Sequence[Ticket], transport: TransportConfig) -> N
     throwaway endpoint (the server's own starts later), closed without lingering: a dead ticket
     fails in about the connect deadline. :func:`join_failure`'s error if none answers; a peer that
     answers and refuses raises its own error."""
-    node = await Node.start(replace(transport, bind_addr=_any_port(transport.bind_addr)))
+    node = await Node.start(replace(transport, bind_addr=_any_port(transport.bind_addr), announce_addrs=()))
     try:
         await reach_any(node, tickets, transport.deadlines.connect)
     except RefusedError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from shoal.ids import socket_address
 from shoal.wire import Limits
 
 
@@ -31,3 +32,9 @@ class TransportConfig:
     bind_addr: str | None = None  # e.g. "127.0.0.1:0"; None lets iroh choose (all interfaces)
     deadlines: Deadlines = field(default_factory=Deadlines)
     limits: Limits = field(default_factory=Limits)
+    # addresses the node's tickets and records carry instead of its bound ones (a public address
+    # behind port forwarding, a proxy in front of it): ``IP:PORT``, normalised; () announces the bound ones
+    announce_addrs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "announce_addrs", tuple(socket_address(a) for a in self.announce_addrs))

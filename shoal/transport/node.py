@@ -171,8 +171,10 @@ class Node(BaseNode):
         return node
 
     def ticket(self, swarm_id: str | None = None) -> Ticket:
+        """How peers reach this node: its bound addresses, or those it was told to announce instead."""
         addr = self._ep.addr()
-        return Ticket(self.id, tuple(addr.direct_addresses()), addr.relay_url(), swarm_id)
+        addrs = self.config.announce_addrs or tuple(addr.direct_addresses())
+        return Ticket(self.id, addrs, addr.relay_url(), swarm_id)
 
     # ---- serving ---------------------------------------------------------------------------
     async def _accept_loop(self) -> None:
