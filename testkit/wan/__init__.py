@@ -51,8 +51,14 @@ loopback):
    server-to-server push targets), give ``wan.ticket(name)`` instead: same peer id, the proxy's
    address; the nodes' own tickets must not leak to each other (the emulator cannot see traffic
    that bypasses it);
+   A node that announces addresses of its choosing (``shoal serve --announce-addr``) needs no
+   ticket swapped: ``proxy = wan.reserve(name)`` opens its proxy first, the node starts announcing
+   ``proxy``, and ``wan.attach(name, pid)`` registers and seals it as soon as its process has bound
+   its sockets (found by pid, while it starts: what it sends before that is dropped, and QUIC
+   resends it); ``wan.remove(name)`` once its process has ended;
 4. ``wan.set_link(a, b, LinkConditions(...))`` (both directions) or ``wan.set_direction(a, b, ...)``
-   at any time; ``wan.stats(a, b)`` reads a direction's counters; ``wan.close()`` at the end.
+   at any time; ``wan.stats(a, b)`` reads a direction's counters, ``wan.totals()`` all of them summed,
+   ``wan.lateness()`` how late deliveries left; ``wan.close()`` at the end.
 
 Modules: :mod:`~testkit.wan.emulator` (the proxies, pipes and their thread),
 :mod:`~testkit.wan.sealing` (the socket filter), :mod:`~testkit.wan.measuring` (packet capture,
@@ -62,7 +68,7 @@ kernel drop counters, request round trips), :mod:`~testkit.wan.swarm` (the swarm
 from __future__ import annotations
 
 from testkit.wan.addresses import Address, parse_address
-from testkit.wan.emulator import DirectionStats, LinkConditions, WanEmulator, WanNode
+from testkit.wan.emulator import DirectionStats, Lateness, LinkConditions, WanEmulator, WanNode
 from testkit.wan.measuring import (
     CapturedDatagram,
     LoopbackCapture,
@@ -77,6 +83,7 @@ __all__ = [
     "Address",
     "CapturedDatagram",
     "DirectionStats",
+    "Lateness",
     "LinkConditions",
     "LoopbackCapture",
     "WanEmulator",

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 from shoal.transport.ticket import Ticket
 from testkit.wan.addresses import Address, first_ipv4, parse_address, socket_name
-from testkit.wan.sealing import seal
+from testkit.wan.links import DirectionStats, Lateness, LinkConditions, Pipe
+from testkit.wan.sealing import seal, wait_bound
 
 T = TypeVar("T")
 
@@ -37,49 +38,6 @@ _LEAD_STEP = 0.0002
 
 
 @dataclass(frozen=True)
-class LinkConditions:
-    """What one direction of a link does to each datagram.
-
-    ``rtt_ms`` is the round trip of the link: each direction delays by half. ``jitter_ms`` varies
-    each datagram's one-way delay uniformly within +-jitter (never below zero, never overtaking the
-    datagram ahead). ``loss`` is each datagram's drop probability. ``bandwidth_mbit`` (None:
-    unlimited) serialises UDP payload bytes at that rate behind a drop-tail buffer of
-    ``queue_bytes``, as a bottleneck router would."""
-
-    rtt_ms: float = 0.0
-    jitter_ms: float = 0.0
-    loss: float = 0.0
-    bandwidth_mbit: float | None = None
-    queue_bytes: int = 256 * 1024
-
-    def __post_init__(self) -> None:
-        if self.rtt_ms < 0 or self.jitter_ms < 0:
-            raise ValueError("rtt_ms and jitter_ms must be >= 0")
-        if not 0.0 <= self.loss <= 1.0:
-            raise ValueError("loss must be within [0, 1]")
-        if self.bandwidth_mbit is not None and self.bandwidth_mbit <= 0:
-            raise ValueError("bandwidth_mbit must be > 0 (None: unlimited)")
-        if self.queue_bytes < 0:
-            raise ValueError("queue_bytes must be >= 0")
-
-
-@dataclass
-class DirectionStats:
-    """Counters of one direction (UDP payload bytes). ``dropped`` counts loss and queue overflow
-    (``overflow_datagrams`` of them by the full queue) and datagrams the kernel refused to send."""
-
-    forwarded_datagrams: int = 0
-    forwarded_bytes: int = 0
-    dropped_datagrams: int = 0
-    dropped_bytes: int = 0
-    overflow_datagrams: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.forwarded_bytes + self.dropped_bytes
-
-
-@dataclass(frozen=True)
 class WanNode:
     """A node as the emulator knows it: who it is, where it really listens, where others reach it."""
 
@@ -90,47 +48,10 @@ class WanNode:
     proxy_addr: Address  # P_D: the only address other nodes are given for it
 
     def ticket(self, swarm_id: str | None = None) -> Ticket:
+        if not self.peer_id:
+            raise LookupError(f"node {self.name!r} was attached without its peer id: it hands out its own ticket")
         host, port = self.proxy_addr
         return Ticket(self.peer_id, (f"{host}:{port}",), None, swarm_id)
-
-
-class _Pipe:
-    """One direction of a link: its conditions, its bottleneck and FIFO state, its counters."""
-
-    __slots__ = ("conditions", "last_due", "rng", "stats", "tx_free_at")
-
-    def __init__(self, conditions: LinkConditions, rng: random.Random):
-        self.conditions = conditions
-        self.rng = rng
-        self.stats = DirectionStats()
-        self.tx_free_at = 0.0  # when the bottleneck finishes serialising what it holds
-        self.last_due = 0.0  # the delivery time of the datagram admitted last (FIFO)
-
-    def admit(self, now: float, size: int) -> float | None:
-        """When a datagram received at ``now`` is delivered, or None if it is dropped."""
-        c = self.conditions
-        if c.loss and (c.loss >= 1.0 or self.rng.random() < c.loss):
-            self._drop(size)
-            return None
-        departs = now
-        if c.bandwidth_mbit is not None:
-            rate = c.bandwidth_mbit * 125_000.0  # bytes per second
-            starts = max(now, self.tx_free_at)
-            backlog = (starts - now) * rate  # bytes still ahead of this one in the buffer
-            if backlog > 0 and backlog + size > c.queue_bytes:
-                self._drop(size)
-                self.stats.overflow_datagrams += 1
-                return None
-            departs = self.tx_free_at = starts + size / rate
-        delay = c.rtt_ms / 2000.0
-        if c.jitter_ms:
-            delay = max(0.0, delay + self.rng.uniform(-c.jitter_ms, c.jitter_ms) / 1000.0)
-        due = self.last_due = max(departs + delay, self.last_due)
-        return due
-
-    def _drop(self, size: int) -> None:
-        self.stats.dropped_datagrams += 1
-        self.stats.dropped_bytes += size
 
 
 class WanEmulator:
@@ -148,11 +69,13 @@ class WanEmulator:
         self._proxies: dict[str, socket.socket] = {}
         self._upstreams: dict[tuple[str, str], socket.socket] = {}
         self._return_addrs: dict[tuple[str, str], Address] = {}  # where S's datagrams to P_D came from
-        self._pipes: dict[tuple[str, str], _Pipe] = {}
-        self._heap: list[tuple[float, int, socket.socket, Address, bytes, _Pipe]] = []
+        self._pipes: dict[tuple[str, str], Pipe] = {}
+        self._heap: list[tuple[float, int, socket.socket, Address, bytes, Pipe]] = []
         self._seq = 0
         self._lead = 0.0  # how early the thread wakes for a delivery (see _deliver_due)
         self._stray = 0
+        self._retired = DirectionStats()  # the counters of removed nodes' directions
+        self._lateness = Lateness()
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -205,6 +128,44 @@ class WanEmulator:
             return node
 
         return self._call(apply)
+
+    def reserve(self, name: str) -> Address:
+        """Open ``name``'s proxy before its node exists: the address to start the node with as the
+        one it announces (``shoal serve --announce-addr HOST:PORT``), so that every ticket and swarm
+        record it hands out is the proxy's. :meth:`attach` registers the node once it runs."""
+        return self._call(lambda: self._reserve(name))
+
+    def attach(self, name: str, pid: int, peer_id: str = "", timeout: float = 30.0, sealed: bool = True) -> WanNode:
+        """Register the node of process ``pid`` (a child of this one, or this one) as ``name``, at
+        the proxy :meth:`reserve` opened (else a new one), as soon as the process has bound its
+        loopback UDP sockets: they are found and sealed there (:func:`wait_bound`), so this may
+        run while the process starts. What it sends before is dropped as stray and resent by QUIC.
+        ``peer_id`` may stay empty when nobody needs :meth:`ticket` (the node announces the proxy)."""
+        addrs = wait_bound(pid, timeout)
+        self._checked_addrs(Ticket(peer_id, tuple(_text(a) for a in addrs)))
+        if sealed:
+            seal(addrs, self.host, pid)
+        return self._call(lambda: self._add_node(name, peer_id, addrs))
+
+    def remove(self, name: str) -> None:
+        """Forget ``name`` (its process ended): its proxy and per-pair sockets close, its addresses
+        may be claimed by a new node, its directions' counters join :meth:`totals`."""
+        self._call(lambda: self._remove(name))
+
+    def totals(self) -> DirectionStats:
+        """Every direction's counters summed, removed nodes' included."""
+
+        def total() -> DirectionStats:
+            result = replace(self._retired)
+            for pipe in self._pipes.values():
+                result.add(pipe.stats)
+            return result
+
+        return self._call(total)
+
+    def lateness(self) -> Lateness:
+        """How late the datagrams forwarded so far left, against their due times."""
+        return self._call(lambda: replace(self._lateness))
 
     def node(self, name: str) -> WanNode:
         return self._nodes[name]
@@ -311,14 +272,34 @@ class WanEmulator:
         if name in self._nodes:
             raise ValueError(f"a node named {name!r} is already registered")
         self._claim(name, addrs)
-        proxy = self._open_socket(("proxy", name))
+        proxy = self._proxies.get(name) or self._open_socket(("proxy", name))  # reserved, or opened now
         node = WanNode(name, peer_id, first_ipv4(addrs), frozenset(addrs), socket_name(proxy))
         for other in self._nodes:
             for key in ((name, other), (other, name)):
-                self._pipes[key] = _Pipe(self.default, random.Random(f"{self.seed}/{key[0]}/{key[1]}"))
+                self._pipes[key] = Pipe(self.default, random.Random(f"{self.seed}/{key[0]}/{key[1]}"))
         self._nodes[name] = node
         self._proxies[name] = proxy
         return node
+
+    def _reserve(self, name: str) -> Address:
+        if name in self._proxies:
+            raise ValueError(f"a node named {name!r} is already registered or reserved")
+        self._proxies[name] = self._open_socket(("proxy", name))
+        return socket_name(self._proxies[name])
+
+    def _remove(self, name: str) -> None:
+        node = self._nodes.pop(name, None)
+        for addr in node.own_addrs if node is not None else ():
+            self._by_addr.pop(addr, None)
+        sockets = [self._proxies.pop(name)] if name in self._proxies else []
+        for key in [k for k in self._upstreams if name in k]:
+            sockets.append(self._upstreams.pop(key))
+            self._return_addrs.pop(key, None)
+        for sock in sockets:  # datagrams still queued for them are counted dropped when due
+            self._selector.unregister(sock)
+            sock.close()
+        for key in [k for k in self._pipes if name in k]:
+            self._retired.add(self._pipes.pop(key).stats)
 
     def _claim(self, name: str, addrs: list[Address]) -> None:
         taken = [a for a in addrs if self._by_addr.get(a, name) != name]
@@ -390,7 +371,7 @@ class WanEmulator:
     def _from_source(self, data: bytes, source: Address, arrived: float, dst: str) -> None:
         """A datagram at D's proxy: from S (known by its address) to D, via U_SD."""
         src = self._by_addr.get(source)
-        if src is None or src == dst:
+        if src is None or src == dst or dst not in self._nodes:  # unknown sender, or D only reserved
             self._stray += 1
             return
         key = (src, dst)
@@ -407,7 +388,7 @@ class WanEmulator:
             return
         self._schedule(self._pipes[(dst, src)], arrived, data, self._proxies[dst], self._return_addrs[(src, dst)])
 
-    def _schedule(self, pipe: _Pipe, arrived: float, data: bytes, sock: socket.socket, target: Address) -> None:
+    def _schedule(self, pipe: Pipe, arrived: float, data: bytes, sock: socket.socket, target: Address) -> None:
         due = pipe.admit(arrived, len(data))
         if due is not None:
             self._seq += 1
@@ -430,12 +411,18 @@ class WanEmulator:
             try:
                 sock.sendto(data, target)
             except OSError:  # the kernel's buffer is full, or the node is gone
-                pipe._drop(len(data))
+                pipe.drop(len(data))
                 continue
             pipe.stats.forwarded_datagrams += 1
             pipe.stats.forwarded_bytes += len(data)
+            self._lateness.note(time.time() - due)
             if not heap or heap[0][0] > now + self._lead:
                 now = time.time()
+
+
+def _text(addr: Address) -> str:
+    host, port = addr
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _fine_timer_slack() -> None:
@@ -444,4 +431,4 @@ def _fine_timer_slack() -> None:
         ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns
 
 
-__all__ = ["DirectionStats", "LinkConditions", "WanEmulator", "WanNode"]
+__all__ = ["DirectionStats", "Lateness", "LinkConditions", "WanEmulator", "WanNode"]

@@ -13,6 +13,7 @@ import ipaddress
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterable, Iterator
 
 from testkit.wan.addresses import Address, bound_at, socket_name
@@ -76,6 +77,41 @@ def _process_sockets(pid: int) -> Iterator[socket.socket]:
             os.close(pidfd)
 
 
+def bound_addresses(pid: int) -> list[Address]:
+    """The loopback addresses the UDP sockets of process ``pid`` receive at (a socket bound to an
+    unspecified host: that family's loopback)."""
+    found = []
+    for sock in _process_sockets(pid):
+        with sock:
+            host, port = socket_name(sock)
+        ip = ipaddress.ip_address(host)
+        if ip.is_unspecified:
+            host = "127.0.0.1" if ip.version == 4 else "::1"
+        if ipaddress.ip_address(host).is_loopback:
+            found.append((host, port))
+    return sorted(found)
+
+
+def wait_bound(pid: int, timeout: float, poll: float = 0.01) -> list[Address]:
+    """The loopback UDP addresses of process ``pid`` once it has bound them: an IPv4 one, and the
+    IPv6 one an iroh endpoint binds in the same call (given up on a second after the IPv4 one).
+    Raises if the process ends or binds none within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    ipv4_since = None
+    while True:
+        if not os.path.exists(f"/proc/{pid}"):
+            raise ProcessLookupError(f"process {pid} ended before it bound a UDP socket")
+        addrs = bound_addresses(pid)
+        families = {ipaddress.ip_address(h).version for h, _ in addrs}
+        if 4 in families:
+            ipv4_since = ipv4_since or time.monotonic()
+            if 6 in families or time.monotonic() - ipv4_since > 1.0:
+                return addrs
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} bound no loopback UDP socket within {timeout:g} s")
+        time.sleep(poll)
+
+
 def seal(addrs: Iterable[Address], emulator_host: str, pid: int | None = None) -> int:
     """Make the UDP sockets bound at ``addrs`` in process ``pid`` (default: this one) drop every
     datagram not sent from ``emulator_host``: iroh tells its peers its own socket addresses inside
@@ -96,4 +132,4 @@ def seal(addrs: Iterable[Address], emulator_host: str, pid: int | None = None) -
     return len(found)
 
 
-__all__ = ["seal"]
+__all__ = ["bound_addresses", "seal", "wait_bound"]

@@ -312,3 +312,63 @@ def test_a_node_in_a_subprocess_is_sealed_and_reached_through_its_proxy():
             raise
     assert min(rtts) >= 0.010
     assert refused >= 1  # ours (and any probe of iroh's around the emulator)
+
+
+def test_a_reserved_proxy_is_announced_by_a_subprocess_that_dials_before_it_is_attached():
+    """The soak's wiring: the proxy opened first, the node started announcing it, attached (found
+    and sealed by pid) while it starts and already dials out; then removed when it ends."""
+    with WanEmulator(LinkConditions(rtt_ms=60.0), seed=2) as wan:
+        proxy = wan.reserve("peer")
+
+        async def go() -> tuple[Ticket, list[float], int]:
+            client = await Node.start(CONFIG)
+            try:
+                wan.add_node(client.ticket(), "client")
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as early:
+                    early.sendto(b"nobody attached yet", proxy)
+                args = ["--announce-addr", f"{proxy[0]}:{proxy[1]}", "--ping", str(wan.ticket("client"))]
+                peer = subprocess.Popen(
+                    [sys.executable, "-m", "tests.helpers.peer", *args],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                try:
+                    node = await asyncio.to_thread(wan.attach, "peer", peer.pid, timeout=30.0)
+                    ready = await asyncio.to_thread(peer.stdout.readline)  # its ping came through the proxy
+                    assert ready.startswith("ticket: "), ready
+                    ticket = Ticket.parse(ready.removeprefix("ticket: "))
+                    rtts = await request_rtts(client, ticket, 3)
+                    assert node.proxy_addr == proxy and node.addr in node.own_addrs
+                finally:
+                    peer.stdin.close()
+                    await asyncio.to_thread(peer.wait, 15)
+                return ticket, rtts, wan.stats("peer", "client").forwarded_datagrams
+            finally:
+                await client.close()
+
+        ticket, rtts, answered = run(go())
+        assert ticket.addrs == (f"{proxy[0]}:{proxy[1]}",)  # the only address it hands out: the proxy's
+        assert min(rtts) >= 0.060 and answered > 0
+        assert wan.stray_datagrams >= 1  # ours, sent before the node was attached
+        before = wan.totals()
+        wan.remove("peer")
+        assert wan.totals() == before and [n.name for n in wan.nodes] == ["client"]
+        assert wan.lateness().datagrams == before.forwarded_datagrams
+        wan.reserve("peer")  # the name, and its addresses, are free again
+
+
+def test_attaching_a_process_that_ends_or_binds_nothing_fails_clearly():
+    with WanEmulator() as wan:
+        idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            with pytest.raises(TimeoutError, match=f"process {idle.pid} bound no loopback UDP socket"):
+                wan.attach("idle", idle.pid, timeout=0.5)
+        finally:
+            idle.kill()
+            idle.wait()
+        with pytest.raises(ProcessLookupError, match="ended before it bound"):
+            wan.attach("idle", idle.pid, timeout=5.0)
+        wan.reserve("r")
+        with pytest.raises(ValueError, match="already registered or reserved"):
+            wan.reserve("r")
