@@ -53,6 +53,7 @@ from pathlib import Path
 
 from bench.soak_checks import Outcome, check, make_request, send
 from bench.soak_swarm import BROKEN_KINDS, LIAR_KINDS, REPLICAS, SPANS, Swarm, build_model
+from bench.soak_wan import SoakWan, WanPlan, parse_rtt
 from testkit.faults import FaultRecord
 
 GRACE = 90.0  # seconds the requests running at the budget's end get to finish
@@ -153,7 +154,9 @@ def drive(url: str, args: argparse.Namespace, until: float, tokenizer, outcomes:
         outcomes.extend(Outcome(None, "lost", "", 0.0, "still running after the grace period") for _ in range(running))
 
 
-def summarise(outcomes: list[Outcome], model, tokenizer, swarm: Swarm, banned: list[str], events: dict) -> dict:
+def summarise(
+    outcomes: list[Outcome], model, tokenizer, swarm: Swarm, banned: list[str], events: dict, wan: dict | None
+) -> dict:
     verdicts = [check(o, model, tokenizer) for o in outcomes]
     names = ("completed", "altered", "failed_clear", "lost")
     counts = {name: sum(v.verdict == name for v in verdicts) for name in names}
@@ -185,6 +188,7 @@ def summarise(outcomes: list[Outcome], model, tokenizer, swarm: Swarm, banned: l
         "servers_started": len(swarm.members),
         "placed": dict(Counter(str(m.span) for m in swarm.members if m.kind == "honest" and m.name not in initial)),
         "chaos_errors": events["chaos_errors"],
+        "wan": wan,
         "examples": [v.detail for v in verdicts if v.verdict in ("altered", "lost")][:5],
         "failures": dict(Counter(v.detail[:160] for v in verdicts if v.verdict == "failed_clear").most_common(5)),
     }
@@ -207,8 +211,11 @@ def soak(args: argparse.Namespace) -> dict:
         work = Path(tmp)
         model_dir = work / "tinychat"
         model, tokenizer = build_model(model_dir, seed=args.model_seed)
-        swarm = Swarm(model_dir, work, args.seed)
+        plan = WanPlan(args.rtt_ms, args.jitter_ms, args.loss, args.seed)
+        wan = None if args.no_wan else SoakWan(plan)
+        swarm = Swarm(model_dir, work, args.seed, wan)
         stop = threading.Event()
+        wan_report = None
         try:
             first = swarm.start(span=SPANS[0])
             ticket = first.process.ticket
@@ -234,8 +241,13 @@ def soak(args: argparse.Namespace) -> dict:
             banned = swarm.banned(url)
         finally:
             stop.set()
-            swarm.close(Path(args.logs) if args.logs else None)
-        return summarise(outcomes, model, tokenizer, swarm, banned, events)
+            try:
+                swarm.close(Path(args.logs) if args.logs else None)
+            finally:
+                if wan is not None:
+                    wan_report = wan.report()
+                    wan.close()
+        return summarise(outcomes, model, tokenizer, swarm, banned, events, wan_report)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -247,6 +259,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--liar-every", type=float, default=40.0, help="seconds between byzantine servers")
     parser.add_argument("--liar-life", type=float, default=60.0, help="seconds a byzantine server stays")
     parser.add_argument("--audit-every", type=int, default=8, help="the gateway's --audit-every")
+    parser.add_argument(
+        "--rtt-ms",
+        type=parse_rtt,
+        default=(20.0, 80.0),
+        metavar="LOW,HIGH",
+        help="each link's round trip, drawn uniformly (seeded) from this range",
+    )
+    parser.add_argument("--jitter-ms", type=float, default=5.0, help="each datagram's delay varies +- this")
+    parser.add_argument("--loss", type=float, default=0.01, help="each datagram's drop probability, each way")
+    parser.add_argument("--no-wan", action="store_true", help="plain loopback: no WAN emulator")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-seed", type=int, default=11)
     parser.add_argument("--out", help="also write the JSON here")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from bench.soak_wan import SoakWan
 from shoal.ids import BlockRange
 from shoal.launch import ChildProcess, ServerProcess, serve_args, stop_all
 from shoal.transport import Ticket
@@ -109,8 +110,9 @@ class Swarm:
     """The soak's processes. Thread-safe: the chaos thread starts and ends servers while the
     driver's threads read who is alive."""
 
-    def __init__(self, model_dir: Path, work: Path, seed: int):
+    def __init__(self, model_dir: Path, work: Path, seed: int, wan: SoakWan | None = None):
         self.model_dir, self.work = model_dir, work
+        self.wan = wan  # None: every process on plain loopback
         self.rng = random.Random(seed)
         self.members: list[Member] = []
         self.gateway: ChildProcess | None = None
@@ -133,6 +135,11 @@ class Swarm:
         if kind != "honest":
             record = self.work / f"{name}.faults.jsonl"
             extra = list(fault_flags(*faults_of(kind, span, self.rng.randrange(1 << 16)), record=record))
+        if self.wan is not None:
+            # it announces its proxy: every ticket and record of it sends peers through the emulator.
+            # --join-anyway: the check before loading dials from a throwaway endpoint the emulator
+            # does not know (its datagrams are dropped); the server's own endpoint still joins first
+            extra += ["--announce-addr", self.wan.reserve(name), *(["--join-anyway"] if joins else [])]
         if span is None:
             args = ["-m", "shoal.cli.main", "serve", str(self.model_dir), "--num-blocks", "2", "--host", "127.0.0.1"]
             args += [*SERVER_FLAGS, *swarm, *extra]
@@ -143,7 +150,12 @@ class Swarm:
         with self._lock:
             self._pids[process.pid] = name
             self._processes.append(process)
-        process.wait_ready(240.0)
+        self._attach(name, process)
+        try:
+            process.wait_ready(240.0)
+        except RuntimeError:
+            self._detach(name)
+            raise
         member = Member(name, kind, process, span, record)
         with self._lock:
             self.members.append(member)
@@ -163,11 +175,13 @@ class Swarm:
         """SIGKILL: gone mid-step, no goodbye."""
         member.ended = "killed"
         member.process.kill()
+        self._detach(member.name)
 
     def leave(self, member: Member, how: str = "drained") -> None:
         """SIGTERM: the server drains (its sessions get ``--drain-timeout`` to move on) and leaves."""
         member.ended = how
         member.process.stop(30.0)
+        self._detach(member.name)
 
     def spans(self) -> dict[str, BlockRange]:
         """Who serves what, as the swarm's table says (peer id -> blocks)."""
@@ -178,7 +192,12 @@ class Swarm:
 
         async def pull() -> dict[str, BlockRange]:
             async with await Node.start(TransportConfig(bind_addr="127.0.0.1:0")) as node:
-                found = await swarm_spans(node, tickets, self.model_dir.name, 5.0)
+                name = self.wan.register_here(node.ticket()) if self.wan is not None else None
+                try:
+                    found = await swarm_spans(node, tickets, self.model_dir.name, 5.0)
+                finally:
+                    if name is not None:
+                        self.wan.remove(name)
             return {s.peer_id: s.blocks for s in found}
 
         return asyncio.run(pull())
@@ -198,6 +217,7 @@ class Swarm:
         with self._lock:
             self._pids[self.gateway.pid] = "gateway"
             self._processes.append(self.gateway)
+        self._attach("gateway", self.gateway)  # only dialled out of: it announces nothing
         return self.gateway.wait_ready(120.0)
 
     def banned(self, url: str) -> list[str]:
@@ -206,6 +226,25 @@ class Swarm:
             text = reply.read().decode()
         prefix = 'shoal_verify_banned{peer="'
         return [line[len(prefix) :].split('"', 1)[0] for line in text.splitlines() if line.startswith(prefix)]
+
+    # ---- the emulated network -------------------------------------------------------------------
+    def _attach(self, name: str, process: ChildProcess) -> None:
+        """Put ``process``'s node behind the emulator as it binds (no-op without one); a process
+        that ends or never binds fails as :meth:`ChildProcess.wait_ready` says (its output quoted)."""
+        if self.wan is None:
+            return
+        try:
+            self.wan.attach(name, process.pid, timeout=240.0)
+        except (ProcessLookupError, TimeoutError, ValueError, OSError) as exc:
+            self._detach(name)
+            process.kill()
+            raise RuntimeError(
+                f"{name} could not be put behind the WAN emulator: {exc}\n{process.text()[-2000:]}"
+            ) from None
+
+    def _detach(self, name: str) -> None:
+        if self.wan is not None:
+            self.wan.remove(name)
 
     # ---- memory ----------------------------------------------------------------------------------
     def sample_rss(self) -> None:

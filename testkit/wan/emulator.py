@@ -58,10 +58,18 @@ class WanEmulator:
     """The proxies, their thread and the per-direction conditions (see :mod:`testkit.wan`).
 
     Every public method may be called from any thread; the emulator's own state is only touched on
-    its thread (calls are handed over and waited for)."""
+    its thread (calls are handed over and waited for). ``conditions(src, dst)``, if given, says
+    what each new direction starts with (e.g. a round trip drawn per link), else ``default``."""
 
-    def __init__(self, default: LinkConditions = LinkConditions(), seed: int = 0, host: str = "127.0.0.2"):
+    def __init__(
+        self,
+        default: LinkConditions = LinkConditions(),
+        seed: int = 0,
+        host: str = "127.0.0.2",
+        conditions: Callable[[str, str], LinkConditions] | None = None,
+    ):
         self.default = default
+        self._conditions_of = conditions  # a new direction's (src, dst) conditions; None: default
         self.seed = seed
         self.host = host
         self._nodes: dict[str, WanNode] = {}
@@ -276,7 +284,8 @@ class WanEmulator:
         node = WanNode(name, peer_id, first_ipv4(addrs), frozenset(addrs), socket_name(proxy))
         for other in self._nodes:
             for key in ((name, other), (other, name)):
-                self._pipes[key] = Pipe(self.default, random.Random(f"{self.seed}/{key[0]}/{key[1]}"))
+                first = self._conditions_of(*key) if self._conditions_of is not None else self.default
+                self._pipes[key] = Pipe(first, random.Random(f"{self.seed}/{key[0]}/{key[1]}"))
         self._nodes[name] = node
         self._proxies[name] = proxy
         return node

@@ -92,6 +92,15 @@ def bound_addresses(pid: int) -> list[Address]:
     return sorted(found)
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an ended child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def wait_bound(pid: int, timeout: float, poll: float = 0.01) -> list[Address]:
     """The loopback UDP addresses of process ``pid`` once it has bound them: an IPv4 one, and the
     IPv6 one an iroh endpoint binds in the same call (given up on a second after the IPv4 one).
@@ -99,7 +108,7 @@ def wait_bound(pid: int, timeout: float, poll: float = 0.01) -> list[Address]:
     deadline = time.monotonic() + timeout
     ipv4_since = None
     while True:
-        if not os.path.exists(f"/proc/{pid}"):
+        if not _running(pid):
             raise ProcessLookupError(f"process {pid} ended before it bound a UDP socket")
         addrs = bound_addresses(pid)
         families = {ipaddress.ip_address(h).version for h, _ in addrs}
