@@ -7,10 +7,11 @@ nodes (who serves what) are registered likewise; nobody is ever dialled at a rea
 (a pair of nodes) gets a round trip drawn from ``rtt_ms`` (seeded by the pair's names, the same both
 ways), ``jitter_ms`` of jitter and ``loss`` per datagram each way.
 
-The emulator's thread runs in the driver's process and needs the GIL for every delivery: the
-driver's other threads (HTTP streams, the chaos schedule) mostly wait on sockets, and the reference
-answers are computed after every process has ended. :meth:`SoakWan.report` says how late the
-deliveries left.
+The emulator runs in a process of its own (:class:`~testkit.wan.RemoteEmulator`): in the driver's,
+its thread waited for the GIL behind the driver's threads (HTTP streams, server starts, the chaos
+schedule), and a 1-minute run measured deliveries 7.9 ms late on average, 9% of them over 20 ms.
+Sealing stays in the driver, the servers' parent. :meth:`SoakWan.report` says how late deliveries
+left.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from testkit.wan import LinkConditions, WanEmulator
+from testkit.wan import LinkConditions, RemoteEmulator
 from testkit.wan.emulator import WanNode
 
 
@@ -65,7 +66,7 @@ class SoakWan:
 
     def __init__(self, plan: WanPlan):
         self.plan = plan
-        self.emulator = WanEmulator(seed=plan.seed, conditions=plan.conditions)
+        self.emulator = RemoteEmulator(seed=plan.seed, conditions=plan.conditions)
         self._probes = itertools.count()
 
     def reserve(self, name: str) -> str:
@@ -74,7 +75,7 @@ class SoakWan:
         return f"{host}:{port}"
 
     def attach(self, name: str, pid: int, timeout: float) -> WanNode:
-        """The node of child process ``pid``, found and sealed as it binds (see :meth:`WanEmulator.attach`)."""
+        """The node of child process ``pid``, found and sealed as it binds (see :meth:`RemoteEmulator.attach`)."""
         return self.emulator.attach(name, pid, timeout=timeout)
 
     def remove(self, name: str) -> None:

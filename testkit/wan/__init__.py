@@ -62,7 +62,9 @@ loopback):
 
 Modules: :mod:`~testkit.wan.emulator` (the proxies, pipes and their thread),
 :mod:`~testkit.wan.sealing` (the socket filter), :mod:`~testkit.wan.measuring` (packet capture,
-kernel drop counters, request round trips), :mod:`~testkit.wan.swarm` (the swarm harness).
+kernel drop counters, request round trips), :mod:`~testkit.wan.swarm` (the swarm harness),
+:mod:`~testkit.wan.remote` (the emulator in a process of its own, :class:`RemoteEmulator`, for a
+harness whose own process keeps the GIL busy).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from testkit.wan.measuring import (
     udp_drops,
     wait_quiet,
 )
+from testkit.wan.remote import RemoteEmulator
 from testkit.wan.sealing import seal
 
 __all__ = [
@@ -86,6 +89,7 @@ __all__ = [
     "Lateness",
     "LinkConditions",
     "LoopbackCapture",
+    "RemoteEmulator",
     "WanEmulator",
     "WanNode",
     "WanSwarm",

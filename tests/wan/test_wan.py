@@ -17,6 +17,7 @@ from shoal.transport.identity import generate_key
 from testkit.wan import (
     LinkConditions,
     LoopbackCapture,
+    RemoteEmulator,
     WanEmulator,
     check_capture_against_counters,
     parse_address,
@@ -314,10 +315,12 @@ def test_a_node_in_a_subprocess_is_sealed_and_reached_through_its_proxy():
     assert refused >= 1  # ours (and any probe of iroh's around the emulator)
 
 
-def test_a_reserved_proxy_is_announced_by_a_subprocess_that_dials_before_it_is_attached():
+@pytest.mark.parametrize("emulator", [WanEmulator, RemoteEmulator])
+def test_a_reserved_proxy_is_announced_by_a_subprocess_that_dials_before_it_is_attached(emulator):
     """The soak's wiring: the proxy opened first, the node started announcing it, attached (found
-    and sealed by pid) while it starts and already dials out; then removed when it ends."""
-    with WanEmulator(LinkConditions(rtt_ms=60.0), seed=2) as wan:
+    and sealed by pid) while it starts and already dials out; then removed when it ends. The same
+    with the emulator in a process of its own (sealing here, the proxies there)."""
+    with emulator(LinkConditions(rtt_ms=60.0), seed=2) as wan:
         proxy = wan.reserve("peer")
 
         async def go() -> tuple[Ticket, list[float], int]:
