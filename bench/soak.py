@@ -3,6 +3,7 @@ joined by liars, every answer checked against plain transformers.
 
     scripts/isolated python -m bench.soak [--minutes 10] [--streams 6] [--kill-every 30]
         [--drain-every 90] [--liar-every 40] [--liar-life 60] [--seed 0] [--out FILE]
+        [--rtt-ms 20,80] [--jitter-ms 5] [--loss 0.01] [--no-wan]
 
 A tiny random 4-block llama (SmolLM2's tokenizer and chat template) is served by 6 honest ``shoal
 serve`` processes (three of each span 0:2 and 2:4) behind ``shoal api --verify audit
@@ -17,6 +18,12 @@ prompts, a tenth cancelled by the caller mid-stream), and meanwhile
   :data:`bench.soak_swarm.LIAR_KINDS` and :data:`~bench.soak_swarm.BROKEN_KINDS` in turn, over a
   random span), which leaves (SIGTERM) after ``--liar-life`` s.
 Then no new request starts; those running get 90 s; every process is ended.
+
+Every process talks over the in-tree WAN emulator (:mod:`bench.soak_wan`, :mod:`testkit.wan`;
+``--no-wan``: plain loopback): each server announces its own UDP proxy (``--announce-addr``) and is
+sealed so that nothing reaches it around the proxies, the gateway too; each link between two nodes
+gets a round trip drawn (seeded) from ``--rtt-ms``, +- ``--jitter-ms`` per datagram and ``--loss``
+each way.
 
 The reference is computed in this process with transformers on the same checkpoint (equivalent to
 a clean reference swarm, whose greedy answers equal transformers' exactly, and cheaper): greedy
@@ -35,6 +42,9 @@ cancelled stream's text a prefix of the reference. Prints one JSON object:
 - ``p50_ms``, ``p99_ms``: wall time per generated token of the completed uncancelled answers
   (request start to its last byte, over the reference's token count);
 - ``peak_rss_mb``: per process (``driver``, ``gateway``, each server by name), ``peak_rss_mb_max``;
+- ``wan``: the links' settings, datagrams forwarded, dropped and stray, and ``lateness``: how late
+  the emulator delivered against each datagram's due time (mean, max, shares over 1, 5, 20 ms);
+  null with ``--no-wan``;
 - ``targets_met``: altered 0, lost 0, honest_banned 0, every liar that lied banned, share >= 0.95.
 """
 

@@ -4,8 +4,9 @@
 other threads run Python (a benchmark driver reading HTTP streams, starting servers, sampling
 memory) a delivery waits for the interpreter's switch interval, or for a thread that holds the GIL
 while the OS has it descheduled. :class:`RemoteEmulator` runs the emulator in a child process
-(a :mod:`multiprocessing` manager, started with ``spawn``) whose only busy thread is the
-emulator's, and keeps that process at normal scheduling priority where allowed (a harness run
+(:func:`serve`, serving a :mod:`multiprocessing` manager on a Unix socket;
+started as a plain child, so nothing of the caller's ``__main__`` is imported there) whose only
+busy thread is the emulator's, and keeps that process at normal scheduling priority where allowed (a harness run
 under ``nice`` must not slow its network down with it). Sealing stays in this process (the nodes
 are its children: it has the rights pidfd_getfd needs); calls are forwarded and their results
 pickled back.
@@ -14,8 +15,10 @@ pickled back.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from multiprocessing.managers import BaseManager, BaseProxy
 from typing import Any
@@ -64,14 +67,28 @@ class RemoteEmulator:
         conditions: Callable[[str, str], LinkConditions] | None = None,
     ):
         self.host = host
-        self._manager = _Manager(ctx=multiprocessing.get_context("spawn"))
-        self._manager.start(initializer=_normal_priority)
+        authkey = os.urandom(16)
+        # its standard input stays open while this process lives: the child ends when it closes
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", "from testkit.wan.remote import serve; serve()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.pid: int = self._child.pid
         try:
+            assert self._child.stdin is not None and self._child.stdout is not None
+            self._child.stdin.write(authkey.hex() + "\n")
+            self._child.stdin.flush()
+            address = self._child.stdout.readline().strip()
+            if not address:
+                raise RuntimeError("the WAN emulator's process ended before it served")
+            self._manager = _Manager(address=address, authkey=authkey)
+            self._manager.connect()
             self._emulator = self._manager.WanEmulator(default, seed, host, conditions)  # type: ignore[attr-defined]
         except BaseException:
-            self._manager.shutdown()
+            self._end_child()
             raise
-        self.pid: int = self._manager._process.pid  # type: ignore[attr-defined]
 
     def reserve(self, name: str) -> Address:
         host, port = self._emulator.call("reserve", name)
@@ -115,14 +132,39 @@ class RemoteEmulator:
         try:
             with contextlib.suppress(Exception):
                 self._emulator.call("close")
+                del self._emulator  # the proxy's release, while the server still answers
         finally:
-            self._manager.shutdown()
+            self._end_child()
+
+    def _end_child(self) -> None:
+        with contextlib.suppress(OSError):
+            self._child.stdin.close()  # type: ignore[union-attr]
+        try:
+            self._child.wait(10.0)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait(5.0)
 
     def __enter__(self) -> RemoteEmulator:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def serve() -> None:
+    """The child: the manager's server on a Unix socket (its path printed), until stdin closes."""
+    _normal_priority()
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    server = _Manager(address=None, authkey=authkey).get_server()
+    print(server.address, flush=True)
+
+    def watch_parent() -> None:
+        sys.stdin.read()  # EOF: the parent closed it, or ended
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    server.serve_forever()
 
 
 __all__ = ["RemoteEmulator"]
