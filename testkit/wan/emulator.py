@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from shoal.transport.ticket import Ticket
 from testkit.wan.addresses import Address, first_ipv4, parse_address, socket_name
 from testkit.wan.links import DirectionStats, Lateness, LinkConditions, Pipe
-from testkit.wan.sealing import seal, wait_bound
+from testkit.wan.sealing import seal, wait_bound, wait_sealed
 
 T = TypeVar("T")
 
@@ -149,10 +149,8 @@ class WanEmulator:
         loopback UDP sockets: they are found and sealed there (:func:`wait_bound`), so this may
         run while the process starts. What it sends before is dropped as stray and resent by QUIC.
         ``peer_id`` may stay empty when nobody needs :meth:`ticket` (the node announces the proxy)."""
-        addrs = wait_bound(pid, timeout)
+        addrs = wait_sealed(pid, self.host, timeout) if sealed else wait_bound(pid, timeout)
         self._checked_addrs(Ticket(peer_id, tuple(_text(a) for a in addrs)))
-        if sealed:
-            seal(addrs, self.host, pid)
         return self._call(lambda: self._add_node(name, peer_id, addrs))
 
     def remove(self, name: str) -> None:

@@ -27,7 +27,7 @@ from shoal.transport.ticket import Ticket
 from testkit.wan.addresses import Address, parse_address
 from testkit.wan.emulator import WanEmulator, WanNode
 from testkit.wan.links import DirectionStats, Lateness, LinkConditions
-from testkit.wan.sealing import seal, wait_bound
+from testkit.wan.sealing import seal, wait_sealed
 
 
 class _EmulatorProxy(BaseProxy):
@@ -101,9 +101,9 @@ class RemoteEmulator:
 
     def attach(self, name: str, pid: int, peer_id: str = "", timeout: float = 30.0) -> WanNode:
         """As :meth:`WanEmulator.attach`: found and sealed here, registered there."""
-        addrs = wait_bound(pid, timeout)
+        addrs = wait_sealed(pid, self.host, timeout)
         texts = tuple(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in addrs)
-        return self.add_node(Ticket(peer_id, texts), name, pid)
+        return self._emulator.call("add_node", Ticket(peer_id, texts), name, None, False)
 
     def remove(self, name: str) -> None:
         self._emulator.call("remove", name)

@@ -78,12 +78,17 @@ def _process_sockets(pid: int) -> Iterator[socket.socket]:
 
 
 def bound_addresses(pid: int) -> list[Address]:
-    """The loopback addresses the UDP sockets of process ``pid`` receive at (a socket bound to an
-    unspecified host: that family's loopback)."""
+    """The loopback addresses the unconnected UDP sockets of process ``pid`` receive at (a socket
+    bound to an unspecified host: that family's loopback)."""
     found = []
     for sock in _process_sockets(pid):
         with sock:
             host, port = socket_name(sock)
+            try:
+                sock.getpeername()
+                continue  # connected: a socket that learns a route's source address, not one a node receives on
+            except OSError:
+                pass
         ip = ipaddress.ip_address(host)
         if ip.is_unspecified:
             host = "127.0.0.1" if ip.version == 4 else "::1"
@@ -121,6 +126,21 @@ def wait_bound(pid: int, timeout: float, poll: float = 0.01) -> list[Address]:
         time.sleep(poll)
 
 
+def wait_sealed(pid: int, emulator_host: str, timeout: float) -> list[Address]:
+    """:func:`wait_bound`, then :func:`seal` what was found; once more if a socket found went away
+    meanwhile (a short-lived one of the starting process). The addresses sealed."""
+    tries = 3
+    while True:
+        addrs = wait_bound(pid, timeout)
+        try:
+            seal(addrs, emulator_host, pid)
+            return addrs
+        except LookupError:
+            tries -= 1
+            if not tries:
+                raise
+
+
 def seal(addrs: Iterable[Address], emulator_host: str, pid: int | None = None) -> int:
     """Make the UDP sockets bound at ``addrs`` in process ``pid`` (default: this one) drop every
     datagram not sent from ``emulator_host``: iroh tells its peers its own socket addresses inside
@@ -141,4 +161,4 @@ def seal(addrs: Iterable[Address], emulator_host: str, pid: int | None = None) -
     return len(found)
 
 
-__all__ = ["bound_addresses", "seal", "wait_bound"]
+__all__ = ["bound_addresses", "seal", "wait_bound", "wait_sealed"]

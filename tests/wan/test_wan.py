@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -375,3 +376,19 @@ def test_attaching_a_process_that_ends_or_binds_nothing_fails_clearly():
         wan.reserve("r")
         with pytest.raises(ValueError, match="already registered or reserved"):
             wan.reserve("r")
+
+
+def test_a_process_s_connected_udp_sockets_are_not_taken_for_its_node_s():
+    """A starting process may connect a UDP socket for a moment (to learn a route's source
+    address): attaching must neither take it for the node's nor fail when it closes."""
+    from testkit.wan.sealing import bound_addresses
+
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as listening,
+        socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as probe,
+    ):
+        listening.bind(("127.0.0.1", 0))
+        probe.connect(("::1", 9))
+        found = bound_addresses(os.getpid())
+        assert listening.getsockname() in found
+        assert probe.getsockname()[:2] not in found
