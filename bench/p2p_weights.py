@@ -16,7 +16,11 @@ Prints JSON: ``span_mb`` (the span's tensors), ``fetch_s_one_peer``, ``fetch_s_t
 checked against the model record once fetched, not in the fetch times), and
 ``decode_slowdown_of_senders``: the decoder's median step latency while a fetch ran over its median
 in the idle windows before and after (``decode_ms_idle``, ``decode_ms_sending``, step counts).
-The machine may be shared: numbers are what one run measured.
+What each side's CPU paid per MB fetched from two givers (Linux: from ``/proc``), what limits the
+rate on a machine with few free cores: ``fetcher_cpu_ms_per_mb`` (this process: receiving,
+checking, writing) and ``givers_cpu_ms_per_mb`` (both givers' processes together, their decoding
+included: minus ``givers_cpu_ms_per_mb_idle``, the same over an idle window of equal length, is
+what giving cost). The machine may be shared: numbers are what one run measured.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +53,21 @@ from shoal.weights.partial import PartialSpan
 
 SESSION_TOKENS = 256
 PROMPT = 16
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_s(pids: list[int]) -> float | None:
+    """CPU seconds (user and system, every thread) the processes ``pids`` used so far; None off Linux."""
+    try:
+        fields = [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() for pid in pids]
+    except OSError:
+        return None
+    return sum(int(f[11]) + int(f[12]) for f in fields) / TICK
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def decoder(spec: str) -> None:
@@ -140,7 +161,9 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
             raise RuntimeError("the givers did not announce the model's manifest")
 
         record, givers = run_loop(table())
+        giver_pids = [s.proc.pid for s in swarm.running if s.ticket.peer_id in {g.peer_id for g in givers}]
         decoder_child = Decoder(model_dir, tickets)
+        cpu: dict[str, float | None] = {}
         windows: dict[str, list[tuple[float, float]]] = {"idle": [], "sending": []}
         results = {}
         try:
@@ -157,11 +180,16 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
                         finally:
                             await node.close(linger=0.2)
 
-                    begin = time.time()
+                    begin, fetcher_before, givers_before = time.time(), own_cpu_s(), cpu_s(giver_pids)
                     results[label] = run_loop(fetch())
                     windows["sending"].append((begin, time.time()))
+                    cpu["fetcher"], givers_after = own_cpu_s() - fetcher_before, cpu_s(giver_pids)
+                    cpu["givers"] = givers_after - givers_before if givers_after is not None else None
+                    cpu["sending_s"] = time.time() - begin
                     time.sleep(idle_s)
                     windows["idle"].append((time.time() - idle_s, time.time()))
+                    idle_after = cpu_s(giver_pids)
+                    cpu["givers_idle_per_s"] = (idle_after - givers_after) / idle_s if idle_after is not None else None
                 checked = time.perf_counter()
                 check_fingerprints(Path(scratch) / "two", record, blocks)
                 check_s = time.perf_counter() - checked
@@ -188,6 +216,11 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
         "decode_steps_sending": len(sending),
         "decode_slowdown_of_senders": round(statistics.median(sending) / statistics.median(idle), 3)
         if idle and sending
+        else None,
+        "fetcher_cpu_ms_per_mb": round(cpu["fetcher"] * 1e3 / span_mb, 2),
+        "givers_cpu_ms_per_mb": round(cpu["givers"] * 1e3 / span_mb, 2) if cpu["givers"] is not None else None,
+        "givers_cpu_ms_per_mb_idle": round(cpu["givers_idle_per_s"] * cpu["sending_s"] * 1e3 / span_mb, 2)
+        if cpu["givers_idle_per_s"] is not None
         else None,
         "give_rate_mb_s_per_giver": give_rate,
     }
