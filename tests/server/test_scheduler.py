@@ -182,7 +182,7 @@ def test_a_cancelled_queued_task_is_skipped(scheduler):
 
 
 def test_giving_weights_waits_for_every_other_class(scheduler):
-    """A chunk read for a peer fetching the model (shoal.weights.give) runs only when no step,
+    """The lowest class (GIVING: once the weights giver's reads, shoal.weights.give) runs only when no step,
     forward or backward chunk waits, whenever it was queued."""
     tasks = [(G, "g1"), (T, "t1"), (F, "f1"), (G, "g2"), (INF, "i1")]
     assert run_order(scheduler, tasks) == ["i1", "f1", "t1", "g1", "g2"]
