@@ -1,7 +1,7 @@
 """Weights peer to peer: how fast a joining server fetches a span from the swarm's members, and what
 giving costs the givers' own decode latency.
 
-    scripts/isolated python -m bench.p2p_weights [--model qwen2.5-coder] [--blocks 0:24] [--idle-s 8]
+    scripts/isolated python -m bench.p2p_weights [--model qwen2.5-coder] [--blocks 0:24] [--idle-s 8] [--no-decode]
 
 Two ``shoal serve`` processes on loopback hold the model's files (``shoal models list``) and serve
 half the blocks each (one compute thread each); both give the model's chunks (``--give-rate``,
@@ -19,8 +19,8 @@ in the idle windows before and after (``decode_ms_idle``, ``decode_ms_sending``,
 What each side's CPU paid per MB fetched from two givers (Linux: from ``/proc``), what limits the
 rate on a machine with few free cores: ``fetcher_cpu_ms_per_mb`` (this process: receiving,
 checking, writing) and ``givers_cpu_ms_per_mb`` (both givers' processes together, their decoding
-included: minus ``givers_cpu_ms_per_mb_idle``, the same over an idle window of equal length, is
-what giving cost). The machine may be shared: numbers are what one run measured.
+included; with ``--no-decode`` no decoder runs, so it is the giving alone). The machine may be
+shared: numbers are what one run measured.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ async def fetch_once(node: Node, givers: list[Ticket], record, model: str, block
     return time.perf_counter() - started, report
 
 
-def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict:
+def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float, decode: bool = True) -> dict:
     model_dir = fetch_model(model)
     name = model_name(str(model_dir))
     extra = ["--num-threads", "1", "--throughput", "100", "--give-rate", str(give_rate)]
@@ -162,7 +162,8 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
 
         record, givers = run_loop(table())
         giver_pids = [s.proc.pid for s in swarm.running if s.ticket.peer_id in {g.peer_id for g in givers}]
-        decoder_child = Decoder(model_dir, tickets)
+        decoder_child = Decoder(model_dir, tickets) if decode else None
+        idle_s = idle_s if decode else 0.0
         cpu: dict[str, float | None] = {}
         windows: dict[str, list[tuple[float, float]]] = {"idle": [], "sending": []}
         results = {}
@@ -185,18 +186,17 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
                     windows["sending"].append((begin, time.time()))
                     cpu["fetcher"], givers_after = own_cpu_s() - fetcher_before, cpu_s(giver_pids)
                     cpu["givers"] = givers_after - givers_before if givers_after is not None else None
-                    cpu["sending_s"] = time.time() - begin
                     time.sleep(idle_s)
                     windows["idle"].append((time.time() - idle_s, time.time()))
-                    idle_after = cpu_s(giver_pids)
-                    cpu["givers_idle_per_s"] = (idle_after - givers_after) / idle_s if idle_after is not None else None
                 checked = time.perf_counter()
                 check_fingerprints(Path(scratch) / "two", record, blocks)
                 check_s = time.perf_counter() - checked
         finally:
-            decoder_child.stop()
-    idle = [ms for w in windows["idle"] for ms in decoder_child.between(*w)]
-    sending = [ms for w in windows["sending"] for ms in decoder_child.between(*w)]
+            if decoder_child is not None:
+                decoder_child.stop()
+    steps = decoder_child.between if decoder_child is not None else lambda start, end: []
+    idle = [ms for w in windows["idle"] for ms in steps(*w)]
+    sending = [ms for w in windows["sending"] for ms in steps(*w)]
     (one_s, one), (two_s, two) = results["one"], results["two"]
     span_mb = two.bytes / 1e6
     return {
@@ -219,9 +219,6 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
         else None,
         "fetcher_cpu_ms_per_mb": round(cpu["fetcher"] * 1e3 / span_mb, 2),
         "givers_cpu_ms_per_mb": round(cpu["givers"] * 1e3 / span_mb, 2) if cpu["givers"] is not None else None,
-        "givers_cpu_ms_per_mb_idle": round(cpu["givers_idle_per_s"] * cpu["sending_s"] * 1e3 / span_mb, 2)
-        if cpu["givers_idle_per_s"] is not None
-        else None,
         "give_rate_mb_s_per_giver": give_rate,
     }
 
@@ -232,12 +229,14 @@ def main() -> None:
     parser.add_argument("--blocks", default="0:24", help="the span fetched")
     parser.add_argument("--idle-s", type=float, default=8.0, help="seconds of decoding measured with no fetch")
     parser.add_argument("--give-rate", type=float, default=256.0, help="MB/s each giver gives at most")
+    parser.add_argument("--no-decode", action="store_true", help="no decoder: the CPU keys are the giving alone")
     parser.add_argument("--decoder", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.decoder:
         decoder(args.decoder)
         return
-    print(json.dumps(run(args.model, parse_blocks(args.blocks), args.idle_s, args.give_rate), indent=2))
+    result = run(args.model, parse_blocks(args.blocks), args.idle_s, args.give_rate, not args.no_decode)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
