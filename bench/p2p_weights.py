@@ -12,8 +12,10 @@ fetches ``--blocks`` twice into fresh directories, as a joining server does
 partial directory): first from one giver, then from both.
 
 Prints JSON: ``span_mb`` (the span's tensors), ``fetch_s_one_peer``, ``fetch_s_two_peers``,
-``mb_per_s`` (span over the two-peer fetch), ``fingerprint_check_s`` (the blocks' fingerprints
-checked against the model record once fetched, not in the fetch times), and
+``mb_per_s`` (span over the two-peer fetch), ``chunks_s_one_peer`` and ``chunks_s_two_peers`` (of
+those times, fetching, checking and writing the chunks: the rest is the manifest and the span's
+fsync at the end), ``fingerprint_check_s`` (the blocks' fingerprints checked against the model
+record once fetched, not in the fetch times), and
 ``decode_slowdown_of_senders``: the decoder's median step latency while a fetch ran over its median
 in the idle windows before and after (``decode_ms_idle``, ``decode_ms_sending``, step counts).
 What each side's CPU paid per MB fetched from two givers (Linux: from ``/proc``), what limits the
@@ -205,6 +207,8 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float, decode:
         "span_mb": round(span_mb, 1),
         "fetch_s_one_peer": round(one_s, 2),
         "fetch_s_two_peers": round(two_s, 2),
+        "chunks_s_one_peer": round(one.seconds, 2),  # the chunks alone: no manifest, no fsync of the span at the end
+        "chunks_s_two_peers": round(two.seconds, 2),
         "mb_per_s": round(span_mb / two_s, 1),
         "mb_per_s_one_peer": round(one.bytes / 1e6 / one_s, 1),
         "chunks": two.fetched,
