@@ -7,7 +7,7 @@ cannot fill (issue 34).
 * A judge's queue (MAX_WAITING pieces) gives evidence against a peer it convicted already (what a
   flood of valid evidence against throwaway liars becomes once judged) the lowest priority: other
   evidence is recomputed first, and displaces a low piece when the queue is full. Real judges of
-  an in-process swarm (tests/server/test_judge.py's court).
+  an in-process swarm (tests/server/judge's court).
 """
 
 from __future__ import annotations
