@@ -44,7 +44,7 @@ Measured (prints ONE JSON object):
   servers' first long prefills).
 
 Every run records ``foreign_cpu``: the share of the machine other processes used meanwhile (see
-:class:`bench.generate.CpuMeter`); numbers from a busy machine say so. A server flag or client
+:class:`bench.measure.CpuMeter`); numbers from a busy machine say so. A server flag or client
 option the measurements need that this checkout lacks stops the benchmark with a message naming
 it (``--only`` runs the measurements that can run).
 """
@@ -67,7 +67,8 @@ from pathlib import Path
 
 import torch
 
-from bench.generate import CpuMeter, Server, halves, model_dir, run_once
+from bench.measure import CpuMeter, Server, halves, run_once
+from bench.models import model_dir
 from shoal.checkpoints import load_config
 from shoal.omp import child_environment
 
