@@ -25,14 +25,15 @@ from shoal.protocols import BLOCKS, WEIGHTS
 from shoal.server.announce import Announcement
 from shoal.server.handler import BlockServer
 from shoal.server.judge import Jurisdiction
-from shoal.server.placement import Balance, Placed, choose_span, plan_move
+from shoal.server.placement import Balance, Placed, choose_span, counted, plan_move
 from shoal.server.preflight import CheckedServer
 from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
+from shoal.swarm.liveness import Reach
 from shoal.swarm.members import refusal
-from shoal.swarm.records import State
+from shoal.swarm.records import ServerRecord, State
 from shoal.swarm.service import SWARM, SwarmService, fetch_table, join_failure, reach_any
 from shoal.swarm.table import RecordTable
-from shoal.swarm.verdicts import VerdictKeeper
+from shoal.swarm.verdicts import VerdictKeeper, convicted
 from shoal.transport import BaseNode, Handler, Protocol, Ticket
 from shoal.weights.give import Giver
 from shoal.wire import InvalidMessage, error_message
@@ -213,14 +214,17 @@ class Presence:
         )  # fmt: skip
 
     # ---- placement -------------------------------------------------------------------------
+    def records(self) -> list[ServerRecord]:
+        """Every record of this model's servers in the table, whatever its state or reach."""
+        return self.service.table.servers(self.model, include_offline=True, include_unreachable=True)
+
     def placed(self) -> list[Placed]:
-        """Online and joining servers of this model in the table."""
-        now = time.time()
-        return [
-            Placed(r.peer, r.blocks, r.throughput)
-            for r in self.service.table.servers(self.model)
-            if r.expires > now and r.state is not State.OFFLINE
-        ]
+        """The servers of this model that placement counts (:func:`~shoal.server.placement.counted`):
+        online or joining, unexpired, reached by this server, not convicted by the swarm."""
+        table, now = self.service.table, time.time()
+        records = self.records()
+        admitted = {r.peer for r in records if table.reach(r) is Reach.REACHABLE}
+        return counted(records, now, admitted, convicted(table, self.model, now), me=self.node.id)
 
     async def choose(self) -> BlockRange:
         config = self.config
@@ -237,9 +241,12 @@ class Presence:
         n = min(n, self.total)
         if not config.new_swarm:  # let servers starting at the same time see each other's choices
             await asyncio.sleep(config.gossip.period * self.rng.uniform(1.0, 2.0))
+            # placement counts only servers this one has reached (counted): reach them now
+            await self.service.admit([r for r in self.records() if r.state is not State.OFFLINE])
         others = [p for p in self.placed() if p.peer != self.node.id]
         span = choose_span(others, self.total, n, self.announcement.throughput, self.rng)
-        log.info("placed at blocks %s of %d (%d servers in the swarm)", span, self.total, len(others))
+        seen = sum(r.peer != self.node.id for r in self.records())
+        log.info("placed at blocks %s of %d (%d servers counted of %d records)", span, self.total, len(others), seen)
         return span
 
     async def keep_balanced(self, load: Loader) -> None:

@@ -42,6 +42,7 @@ SWARM = Protocol("swarm", 2)
 MAX_FOLLOW_UPS = 4
 MIN_WATCH_PERIOD = 0.5  # seconds: fast in-process gossip must not turn into a ping storm
 MIN_LOOK_GAP = 0.05  # seconds between a report's wake-up and the probes it asks for
+MAX_ADMIT = 64  # records :meth:`SwarmService.admit` probes at once at most
 SMALL_SWARM = 16  # up to this many gossip peers, a server found unreachable is reported to all
 
 
@@ -247,6 +248,17 @@ class SwarmService:
             if gone:
                 log.info("servers not answering: %s", ", ".join(p[:10] for p in gone))
                 self._tell_others(gone)
+
+    async def admit(self, records: Sequence[ServerRecord], most: int = MAX_ADMIT) -> None:
+        """Probe now, at once, those of ``records`` not reached yet (at most ``most``): a decision
+        that counts only admitted servers (placement) need not wait for the watch rounds, which
+        admit a big table a few records a round."""
+        due = [r for r in records if self.table.reach(r) is Reach.UNPROBED and r.peer != self.node.id][:most]
+        found = await asyncio.gather(*(self._probe(r) for r in due))
+        gone = [r.peer for r, newly in zip(due, found, strict=True) if newly]
+        if gone:
+            log.info("servers not answering: %s", ", ".join(p[:10] for p in gone))
+            self._tell_others(gone)
 
     async def _probe(self, record: ServerRecord) -> bool:
         """Ping ``record``'s server; True when it newly found it unreachable."""
