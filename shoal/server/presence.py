@@ -40,6 +40,7 @@ from shoal.wire import InvalidMessage, error_message
 
 log = logging.getLogger(__name__)
 MAX_DEFERRALS = 3  # re-checks in a row a server leaves a move to another one
+ADMIT_ROUNDS = 3  # rounds of probes of unreached records before a joining server places itself
 Loader = Callable[[BlockRange], Awaitable[BlockServer]]  # loads a span on the compute thread
 
 
@@ -219,12 +220,8 @@ class Presence:
         return self.service.table.servers(self.model, include_offline=True, include_unreachable=True)
 
     def placed(self) -> list[Placed]:
-        """The servers of this model that placement counts (:func:`~shoal.server.placement.counted`):
-        online or joining, unexpired, reached by this server, not convicted by the swarm."""
-        table, now = self.service.table, time.time()
-        records = self.records()
-        admitted = {r.peer for r in records if table.reach(r) is Reach.REACHABLE}
-        return counted(records, now, admitted, convicted(table, self.model, now), me=self.node.id)
+        """The servers of this model that placement counts (:func:`placeable`)."""
+        return placeable(self.service.table, self.model, self.node.id, time.time())
 
     async def choose(self) -> BlockRange:
         config = self.config
@@ -241,8 +238,11 @@ class Presence:
         n = min(n, self.total)
         if not config.new_swarm:  # let servers starting at the same time see each other's choices
             await asyncio.sleep(config.gossip.period * self.rng.uniform(1.0, 2.0))
-            # placement counts only servers this one has reached (counted): reach them now
-            await self.service.admit([r for r in self.records() if r.state is not State.OFFLINE])
+            # placement counts only servers this one has reached (counted): reach them now, and
+            # those whose records came meanwhile (servers starting together)
+            for _ in range(ADMIT_ROUNDS):
+                if not await self.service.admit([r for r in self.records() if r.state is not State.OFFLINE]):
+                    break
         others = [p for p in self.placed() if p.peer != self.node.id]
         span = choose_span(others, self.total, n, self.announcement.throughput, self.rng)
         seen = sum(r.peer != self.node.id for r in self.records())
@@ -319,10 +319,19 @@ class Presence:
             await self.service.announce_to_all(self.announcement.set_state(State.OFFLINE))
 
 
+def placeable(table: RecordTable, model: str, me: str, now: float) -> list[Placed]:
+    """What placement weighs in ``table`` (:func:`~shoal.server.placement.counted`): every record of
+    ``model``'s servers, those of them this peer (``me``) has reached, and whom the swarm's verdicts
+    convict (a server's view: judges it has reached)."""
+    records = table.servers(model, include_offline=True, include_unreachable=True)
+    admitted = {r.peer for r in records if table.reach(r) is Reach.REACHABLE}
+    return counted(records, now, admitted, convicted(table, model, now), me=me)
+
+
 def describe_balance(balance: Balance) -> str:
     if balance.uncovered:
         return f"{balance.uncovered} uncovered blocks"
     return f"bottleneck {balance.bottleneck:.3g} tokens/s"
 
 
-__all__ = ["MAX_DEFERRALS", "Loader", "LoadingGate", "Presence", "describe_balance"]
+__all__ = ["MAX_DEFERRALS", "Loader", "LoadingGate", "Presence", "describe_balance", "placeable"]

@@ -249,16 +249,17 @@ class SwarmService:
                 log.info("servers not answering: %s", ", ".join(p[:10] for p in gone))
                 self._tell_others(gone)
 
-    async def admit(self, records: Sequence[ServerRecord], most: int = MAX_ADMIT) -> None:
-        """Probe now, at once, those of ``records`` not reached yet (at most ``most``): a decision
-        that counts only admitted servers (placement) need not wait for the watch rounds, which
-        admit a big table a few records a round."""
+    async def admit(self, records: Sequence[ServerRecord], most: int = MAX_ADMIT) -> int:
+        """Probe now, at once, those of ``records`` not reached yet (at most ``most``); how many it
+        probed. A decision that counts only admitted servers (placement) need not wait for the
+        watch rounds, which admit a big table a few records a round."""
         due = [r for r in records if self.table.reach(r) is Reach.UNPROBED and r.peer != self.node.id][:most]
         found = await asyncio.gather(*(self._probe(r) for r in due))
         gone = [r.peer for r, newly in zip(due, found, strict=True) if newly]
         if gone:
             log.info("servers not answering: %s", ", ".join(p[:10] for p in gone))
             self._tell_others(gone)
+        return len(due)
 
     async def _probe(self, record: ServerRecord) -> bool:
         """Ping ``record``'s server; True when it newly found it unreachable."""
