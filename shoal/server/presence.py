@@ -149,7 +149,8 @@ class Presence:
                     await fetch_table(self.node, reached, self.config.transport.deadlines.request)
                 except Forbidden as exc:
                     raise ShoalError(f"cannot join the swarm: {exc}") from None
-        await self.service.join()
+        if not await self.service.join():
+            log.warning("no peer of the tickets gave its table yet: gossip brings it")
         self.service.start()
         await self.measure()
 
@@ -238,6 +239,10 @@ class Presence:
         n = min(n, self.total)
         if not config.new_swarm:  # let servers starting at the same time see each other's choices
             await asyncio.sleep(config.gossip.period * self.rng.uniform(1.0, 2.0))
+            # the table as the peers hold it now: the join's pull may have failed or its records
+            # expired since (a loaded machine placed servers over an empty table, as on a new swarm)
+            if not await self.service.pull():
+                log.warning("no peer of the tickets answered: placing by the table gossip brought")
             # placement counts only servers this one has reached (counted): reach them now, and
             # those whose records came meanwhile (servers starting together)
             for _ in range(ADMIT_ROUNDS):
