@@ -13,6 +13,7 @@ a cover convicts nobody (which piece lied is not known) and is dropped. Nobody h
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -138,9 +139,12 @@ def test_a_liar_inside_a_cover_convicts_nobody(swarm, expected):
 def test_require_verified_fails_closed(swarm):
     low_a, tail = swarm.honest[0], swarm.honest[3]
     before = [s.server.counters.steps for s in (low_a, tail)]
-    checked = connect_over(swarm, [low_a, tail], verify="audit", audit_every=K, require_verified=True)
+    wait = 0.5  # the open waits this long for a checker to join (none does) before it refuses
+    checked = connect_over(swarm, [low_a, tail], verify="audit", audit_every=K, require_verified=True, route_wait=wait)
+    started = time.monotonic()
     with checked as model, pytest.raises(UnverifiedBlocks, match=r"blocks \[0, 1, 2, 3, 4, 5\]"):
         model.generate(prompt_of(PROMPT_SEED), max_new_tokens=4, do_sample=False)
+    assert wait <= time.monotonic() - started < wait + 10.0
     assert [s.server.counters.steps for s in (low_a, tail)] == before, "a step ran on unverified blocks"
     # the sessions the refused chain opened are closed, not left to fill the peer's session limit
     assert [s.server.counters.sessions_active for s in (low_a, tail)] == [0, 0]

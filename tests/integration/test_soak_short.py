@@ -6,6 +6,8 @@ that served a wrong step convicted."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.soak import parse, soak
@@ -20,12 +22,13 @@ SHORT = [
 
 def test_a_short_soak_alters_and_loses_nothing_and_convicts_only_liars(smollm2_dir):
     result = soak(parse(SHORT))
-    summary = {k: v for k, v in result.items() if k not in ("peak_rss_mb", "examples", "chaos_errors")}
+    # a string, so that pytest shows all of it (the failures' reasons included) when an assert fails
+    summary = json.dumps({k: v for k, v in result.items() if k != "peak_rss_mb"}, indent=1)
     assert result["requests"] >= 10, summary
-    assert result["altered"] == 0, result["examples"]
-    assert result["lost"] == 0, result["examples"]
+    assert result["altered"] == 0, summary
+    assert result["lost"] == 0, summary
     assert result["honest_banned"] == 0 and result["broken_banned"] == 0, summary
     assert result["kills"] >= 1 and result["liars"] >= 1, summary
     assert result["liars_lied_unbanned"] == [], summary
     assert result["completed_share"] >= 0.8, summary  # the 10-minute run's target is 0.95
-    assert not result["chaos_errors"], result["chaos_errors"]
+    assert not result["chaos_errors"], summary

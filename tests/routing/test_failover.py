@@ -200,6 +200,46 @@ def test_a_server_joining_within_the_route_wait_takes_over(reference_and_dir):
         assert recorder.gap() < 15.0, f"the newcomer took over after {recorder.gap():.1f} s"
 
 
+@pytest.mark.timeout(60)
+def test_a_session_opening_while_blocks_have_no_server_waits_for_one(reference_and_dir, caplog):
+    """Found by the soak: a request arriving while the last servers of some blocks are gone (killed,
+    their replacements still loading) failed at once. Its open now waits ``route_wait`` seconds,
+    as a session does mid-generation, and goes on over the newcomer with the same tokens."""
+    with InProcessSwarm(reference_and_dir[1], [FIRST, FIRST, SECOND], swarm="open-wait") as swarm:
+        model = swarm.connect(refresh_period=0, route_wait=20.0)
+        swarm.kill(SECOND)
+        joiner = threading.Timer(0.5, swarm.add, args=(SECOND,))
+        joiner.start()
+        try:
+            with caplog.at_level(logging.WARNING, "shoal.client"):
+                out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        finally:
+            joiner.join(30)
+        assert torch.equal(out, reference_and_dir[0])
+        waits = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+        assert waits == ["no live server left for blocks 3-5: waiting up to 20 s for one to join"], waits
+
+
+@pytest.mark.timeout(60)
+def test_a_session_under_require_verified_waits_for_a_checker_to_join(reference_and_dir, caplog):
+    """Under ``require_verified`` an open whose blocks 3-5 have a single server (nobody to check it)
+    waits ``route_wait`` seconds for a second one before refusing: one joins, the session opens
+    with every block checked, and the tokens are the reference's."""
+    with InProcessSwarm(reference_and_dir[1], [FIRST, FIRST, SECOND], swarm="checker-wait") as swarm:
+        model = swarm.connect(refresh_period=0, route_wait=20.0, require_verified=True)
+        joiner = threading.Timer(0.5, swarm.add, args=(SECOND,))
+        joiner.start()
+        try:
+            with caplog.at_level(logging.WARNING, "shoal.client"):
+                out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        finally:
+            joiner.join(30)
+        assert torch.equal(out, reference_and_dir[0])
+        assert model.verification.unverified_blocks == 0, model.verification
+        waits = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+        assert waits == ["no other server can check blocks 3-5 yet: waiting up to 20 s for one to join"], waits
+
+
 def test_the_default_route_wait_is_at_most_10_seconds():
     from shoal.client.config import ClientConfig
 

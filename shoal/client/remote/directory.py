@@ -333,12 +333,16 @@ class ServerDirectory:
             left = deadline - time.monotonic()
             if left <= 0:
                 return missing
-            await asyncio.sleep(min(WAIT_POLL, left))
-            try:  # the swarm's tables and the given servers, asked again
-                await asyncio.wait_for(self.refresh(), max(deadline - time.monotonic(), 0.01))
-            except Exception as exc:  # a failed look is one more reason to keep waiting, not an error
-                log.debug("looking for servers again failed: %r", exc)
+            await self.look_again(left)
         return []
+
+    async def look_again(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        await asyncio.sleep(min(WAIT_POLL, timeout))
+        try:  # the swarm's tables and the given servers, asked again
+            await asyncio.wait_for(self.refresh(), max(deadline - time.monotonic(), 0.01))
+        except Exception as exc:  # a failed look is one more reason to keep waiting, not an error
+            log.debug("looking for servers again failed: %r", exc)
 
     # ---- RouteFeedback (shoal.client.remote.feedback): what sessions report and expect ----------------
 

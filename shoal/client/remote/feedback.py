@@ -100,5 +100,10 @@ class RoutePlanner(Protocol):
         outside ``exclude``, or ``timeout`` seconds pass; returns the blocks still missing."""
         ...
 
+    async def look_again(self, timeout: float) -> None:
+        """A moment's pause (``WAIT_POLL``, at most ``timeout`` s), then the swarm's servers listed
+        again: for a caller waiting for servers to join. A failed look is not an error."""
+        ...
+
 
 __all__ = ["RouteFeedback", "RoutePlanner", "SpanKey"]

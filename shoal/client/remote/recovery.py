@@ -10,8 +10,9 @@ session to install.
   plan drawn again. A draining server's replacement of the very same span is first offered the
   session's KV pages instead (:mod:`shoal.server.migrate`): no replay when they arrive and their
   inputs' digest is the client's own;
-* when no live server is left for some blocks, one bounded wait (``route_wait`` seconds, the
-  client's setting) for a server to join with them, announced in one line; then
+* when no live server is left for some blocks (mid-session, or already when the session opens),
+  one bounded wait (``route_wait`` seconds, the client's setting) for a server to join with them,
+  announced in one line; then
   :class:`~shoal.routing.NoRouteError` naming those blocks. Otherwise a bounded number of attempts
   (``MAX_RECOVERIES``) before it gives up;
 * a draining server nobody can replace yet keeps serving; its replacement is looked for again at
@@ -171,15 +172,23 @@ class ChainRecovery:
         failed: set[str] = self._known_dead()
         busy: BusyError | None = None  # the last "no room" answer (a full server is left out, not banned)
         broken = False
+        waited: float | None = None
         for attempt in range(MAX_RECOVERIES + 1):
             try:
                 route = self.planner.route_inference(
                     0, cache_tokens=self.cache_tokens, push=self.push, exclude=failed, needs=self.needs
                 )
-            except NoRouteError:
+            except NoRouteError as exc:
                 if busy is not None and not broken:  # only full servers could take it: busy, not unavailable
                     raise busy from None
-                raise
+                if waited is not None or self.route_wait <= 0 or not exc.missing:
+                    raise
+                # blocks without a live server, as when one fails mid-session: a replacement
+                # (placement sends newcomers there) gets ``route_wait`` seconds to join
+                waited = self.route_wait
+                if await self._wait_for_servers(0, failed):
+                    raise gave_up(self.planner, failed, 0, exc, self.needs, waited) from exc
+                continue
             results = await asyncio.gather(*(self._open_or_give_up(span) for span in route), return_exceptions=True)
             errors = [(span, r) for span, r in zip(route, results, strict=True) if isinstance(r, BaseException)]
             if not errors:

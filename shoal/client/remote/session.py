@@ -25,6 +25,8 @@ servers only through :class:`~shoal.client.remote.feedback.RouteFeedback`.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
@@ -39,12 +41,14 @@ from shoal.client.remote.recovery import DRAIN_RETRY_SECONDS, MAX_RECOVERIES, Ch
 from shoal.client.verification.audit import Conviction, LieDetected, UnsettledDispute, UnverifiedBlocks, Verification
 from shoal.client.verification.auditors import Audits
 from shoal.errors import BadRequest, ShoalError
-from shoal.routing import NoRouteError, ServerSpan
+from shoal.routing import NoRouteError, ServerSpan, format_blocks
 from shoal.verify.receipts import ReceiptError
 from shoal.wire.schema import RECEIPTS, OpenRequest, Receipt
 
 if TYPE_CHECKING:
     from shoal.client.remote.sequence import RemoteSequence
+
+log = logging.getLogger(__name__)
 
 
 class RemoteSession(SessionPositions):
@@ -62,6 +66,7 @@ class RemoteSession(SessionPositions):
         self.runtime = sequence.runtime
         self.num_blocks = sequence.num_blocks
         directory = sequence.directory
+        self._directory = directory  # where the servers are listed (looked at again while waiting)
         adapter = sequence.adapter
         config = sequence.config
         request_deadline = config.transport.deadlines.request
@@ -139,7 +144,27 @@ class RemoteSession(SessionPositions):
             self._install(await self._recovery.open_chain())
         except NoRouteError as exc:
             raise self._unsettled(exc) from exc
-        await self._follow(())
+        if self._audits is not None:
+            await self._audits.follow(self._driver.hops, self._history, self._position, ())
+            if self._require_verified:
+                await self._wait_for_checkers(self._recovery.route_wait)
+        self._check_verified()
+
+    async def _wait_for_checkers(self, timeout: float) -> None:
+        """Under ``require_verified``, a chain with blocks nothing checks waits up to ``timeout``
+        seconds (the client's ``route_wait``) for a server able to check them to join, as a chain
+        missing blocks waits for one to serve them, rather than failing at once."""
+        assert self._audits is not None
+        deadline = time.monotonic() + timeout
+        if self.verification.unverified and timeout > 0:
+            log.warning(
+                "no other server can check blocks %s yet: waiting up to %g s for one to join",
+                format_blocks(list(self.verification.unverified)),
+                timeout,
+            )
+        while self.verification.unverified and (left := deadline - time.monotonic()) > 0:
+            await self._directory.look_again(left)
+            await self._audits.staff_unchecked(self._history)
 
     def _unsettled(self, error: NoRouteError) -> NoRouteError:
         """``error``, or the :class:`UnsettledDispute` that explains it: a dispute's servers would

@@ -26,7 +26,8 @@ Checkers may compute in another dtype than the hop (fp32 beside bf16): the compa
 the coarser tolerance (:func:`~shoal.verify.compare.tolerance_of`), and where the history was made by
 a hop since replaced, that hop's dtype counts too. An auditing client's routes avoid hops nobody
 can check (:data:`~shoal.routing.audits.UNAUDITED_PENALTY_MS`), and with ``require_verified`` a
-session with a block nobody checks fails (:class:`UnverifiedBlocks`) instead of generating.
+session with a block nobody checks fails (:class:`UnverifiedBlocks`) instead of generating, once
+its open has waited ``route_wait`` seconds for a server able to check it to join.
 
 A disagreement at position ``p`` is settled by a third opinion: a stateless ``forward`` of positions
 ``[0, end)`` of the recorded inputs (no cache needed) on servers that are neither the hop's nor the
@@ -48,7 +49,8 @@ kept with its reason by :meth:`~shoal.client.remote.feedback.RouteFeedback.dispu
 from its own routes, not a ban anyone testifies to). The session rolls back to ``p`` exactly as for
 a conviction, replaces the hop and ``generate`` regenerates from there; when no route is left without
 them, it fails with :class:`UnsettledDispute` rather than generate on over either. A span no other
-server can check at all is reported unverified. Generation never waits for a checker to appear.
+server can check at all is reported unverified. Generation never waits for a checker to appear
+(only the open of a session under ``require_verified`` does).
 
 Redundant mode (``verify="redundant"``) is this machinery with an audit after EVERY step
 (``audit_every`` is 1: it must be left unset or be 1) and auditors that form a second chain

@@ -130,6 +130,15 @@ class Audits:
         await asyncio.gather(*(self._staff(track, history) for track in staff))
         self._report()
 
+    async def staff_unchecked(self, history: SpanHistory) -> None:
+        """Look for checkers again for the hops that have none (a server able to check them may have
+        joined since the chain was installed)."""
+        lacking = [t for t in self.tracks if t.unverified]
+        for track in lacking:
+            track.unverified = False
+        await asyncio.gather(*(self._staff(track, history) for track in lacking))
+        self._report()
+
     async def _staff(self, track: Track, history: SpanHistory, exclude: Collection[str] = ()) -> None:
         """Find a checker for ``track``: an auditor session on an exact replica, its cache brought
         to ``track.audited`` (a replay of the recorded inputs); failing that (no replica, or none
