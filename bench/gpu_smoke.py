@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.generate import BlockTimer, Server, halves, run_once, summarize
+from bench.measure import BlockTimer, Server, halves, run_once, summarize
 from testkit.tiny import LARGE_INIT, TINY_SHAPE
 
 LLAMA3_8B = dict(

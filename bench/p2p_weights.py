@@ -1,7 +1,7 @@
 """Weights peer to peer: how fast a joining server fetches a span from the swarm's members, and what
 giving costs the givers' own decode latency.
 
-    scripts/isolated python -m bench.p2p_weights [--model qwen2.5-coder] [--blocks 0:24] [--idle-s 8]
+    scripts/isolated python -m bench.p2p_weights [--model qwen2.5-coder] [--blocks 0:24] [--idle-s 8] [--no-decode]
 
 Two ``shoal serve`` processes on loopback hold the model's files (``shoal models list``) and serve
 half the blocks each (one compute thread each); both give the model's chunks (``--give-rate``,
@@ -12,11 +12,17 @@ fetches ``--blocks`` twice into fresh directories, as a joining server does
 partial directory): first from one giver, then from both.
 
 Prints JSON: ``span_mb`` (the span's tensors), ``fetch_s_one_peer``, ``fetch_s_two_peers``,
-``mb_per_s`` (span over the two-peer fetch), ``fingerprint_check_s`` (the blocks' fingerprints
-checked against the model record once fetched, not in the fetch times), and
+``mb_per_s`` (span over the two-peer fetch), ``chunks_s_one_peer`` and ``chunks_s_two_peers`` (of
+those times, fetching, checking and writing the chunks: the rest is the manifest and the span's
+fsync at the end), ``fingerprint_check_s`` (the blocks' fingerprints checked against the model
+record once fetched, not in the fetch times), and
 ``decode_slowdown_of_senders``: the decoder's median step latency while a fetch ran over its median
 in the idle windows before and after (``decode_ms_idle``, ``decode_ms_sending``, step counts).
-The machine may be shared: numbers are what one run measured.
+What each side's CPU paid per MB fetched from two givers (Linux: from ``/proc``), what limits the
+rate on a machine with few free cores: ``fetcher_cpu_ms_per_mb`` (this process: receiving,
+checking, writing) and ``givers_cpu_ms_per_mb`` (both givers' processes together, their decoding
+included; with ``--no-decode`` no decoder runs, so it is the giving alone). The machine may be
+shared: numbers are what one run measured.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +55,21 @@ from shoal.weights.partial import PartialSpan
 
 SESSION_TOKENS = 256
 PROMPT = 16
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_s(pids: list[int]) -> float | None:
+    """CPU seconds (user and system, every thread) the processes ``pids`` used so far; None off Linux."""
+    try:
+        fields = [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() for pid in pids]
+    except OSError:
+        return None
+    return sum(int(f[11]) + int(f[12]) for f in fields) / TICK
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def decoder(spec: str) -> None:
@@ -116,7 +139,7 @@ async def fetch_once(node: Node, givers: list[Ticket], record, model: str, block
     return time.perf_counter() - started, report
 
 
-def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict:
+def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float, decode: bool = True) -> dict:
     model_dir = fetch_model(model)
     name = model_name(str(model_dir))
     extra = ["--num-threads", "1", "--throughput", "100", "--give-rate", str(give_rate)]
@@ -140,7 +163,10 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
             raise RuntimeError("the givers did not announce the model's manifest")
 
         record, givers = run_loop(table())
-        decoder_child = Decoder(model_dir, tickets)
+        giver_pids = [s.proc.pid for s in swarm.running if s.ticket.peer_id in {g.peer_id for g in givers}]
+        decoder_child = Decoder(model_dir, tickets) if decode else None
+        idle_s = idle_s if decode else 0.0
+        cpu: dict[str, float | None] = {}
         windows: dict[str, list[tuple[float, float]]] = {"idle": [], "sending": []}
         results = {}
         try:
@@ -157,18 +183,22 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
                         finally:
                             await node.close(linger=0.2)
 
-                    begin = time.time()
+                    begin, fetcher_before, givers_before = time.time(), own_cpu_s(), cpu_s(giver_pids)
                     results[label] = run_loop(fetch())
                     windows["sending"].append((begin, time.time()))
+                    cpu["fetcher"], givers_after = own_cpu_s() - fetcher_before, cpu_s(giver_pids)
+                    cpu["givers"] = givers_after - givers_before if givers_after is not None else None
                     time.sleep(idle_s)
                     windows["idle"].append((time.time() - idle_s, time.time()))
                 checked = time.perf_counter()
                 check_fingerprints(Path(scratch) / "two", record, blocks)
                 check_s = time.perf_counter() - checked
         finally:
-            decoder_child.stop()
-    idle = [ms for w in windows["idle"] for ms in decoder_child.between(*w)]
-    sending = [ms for w in windows["sending"] for ms in decoder_child.between(*w)]
+            if decoder_child is not None:
+                decoder_child.stop()
+    steps = decoder_child.between if decoder_child is not None else lambda start, end: []
+    idle = [ms for w in windows["idle"] for ms in steps(*w)]
+    sending = [ms for w in windows["sending"] for ms in steps(*w)]
     (one_s, one), (two_s, two) = results["one"], results["two"]
     span_mb = two.bytes / 1e6
     return {
@@ -177,6 +207,8 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
         "span_mb": round(span_mb, 1),
         "fetch_s_one_peer": round(one_s, 2),
         "fetch_s_two_peers": round(two_s, 2),
+        "chunks_s_one_peer": round(one.seconds, 2),  # the chunks alone: no manifest, no fsync of the span at the end
+        "chunks_s_two_peers": round(two.seconds, 2),
         "mb_per_s": round(span_mb / two_s, 1),
         "mb_per_s_one_peer": round(one.bytes / 1e6 / one_s, 1),
         "chunks": two.fetched,
@@ -189,6 +221,8 @@ def run(model: str, blocks: BlockRange, idle_s: float, give_rate: float) -> dict
         "decode_slowdown_of_senders": round(statistics.median(sending) / statistics.median(idle), 3)
         if idle and sending
         else None,
+        "fetcher_cpu_ms_per_mb": round(cpu["fetcher"] * 1e3 / span_mb, 2),
+        "givers_cpu_ms_per_mb": round(cpu["givers"] * 1e3 / span_mb, 2) if cpu["givers"] is not None else None,
         "give_rate_mb_s_per_giver": give_rate,
     }
 
@@ -199,12 +233,14 @@ def main() -> None:
     parser.add_argument("--blocks", default="0:24", help="the span fetched")
     parser.add_argument("--idle-s", type=float, default=8.0, help="seconds of decoding measured with no fetch")
     parser.add_argument("--give-rate", type=float, default=256.0, help="MB/s each giver gives at most")
+    parser.add_argument("--no-decode", action="store_true", help="no decoder: the CPU keys are the giving alone")
     parser.add_argument("--decoder", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.decoder:
         decoder(args.decoder)
         return
-    print(json.dumps(run(args.model, parse_blocks(args.blocks), args.idle_s, args.give_rate), indent=2))
+    result = run(args.model, parse_blocks(args.blocks), args.idle_s, args.give_rate, not args.no_decode)
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

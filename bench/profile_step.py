@@ -280,7 +280,7 @@ def reference_compute(path: Path, new_tokens: int, threads_list: list[int]) -> d
     """The half spans and the client head, in-process, per decode step; plain transformers per token."""
     from transformers import AutoModelForCausalLM
 
-    from bench.generate import CpuMeter, halves, run_once
+    from bench.measure import CpuMeter, halves, run_once
     from shoal.checkpoints import load_config, load_tensors, span_tensor_filter
     from shoal.models import get_family
 
@@ -367,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
-    from bench.generate import CpuMeter, halves, model_dir, prompt_ids, run_once
+    from bench.measure import CpuMeter, halves, run_once
+    from bench.models import model_dir, prompt_ids
     from shoal import AutoDistributedModelForCausalLM
     from shoal.checkpoints import load_config
     from shoal.heap import freeze_startup_heap

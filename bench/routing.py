@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor
 
-from bench.generate import CpuMeter, Server, model_dir, prompt_ids, run_once
+from bench.measure import CpuMeter, Server, run_once
+from bench.models import model_dir, prompt_ids
 from shoal import AutoDistributedModelForCausalLM
 from shoal.checkpoints import load_config
 from shoal.heap import freeze_startup_heap

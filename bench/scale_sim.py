@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bench.registry import EPOCH, MODEL, RELAY, SWARM, SimConfig
+from bench.registry_peer import EPOCH, MODEL, RELAY, SWARM, SimConfig
 from shoal import __version__
 from shoal.ids import BlockRange
 from shoal.swarm.messages import ENTRY, ID_BYTES

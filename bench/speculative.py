@@ -13,7 +13,7 @@ window planner choosing every round's window), side by side in the same swarm. P
   that quote a text and ask for it edited (the answer copies long runs of the prompt);
 - ``real``: SmolLM2-135M-Instruct drafting for Qwen2.5-Coder-0.5B-Instruct: different tokenizers,
   so transformers' universal assisted decoding (greedy);
-- ``controlled08``, ``controlled05``: the ~270M random llama of ``bench.generate`` (hidden 1024, 16
+- ``controlled08``, ``controlled05``: the ~270M random llama of ``bench.models`` (hidden 1024, 16
   layers, 32k vocabulary) as the target, built so that a draft at 1/50 of its multiply-adds per token
   can predict it: its LM head has rank 128 (``U @ P``, ``P`` orthonormal rows) and its blocks' output
   projections are scaled by ``BLOCK_SCALE``, so its next token depends mostly on the last one. The
@@ -84,7 +84,7 @@ def controlled_target() -> tuple[Path, torch.Tensor, torch.Tensor]:
     factors ``U`` [vocab, rank] and ``P`` [rank, hidden]."""
     from transformers import LlamaForCausalLM
 
-    from bench.generate import llama270m_config
+    from bench.models import llama270m_config
 
     out = shoal_home() / "bench" / f"spec-target-{BLOCK_SCALE:g}"
     factors = out / "head_factors.pt"

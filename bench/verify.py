@@ -2,7 +2,7 @@
 
     scripts/isolated python -m bench.verify [--rounds 2] [--new-tokens 128] [--audit-every 4 8 16 32]
 
-The ~270M random llama of ``bench.generate`` (hidden 1024, 16 layers), 2 spans (blocks 0-7, 8-15)
+The ~270M random llama of ``bench.models`` (hidden 1024, 16 layers), 2 spans (blocks 0-7, 8-15)
 x 3 replicas, one torch thread per server, all in this process (``shoal.launch.InProcessSwarm``, on
 the in-memory network: the 2 cores here are shared by the six servers and the client). Clients
 over the same servers: ``verify="off"``, the default (``from_pretrained`` with no ``verify``:
@@ -27,7 +27,7 @@ import time
 import msgspec
 import torch
 
-from bench.generate import model_dir
+from bench.models import model_dir
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from shoal.verify.receipts import ReceiptSigner, adapter_tag, sign_receipt, weights_digest

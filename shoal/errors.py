@@ -33,7 +33,7 @@ one boundary, :mod:`shoal.transport.node`, so nothing above the transport ever s
     │   └── Equivocation            ... a server pushed one tensor and answered another
     ├── Rejected                    a judge's finding against evidence [verify.evidence]
     ├── NoEvidence                  the client cannot build evidence of a lie [verify.evidence]
-    ├── RecordError                 a swarm record was rejected [swarm.records]
+    ├── RecordError                 a swarm record was rejected [swarm.fields]
     ├── PushRefused                 a push route names a peer this server does not push to [server.push]
     ├── MembershipError             a member certificate that does not parse or verify [swarm.members]
     ├── CheckpointError             a checkpoint lacks tensors or shards, or is not safetensors [checkpoints.loading]

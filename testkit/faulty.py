@@ -4,9 +4,10 @@ that exist already, without a flag or hook in ``shoal/``:
 * the backend: :class:`FaultyBackend` takes the place of the server's :class:`SpanBackend` (same
   interface; its input checks and cache allocation pass through unchanged) and alters what a step
   computes (skipped or re-weighted blocks, a stale cache) or returns (noise, zeros, its input);
-* the streams the server answers on: :class:`FaultyStream` delays or drops replies;
-* the node the server pushes through: :class:`FaultyNode` hands out push streams that carry another
-  tensor to the next server than the one the client gets (equivocation).
+* the streams the server answers on: :class:`~testkit.faulty_streams.FaultyStream` delays or drops
+  replies;
+* the node the server pushes through: :class:`~testkit.faulty_streams.FaultyNode` hands out push
+  streams that carry another tensor to the next server than the one the client gets (equivocation).
 
 The three share a :class:`FaultState`: the faults, the :class:`~testkit.faults.FaultRecord`, and the
 outputs in flight (found again by identity when the server sends them: the reply and the push carry
@@ -33,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.launch.inprocess import LOOPBACK
 from shoal.server.backend import SpanBackend
 from shoal.server.handler import BlockServer
 from shoal.server.presence import LoadingGate
 from shoal.transport import BaseNode, MemoryNetwork, MessageStream, Node, Ticket, TransportConfig
-from shoal.wire import Message
 from shoal.wire.messages import FRAME_HEAD, FRAME_PREFIX
 from testkit.faults import (
     BLOCK_FAULTS,
@@ -58,8 +59,8 @@ from testkit.faults import (
     Zeros,
     fault_name,
 )
+from testkit.faulty_streams import FaultyNode, FaultyStream
 
-LOOPBACK = TransportConfig(bind_addr="127.0.0.1:0")
 _MAX_IN_FLIGHT = 64  # outputs remembered until their reply goes out (bounded: some never do)
 
 
@@ -361,69 +362,6 @@ class FaultyBackend:
     def _noise_like(self, i: int, honest: torch.Tensor, relative: float) -> torch.Tensor:
         noise = torch.randn(honest.shape, generator=self._noise[i])
         return noise * (relative * honest.float().norm() / noise.norm().clamp_min(1e-30))
-
-
-class _Wrapped:
-    """Stands in for ``inner`` (a stream or a node): what a subclass does not override goes to it."""
-
-    def __init__(self, inner: Any, state: FaultState):
-        self._inner = inner
-        self._state = state
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class FaultyStream(_Wrapped):
-    """A stream the server answers on: replies are delayed, or dropped, as the faults say."""
-
-    async def send(self, message: Message) -> None:
-        state = self._state
-        if state.crashed:
-            return
-        issued = state.find(message.tensors[0], remove=True) if message.tensors else None
-        call = None if issued is None else issued.call
-        step, session = (None, None) if call is None else (call.step, call.session)
-        if issued is not None and issued.drop:
-            state.record.add(Alteration(fault="drop_reply", step=step, session=session, positions=call.positions,
-                                        detail=f"reply {message.id} dropped"))  # fmt: skip
-            return
-        if issued is not None and issued.garbage is not None:
-            state.record.add(Alteration(fault="malformed", step=step, session=session, positions=call.positions,
-                                        detail=f"reply {message.id} sent as garbage"))  # fmt: skip
-            await self._inner.send_raw(issued.garbage)
-            return
-        if state.delay:
-            state.record.add(Alteration(fault="reply_delay", step=step, session=session,
-                                        detail=f"{message.kind} {message.id} delayed {state.delay:g} s"))  # fmt: skip
-            await asyncio.sleep(state.delay)
-            if state.crashed:
-                return
-        await self._inner.send(message)
-
-
-class _PushStream(_Wrapped):
-    """A stream to the next server of a chain: an equivocating server swaps the pushed output."""
-
-    async def send(self, message: Message) -> None:
-        state = self._state
-        if state.crashed:
-            return
-        issued = state.find(message.tensors[0]) if message.kind == "push" and message.tensors else None
-        if issued is not None and issued.push is not None:
-            call = issued.call
-            state.record.add(Alteration(fault="equivocate", step=call.step, session=call.session,
-                                        positions=call.positions, size=issued.push_size,
-                                        detail="pushed another output than the reply"))  # fmt: skip
-            message = Message(message.kind, message.id, message.meta, [issued.push, *message.tensors[1:]])
-        await self._inner.send(message)
-
-
-class FaultyNode(_Wrapped):
-    """The node a faulty server pushes through: every stream it opens is a :class:`_PushStream`."""
-
-    async def open_stream(self, *args: Any, **kwargs: Any) -> _PushStream:
-        return _PushStream(await self._inner.open_stream(*args, **kwargs), self._state)
 
 
 class FaultyBlockServer(BlockServer):

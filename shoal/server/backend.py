@@ -165,10 +165,9 @@ class SpanBackend(SpanInputs):
     ) -> torch.Tensor:
         """Blocks ``[start, end)`` (model indices, within the span) of a stateless forward, forward
         class, in chunks: a client auditing a hop through pieces of other servers' spans asks for it."""
-        first = start - self.span.start
+        first, last = self._sub_span(start, end)
         try:
-            return await self._in_chunks(Priority.FORWARD, hidden, position_ids, mask, first, first + end - start,
-                                         adapter, peer)  # fmt: skip
+            return await self._in_chunks(Priority.FORWARD, hidden, position_ids, mask, first, last, adapter, peer)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -185,10 +184,15 @@ class SpanBackend(SpanInputs):
         """Blocks ``[start, end)`` (within the span) of a stateless pass over ``[0, P)``, at the lowest
         priority, in ``hidden``'s dtype, in chunks (:meth:`_in_chunks`). Judging another server's
         evidence (:mod:`shoal.server.judge`) must never hold up this server's own sessions for long."""
+        first, last = self._sub_span(start, end)
+        return await self._in_chunks(Priority.TRAINING, hidden, position_ids, mask, first, last, adapter)
+
+    def _sub_span(self, start: int, end: int) -> tuple[int, int]:
+        """Blocks ``[start, end)`` (model indices) as ``[first, last)`` within the span; BadRequest
+        when they are not within it."""
         if not self.span.start <= start < end <= self.span.end:
             raise BadRequest(f"blocks {start}:{end} are not within this span {self.span.start}:{self.span.end}")
-        first = start - self.span.start
-        return await self._in_chunks(Priority.TRAINING, hidden, position_ids, mask, first, first + end - start, adapter)
+        return start - self.span.start, end - self.span.start
 
     async def _in_chunks(
         self,

@@ -41,7 +41,7 @@ from shoal.server.judge import Judge, Jurisdiction
 from shoal.server.preflight import CheckedServer, check_blocks
 from shoal.server.presence import Loader, LoadingGate, Presence
 from shoal.server.push import Pusher
-from shoal.server.scheduler import ComputeScheduler, Priority
+from shoal.server.scheduler import ComputeScheduler
 from shoal.swarm.members import public_key, read_certificate, refusal
 from shoal.swarm.records import State
 from shoal.swarm.swarmid import model_digest, new_swarm_id, owner_tag, parse_swarm_id
@@ -178,16 +178,16 @@ async def come_online(
 
 def make_giver(checked: CheckedServer, compute: Executor) -> Giver | None:
     """What gives the model's weights to peers (None when this server does not hold every file):
-    its manifest built (or read from beside the checkpoint), its reads queued as the compute
-    thread's lowest class of work, at most ``give_rate`` bytes per second."""
+    its manifest built (or read from beside the checkpoint), its chunks read on a thread of its own
+    while the compute thread has no step to run (or a short wait is over), at most ``give_rate``
+    bytes per second."""
     model = checked.model
     built = cached_manifest(model.model_dir, model_name(checked.config.model), checked.config.weights_chunk)
     if built is None:
         return None
     manifest, data = built
-    lowest = isinstance(compute, ComputeScheduler)
-    read = functools.partial(compute.submit_as, Priority.GIVING) if lowest else compute.submit
-    return Giver(model.model_dir, manifest, data, manifest_digest(data), read, checked.config.give_rate)
+    busy = compute.busy if isinstance(compute, ComputeScheduler) else None
+    return Giver(model.model_dir, manifest, data, manifest_digest(data), checked.config.give_rate, busy=busy)
 
 
 def load_block_server(

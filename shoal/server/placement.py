@@ -19,23 +19,27 @@ nobody covers stops it. A :class:`Balance` sums that up as (uncovered blocks, bo
   7:11 -> 8:12 covers everything. Neutral moves are tried only for uncovered blocks, so a healthy swarm
   never churns on predictions.
 
-Spans are half-open ``[start, end)``.
+What they weigh is :func:`counted`: the records of servers that will really serve, each at a capped
+throughput (see there). Spans are half-open ``[start, end)``.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+import statistics
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from shoal.ids import BlockRange, OnBlocks, PeerId
+from shoal.swarm.records import ServerRecord, State
 
 MIN_THROUGHPUT = 1e-6  # a server announcing 0 still covers its blocks
 DEFAULT_MARGIN = 1.2
 MAX_NEUTRAL_CANDIDATES = 16  # neutral windows simulated per check
 MAX_SIMULATED_ROUNDS = 4
+THROUGHPUT_CAP = 4.0  # a record counts at most this many times the median counted throughput
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,39 @@ class Move(OnBlocks):
     @property
     def neutral(self) -> bool:
         return self.expected != self.after
+
+
+def counted(
+    records: Iterable[ServerRecord], now: float, admitted: Collection[str], convicted: Collection[str], me: str = ""
+) -> list[Placed]:
+    """The servers placement weighs among ``records`` (one model's, any state): those that will
+    really serve. Left out: ``offline`` records (a server says so before it drains, and a moving
+    one announces its new span ``joining`` and counts there), expired ones, those of peers not in
+    ``admitted`` (this server has not reached them at the record's addresses: a SIGKILLed server's
+    record lives on until it expires, ``--expiry`` 180 s by default) and those ``convicted`` by the
+    swarm's verdicts (a liar's record stays online until it leaves, while clients route around it).
+    ``me``, this server's own record, always counts.
+
+    No record is vouched for: a joining server has seen nobody compute, so whatever it counts is a
+    claim. Counting a server that will not serve leaves its span thinner than it looks, while
+    leaving out one that would only puts a newcomer where it was needed a little less: when unsure,
+    a record does not count. The two cheap claims are bounded: existence needs a live endpoint per
+    key (admission), and throughput, a number, counts at most :data:`THROUGHPUT_CAP` times the
+    median of the counted records' (a key announcing a billion tokens/s weighs as a few servers,
+    not as all newcomers' worth). A Sybil that runs many answering keys on one span still steers
+    newcomers away from it: without evidence of work no placement rule can tell those keys from
+    servers; what they cannot do is serve wrong unseen (audits and verdicts catch that, and a
+    conviction takes them out of this count)."""
+    live = [
+        r
+        for r in records
+        if r.peer == me
+        or (r.state is not State.OFFLINE and r.expires > now and r.peer in admitted and r.peer not in convicted)
+    ]
+    if not live:
+        return []
+    cap = THROUGHPUT_CAP * statistics.median(max(r.throughput, MIN_THROUGHPUT) for r in live)
+    return [Placed(PeerId(r.peer), r.blocks, min(r.throughput, cap)) for r in live]
 
 
 def block_throughputs(servers: Iterable[Placed], num_blocks: int) -> np.ndarray:

@@ -25,20 +25,22 @@ from shoal.protocols import BLOCKS, WEIGHTS
 from shoal.server.announce import Announcement
 from shoal.server.handler import BlockServer
 from shoal.server.judge import Jurisdiction
-from shoal.server.placement import Balance, Placed, choose_span, plan_move
+from shoal.server.placement import Balance, Placed, choose_span, counted, plan_move
 from shoal.server.preflight import CheckedServer
 from shoal.server.throughput import announced_throughput, cached_compute, default_num_blocks, measure_network
+from shoal.swarm.liveness import Reach
 from shoal.swarm.members import refusal
-from shoal.swarm.records import State
+from shoal.swarm.records import ServerRecord, State
 from shoal.swarm.service import SWARM, SwarmService, fetch_table, join_failure, reach_any
 from shoal.swarm.table import RecordTable
-from shoal.swarm.verdicts import VerdictKeeper
+from shoal.swarm.verdicts import VerdictKeeper, convicted
 from shoal.transport import BaseNode, Handler, Protocol, Ticket
 from shoal.weights.give import Giver
 from shoal.wire import InvalidMessage, error_message
 
 log = logging.getLogger(__name__)
 MAX_DEFERRALS = 3  # re-checks in a row a server leaves a move to another one
+ADMIT_ROUNDS = 3  # rounds of probes of unreached records before a joining server places itself
 Loader = Callable[[BlockRange], Awaitable[BlockServer]]  # loads a span on the compute thread
 
 
@@ -147,7 +149,8 @@ class Presence:
                     await fetch_table(self.node, reached, self.config.transport.deadlines.request)
                 except Forbidden as exc:
                     raise ShoalError(f"cannot join the swarm: {exc}") from None
-        await self.service.join()
+        if not await self.service.join():
+            log.warning("no peer of the tickets gave its table yet: gossip brings it")
         self.service.start()
         await self.measure()
 
@@ -213,14 +216,13 @@ class Presence:
         )  # fmt: skip
 
     # ---- placement -------------------------------------------------------------------------
+    def records(self) -> list[ServerRecord]:
+        """Every record of this model's servers in the table, whatever its state or reach."""
+        return self.service.table.servers(self.model, include_offline=True, include_unreachable=True)
+
     def placed(self) -> list[Placed]:
-        """Online and joining servers of this model in the table."""
-        now = time.time()
-        return [
-            Placed(r.peer, r.blocks, r.throughput)
-            for r in self.service.table.servers(self.model)
-            if r.expires > now and r.state is not State.OFFLINE
-        ]
+        """The servers of this model that placement counts (:func:`placeable`)."""
+        return placeable(self.service.table, self.model, self.node.id, time.time())
 
     async def choose(self) -> BlockRange:
         config = self.config
@@ -237,9 +239,19 @@ class Presence:
         n = min(n, self.total)
         if not config.new_swarm:  # let servers starting at the same time see each other's choices
             await asyncio.sleep(config.gossip.period * self.rng.uniform(1.0, 2.0))
+            # the table as the peers hold it now: the join's pull may have failed or its records
+            # expired since (a loaded machine placed servers over an empty table, as on a new swarm)
+            if not await self.service.pull():
+                log.warning("no peer of the tickets answered: placing by the table gossip brought")
+            # placement counts only servers this one has reached (counted): reach them now, and
+            # those whose records came meanwhile (servers starting together)
+            for _ in range(ADMIT_ROUNDS):
+                if not await self.service.admit([r for r in self.records() if r.state is not State.OFFLINE]):
+                    break
         others = [p for p in self.placed() if p.peer != self.node.id]
         span = choose_span(others, self.total, n, self.announcement.throughput, self.rng)
-        log.info("placed at blocks %s of %d (%d servers in the swarm)", span, self.total, len(others))
+        seen = sum(r.peer != self.node.id for r in self.records())
+        log.info("placed at blocks %s of %d (%d servers counted of %d records)", span, self.total, len(others), seen)
         return span
 
     async def keep_balanced(self, load: Loader) -> None:
@@ -312,10 +324,19 @@ class Presence:
             await self.service.announce_to_all(self.announcement.set_state(State.OFFLINE))
 
 
+def placeable(table: RecordTable, model: str, me: str, now: float) -> list[Placed]:
+    """What placement weighs in ``table`` (:func:`~shoal.server.placement.counted`): every record of
+    ``model``'s servers, those of them this peer (``me``) has reached, and whom the swarm's verdicts
+    convict (a server's view: judges it has reached)."""
+    records = table.servers(model, include_offline=True, include_unreachable=True)
+    admitted = {r.peer for r in records if table.reach(r) is Reach.REACHABLE}
+    return counted(records, now, admitted, convicted(table, model, now), me=me)
+
+
 def describe_balance(balance: Balance) -> str:
     if balance.uncovered:
         return f"{balance.uncovered} uncovered blocks"
     return f"bottleneck {balance.bottleneck:.3g} tokens/s"
 
 
-__all__ = ["MAX_DEFERRALS", "Loader", "LoadingGate", "Presence", "describe_balance"]
+__all__ = ["MAX_DEFERRALS", "Loader", "LoadingGate", "Presence", "describe_balance", "placeable"]

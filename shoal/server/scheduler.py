@@ -36,7 +36,7 @@ class Priority(IntEnum):
     INFERENCE = 0  # session steps, a session's cache allocation, loading and warm-up
     FORWARD = 1  # stateless forwards
     TRAINING = 2  # the chunks of a backward
-    GIVING = 3  # reading chunks of the model's weights for peers that fetch them (shoal.weights.give)
+    GIVING = 3  # the lowest class (shoal.weights.give reads on its own thread, yielding while busy() says so)
 
 
 @dataclass
@@ -119,6 +119,7 @@ class ComputeScheduler(Executor):
         self._ran = dict.fromkeys(Priority, 0)
         self._jumped = {(high, low): 0 for high in Priority for low in Priority if low > high}
         self._num_threads = num_threads
+        self._running: Priority | None = None  # the class of the task running now
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -144,6 +145,13 @@ class ComputeScheduler(Executor):
         """Tasks of class ``priority`` waiting now (not counting the one running)."""
         with self._wake:
             return len(self._queues[priority])
+
+    def busy(self, below: Priority = Priority.GIVING) -> bool:
+        """Whether a task of a class more urgent than ``below`` runs or waits now: work that must
+        not slow such tasks (e.g. giving weights) polls this to wait for a gap. A lock-free read: a
+        moment stale at worst."""
+        running = self._running
+        return (running is not None and running < below) or any(self._queues[p] for p in Priority if p < below)
 
     def counts(self) -> SchedulerCounts:
         with self._wake:
@@ -184,6 +192,7 @@ class ComputeScheduler(Executor):
             if not task.future.set_running_or_notify_cancel():
                 return None
             self._ran[priority] += 1
+            self._running = priority
             for low in Priority:
                 oldest = self._queues[low].oldest_seq() if low > priority else None
                 if oldest is not None and oldest < task.seq:
@@ -196,6 +205,7 @@ class ComputeScheduler(Executor):
             torch.set_num_threads(self._num_threads)
         while (task := self._next()) is not None:
             task.run()
+            self._running = None
             del task  # drop the result before waiting for the next one
 
 

@@ -29,8 +29,8 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
+from shoal.swarm.fields import MAX_FIELD_LEN, RecordError
 from shoal.swarm.liveness import MAX_REPORTED
-from shoal.swarm.records import MAX_FIELD_LEN, RecordError
 
 ENTRY = struct.Struct(">8sd")  # key id, timestamp
 ID_BYTES = 8

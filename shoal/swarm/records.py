@@ -15,8 +15,6 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
-import math
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,29 +25,32 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from msgspec import DecodeError, ValidationError
 from msgspec.msgpack import Decoder
 
-from shoal.errors import ShoalError
 from shoal.ids import BlockRange, OnBlocks
 from shoal.quantization.formats import Quantization
+from shoal.swarm.fields import (
+    RecordError,
+    as_peer,
+    as_str,
+    as_swarm,
+    as_times,
+    expect,
+    is_adapter,
+    is_int,
+    is_num,
+    is_peer,
+    is_str,
+)
 from shoal.swarm.members import MAX_CERTIFICATE_BYTES
 from shoal.verify.receipts import COMPUTE_LABELS, signed_by
 from shoal.wire.schema import Receipt
 
 SIGNING_CONTEXT = b"shoal/record/1\0"
 MAX_RECORD_BYTES = 8192
-MAX_FIELD_LEN = 512  # strings, lists
 MAX_QUEUED = 1 << 16  # a server record's queued steps (a deeper queue is announced as this many)
 FINGERPRINT_BYTES = 32
 MANIFEST_DIGEST_BYTES = 32  # BLAKE3
 EVIDENCE_DIGEST_BYTES = 32  # a verdict names its evidence by sha256
 MAX_RECEIPT_BYTES = 1024  # a receipt is about 150 bytes
-
-
-class RecordError(ShoalError):
-    """A record was rejected. ``reason`` is a short tag counted by tables."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        self.reason = reason
-        super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
 class State(enum.StrEnum):
@@ -119,7 +120,7 @@ class ServerRecord(OnBlocks):
     def from_fields(cls, f: list) -> ServerRecord:
         # 15: before step_ms existed, 16: before capabilities, 17: full precision (or before quantization),
         # 18: no adapters (or before them), 19: no compute label (or before it), 20: nothing queued
-        _expect(len(f) in (15, 16, 17, 18, 19, 20, 21), "field count")
+        expect(len(f) in (15, 16, 17, 18, 19, 20, 21), "field count")
         swarm, peer, addrs, relay, model, start, end, fps, state, tput, free, rtts, version, ts, exp = f[:15]
         step_ms = f[15] if len(f) >= 16 else 0.0
         capabilities = f[16] if len(f) >= 17 else []
@@ -127,30 +128,30 @@ class ServerRecord(OnBlocks):
         adapters = f[18] if len(f) >= 19 else []
         compute = f[19] if len(f) >= 20 else ""
         queued = f[20] if len(f) == 21 else 0
-        known = _is_str(compute) and compute in COMPUTE_LABELS
-        _expect(len(f) < 20 or known or (len(f) == 21 and compute == ""), "compute")
-        _expect(_is_int(queued) and 0 <= queued <= MAX_QUEUED and (len(f) != 21 or queued), "queued")
-        _expect(_is_str(quantization) and quantization in Quantization.__members__.values(), "quantization")
-        _expect(len(f) != 18 or quantization != Quantization.NONE, "quantization")  # "none": only before adapters
-        _expect(isinstance(adapters, list) and len(adapters) <= 64 and (len(f) != 19 or adapters), "adapters")
-        _expect(all(_is_adapter(a) for a in adapters), "adapters")
-        _expect(len({a[0] for a in adapters}) == len(adapters), "adapters")
-        _expect(_is_num(step_ms) and 0 <= step_ms < 1e7, "step_ms")
-        _expect(isinstance(capabilities, list) and len(capabilities) <= 64, "capabilities")
-        _expect(all(_is_str(c) and len(c) <= 64 for c in capabilities), "capabilities")
-        _expect(isinstance(addrs, list) and len(addrs) <= 16 and all(_is_str(a) for a in addrs), "addrs")
-        _expect(relay is None or _is_str(relay), "relay")
-        _expect(_is_int(start) and _is_int(end) and 0 <= start < end <= 1 << 20, "span")
-        _expect(isinstance(fps, list) and len(fps) == end - start, "fingerprints")
-        _expect(all(isinstance(x, bytes) and len(x) == FINGERPRINT_BYTES for x in fps), "fingerprints")
-        _expect(state in State.__members__.values(), "state")
-        _expect(_is_num(tput) and tput >= 0 and _is_int(free) and free >= 0, "throughput/cache")
-        _expect(isinstance(rtts, list) and len(rtts) <= 64, "rtts")
-        _expect(all(isinstance(r, list) and len(r) == 2 and _is_peer(r[0]) and _is_num(r[1]) for r in rtts), "rtts")
-        _expect(_is_str(version), "version")
+        known = is_str(compute) and compute in COMPUTE_LABELS
+        expect(len(f) < 20 or known or (len(f) == 21 and compute == ""), "compute")
+        expect(is_int(queued) and 0 <= queued <= MAX_QUEUED and (len(f) != 21 or queued), "queued")
+        expect(is_str(quantization) and quantization in Quantization.__members__.values(), "quantization")
+        expect(len(f) != 18 or quantization != Quantization.NONE, "quantization")  # "none": only before adapters
+        expect(isinstance(adapters, list) and len(adapters) <= 64 and (len(f) != 19 or adapters), "adapters")
+        expect(all(is_adapter(a) for a in adapters), "adapters")
+        expect(len({a[0] for a in adapters}) == len(adapters), "adapters")
+        expect(is_num(step_ms) and 0 <= step_ms < 1e7, "step_ms")
+        expect(isinstance(capabilities, list) and len(capabilities) <= 64, "capabilities")
+        expect(all(is_str(c) and len(c) <= 64 for c in capabilities), "capabilities")
+        expect(isinstance(addrs, list) and len(addrs) <= 16 and all(is_str(a) for a in addrs), "addrs")
+        expect(relay is None or is_str(relay), "relay")
+        expect(is_int(start) and is_int(end) and 0 <= start < end <= 1 << 20, "span")
+        expect(isinstance(fps, list) and len(fps) == end - start, "fingerprints")
+        expect(all(isinstance(x, bytes) and len(x) == FINGERPRINT_BYTES for x in fps), "fingerprints")
+        expect(state in State.__members__.values(), "state")
+        expect(is_num(tput) and tput >= 0 and is_int(free) and free >= 0, "throughput/cache")
+        expect(isinstance(rtts, list) and len(rtts) <= 64, "rtts")
+        expect(all(isinstance(r, list) and len(r) == 2 and is_peer(r[0]) and is_num(r[1]) for r in rtts), "rtts")
+        expect(is_str(version), "version")
         return cls(
-            _swarm(swarm), _peer(peer), tuple(addrs), relay, _str(model), BlockRange(start, end), tuple(fps),
-            State(state), float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *_times(ts, exp),
+            as_swarm(swarm), as_peer(peer), tuple(addrs), relay, as_str(model), BlockRange(start, end), tuple(fps),
+            State(state), float(tput), free, tuple((p, float(ms)) for p, ms in rtts), version, *as_times(ts, exp),
             float(step_ms), tuple(sorted(set(capabilities))), Quantization(quantization),
             tuple(sorted((name, digest) for name, digest in adapters)), compute, queued,
         )  # fmt: skip
@@ -193,14 +194,16 @@ class ModelRecord:
 
     @classmethod
     def from_fields(cls, f: list) -> ModelRecord:
-        _expect(len(f) in (7, 8), "field count")  # 7: no manifest (or before manifests)
+        expect(len(f) in (7, 8), "field count")  # 7: no manifest (or before manifests)
         swarm, publisher, name, num_blocks, fps, ts, exp = f[:7]
         manifest = f[7] if len(f) == 8 else b""
-        _expect(_is_int(num_blocks) and 0 < num_blocks <= 4096, "num_blocks")
-        _expect(isinstance(fps, list) and len(fps) == num_blocks, "fingerprints")
-        _expect(all(isinstance(x, bytes) and len(x) == FINGERPRINT_BYTES for x in fps), "fingerprints")
-        _expect(len(f) == 7 or (isinstance(manifest, bytes) and len(manifest) == MANIFEST_DIGEST_BYTES), "manifest")
-        return cls(_swarm(swarm), _peer(publisher), _str(name), num_blocks, tuple(fps), *_times(ts, exp), manifest)
+        expect(is_int(num_blocks) and 0 < num_blocks <= 4096, "num_blocks")
+        expect(isinstance(fps, list) and len(fps) == num_blocks, "fingerprints")
+        expect(all(isinstance(x, bytes) and len(x) == FINGERPRINT_BYTES for x in fps), "fingerprints")
+        expect(len(f) == 7 or (isinstance(manifest, bytes) and len(manifest) == MANIFEST_DIGEST_BYTES), "manifest")
+        return cls(
+            as_swarm(swarm), as_peer(publisher), as_str(name), num_blocks, tuple(fps), *as_times(ts, exp), manifest
+        )
 
 
 @dataclass(frozen=True)
@@ -241,16 +244,16 @@ class VerdictRecord(OnBlocks):
 
     @classmethod
     def from_fields(cls, f: list) -> VerdictRecord:
-        _expect(len(f) == 10, "field count")
+        expect(len(f) == 10, "field count")
         swarm, judge, accused, model, start, end, evidence, receipt, ts, exp = f
-        _expect(_is_int(start) and _is_int(end) and 0 <= start < end <= 1 << 20, "span")
-        _expect(isinstance(evidence, bytes) and len(evidence) == EVIDENCE_DIGEST_BYTES, "evidence")
-        _expect(isinstance(receipt, bytes) and 0 < len(receipt) <= MAX_RECEIPT_BYTES, "receipt")
+        expect(is_int(start) and is_int(end) and 0 <= start < end <= 1 << 20, "span")
+        expect(isinstance(evidence, bytes) and len(evidence) == EVIDENCE_DIGEST_BYTES, "evidence")
+        expect(isinstance(receipt, bytes) and 0 < len(receipt) <= MAX_RECEIPT_BYTES, "receipt")
         record = cls(
-            _swarm(swarm), _peer(judge), _peer(accused), _str(model), BlockRange(start, end), evidence, receipt,
-            *_times(ts, exp),
+            as_swarm(swarm), as_peer(judge), as_peer(accused), as_str(model), BlockRange(start, end), evidence, receipt,
+            *as_times(ts, exp),
         )  # fmt: skip
-        _expect(record.judge != record.accused, "a judge cannot convict itself")
+        expect(record.judge != record.accused, "a judge cannot convict itself")
         disputed = record.disputed  # raises bad_receipt if it does not decode
         if (disputed.start, disputed.end) != (record.blocks.start, record.blocks.end):
             # pinned: a judge choosing other blocks could choose ones whose electorate it alone fills
@@ -307,9 +310,9 @@ class RevocationRecord:
 
     @classmethod
     def from_fields(cls, f: list) -> RevocationRecord:
-        _expect(len(f) == 5, "field count")
+        expect(len(f) == 5, "field count")
         swarm, owner, member, ts, exp = f
-        return cls(_swarm(swarm), _peer(owner), _peer(member), *_times(ts, exp))
+        return cls(as_swarm(swarm), as_peer(owner), as_peer(member), *as_times(ts, exp))
 
 
 Record = ServerRecord | ModelRecord | VerdictRecord | RevocationRecord
@@ -336,61 +339,6 @@ class SignedRecord:
     @property
     def timestamp(self) -> float:
         return self.record.timestamp
-
-
-def _expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise RecordError("malformed", what)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
-
-
-def _is_str(x) -> bool:
-    return isinstance(x, str) and 0 < len(x) <= MAX_FIELD_LEN
-
-
-_PEER_ID = re.compile(r"[0-9a-f]{64}")
-
-
-def _is_peer(x) -> bool:
-    return isinstance(x, str) and _PEER_ID.fullmatch(x) is not None
-
-
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # as shoal.wire.schema.AdapterName
-
-
-def _is_adapter(x) -> bool:
-    """``[name, digest]``: a LoRA adapter's name and the sha256 hex of its tensors."""
-    return (
-        isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and _ADAPTER_NAME.fullmatch(x[0]) is not None
-        and _is_peer(x[1])  # 64 lowercase hex digits, like a peer id
-    )  # fmt: skip
-
-
-def _str(x) -> str:
-    _expect(_is_str(x), "string field")
-    return x
-
-
-def _peer(x) -> str:
-    _expect(_is_peer(x), "peer id")
-    return x
-
-
-def _swarm(x) -> str:
-    _expect(_is_str(x) and len(x) <= 64, "swarm id")
-    return x
-
-
-def _times(ts, exp) -> tuple[float, float]:
-    _expect(_is_num(ts) and _is_num(exp) and 0 < ts < exp, "timestamp/expiry")
-    return float(ts), float(exp)
 
 
 def sign(record: Record, secret_key: bytes, cert: bytes | None = None) -> SignedRecord:
@@ -441,9 +389,9 @@ def decode(data: bytes) -> SignedRecord:
         fields = msgpack.unpackb(body, raw=False)
     except Exception:  # msgpack raises many types; any of them means garbage
         raise RecordError("malformed", "not msgpack [body, signature]") from None
-    _expect(isinstance(signature, bytes) and len(signature) == 64, "signature")
-    _expect(len(cert) <= 1 and all(isinstance(c, bytes) and len(c) <= MAX_CERTIFICATE_BYTES for c in cert), "cert")
-    _expect(isinstance(fields, list) and len(fields) >= 2 and fields[0] in _KINDS and fields[1] == 1, "kind/version")
+    expect(isinstance(signature, bytes) and len(signature) == 64, "signature")
+    expect(len(cert) <= 1 and all(isinstance(c, bytes) and len(c) <= MAX_CERTIFICATE_BYTES for c in cert), "cert")
+    expect(isinstance(fields, list) and len(fields) >= 2 and fields[0] in _KINDS and fields[1] == 1, "kind/version")
     try:
         record = _KINDS[fields[0]].from_fields(fields[2:])
     except (TypeError, ValueError) as exc:

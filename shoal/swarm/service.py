@@ -42,6 +42,8 @@ SWARM = Protocol("swarm", 2)
 MAX_FOLLOW_UPS = 4
 MIN_WATCH_PERIOD = 0.5  # seconds: fast in-process gossip must not turn into a ping storm
 MIN_LOOK_GAP = 0.05  # seconds between a report's wake-up and the probes it asks for
+MAX_ADMIT = 64  # records :meth:`SwarmService.admit` probes at once at most
+PULL_TRIES = 3  # rounds of syncs with the bootstrap peers while none answers (:meth:`SwarmService.pull`)
 SMALL_SWARM = 16  # up to this many gossip peers, a server found unreachable is reported to all
 
 
@@ -248,6 +250,18 @@ class SwarmService:
                 log.info("servers not answering: %s", ", ".join(p[:10] for p in gone))
                 self._tell_others(gone)
 
+    async def admit(self, records: Sequence[ServerRecord], most: int = MAX_ADMIT) -> int:
+        """Probe now, at once, those of ``records`` not reached yet (at most ``most``); how many it
+        probed. A decision that counts only admitted servers (placement) need not wait for the
+        watch rounds, which admit a big table a few records a round."""
+        due = [r for r in records if self.table.reach(r) is Reach.UNPROBED and r.peer != self.node.id][:most]
+        found = await asyncio.gather(*(self._probe(r) for r in due))
+        gone = [r.peer for r, newly in zip(due, found, strict=True) if newly]
+        if gone:
+            log.info("servers not answering: %s", ", ".join(p[:10] for p in gone))
+            self._tell_others(gone)
+        return len(due)
+
     async def _probe(self, record: ServerRecord) -> bool:
         """Ping ``record``'s server; True when it newly found it unreachable."""
         ticket = Ticket(record.peer, record.addrs, record.relay, self.table.swarm)
@@ -279,22 +293,24 @@ class SwarmService:
             return Ticket(peer, record.addrs, record.relay, self.table.swarm)
         return self.bootstrap.get(peer)
 
-    async def call(self, out: Outgoing, depth: int = 0) -> None:
+    async def call(self, out: Outgoing, depth: int = 0) -> bool:
+        """Send ``out`` and take its reply (then its follow-ups); whether the peer answered."""
         ticket = self.ticket_for(out.peer)
         if ticket is None:
-            return
+            return False
         try:
             message = Message("gossip", 1, Gossip(op=out.op), [blob(out.payload)])
             reply = await self.node.request(ticket, SWARM, message, self.call_timeout)
             if out.op == "suspect":
-                return
+                return True
             follow_ups = self.gossiper.on_reply(out, blob_bytes(reply))
         except (ShoalError, RemoteError) as exc:
             log.debug("gossip %s to %s failed: %s", out.op, out.peer[:10], exc)
-            return
+            return False
         self._wake()
         if depth < MAX_FOLLOW_UPS:
             await asyncio.gather(*(self.call(o, depth + 1) for o in follow_ups))
+        return True
 
     def _wake(self) -> None:
         if self.gossiper.has_news():
@@ -305,11 +321,23 @@ class SwarmService:
         self.gossiper.publish(signed)
         self._wake()
 
-    async def join(self) -> None:
-        """Pull the whole table from the bootstrap peers (concurrently), then publish our records."""
-        await asyncio.gather(*(self.call(self.gossiper.join_sync(peer)) for peer in self.bootstrap))
+    async def pull(self, tries: int = PULL_TRIES) -> bool:
+        """Sync with every bootstrap peer at once (the whole table on first contact, what changed
+        after), again while none answered, ``tries`` rounds at most; whether one answered (True
+        without bootstrap peers)."""
+        for _ in range(tries):
+            answered = await asyncio.gather(*(self.call(self.gossiper.join_sync(peer)) for peer in self.bootstrap))
+            if any(answered):
+                return True
+        return not self.bootstrap
+
+    async def join(self) -> bool:
+        """Pull the whole table from the bootstrap peers (:meth:`pull`), then publish our records;
+        whether a bootstrap peer answered."""
+        answered = await self.pull()
         for signed in self.own_records():
             self.publish(signed)
+        return answered
 
     def start(self) -> None:
         self._tasks = [

@@ -17,7 +17,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from shoal.checkpoints.loading import progress_bar
-from shoal.checkpoints.manifest import Manifest, ManifestError, chunk_digest, decode_manifest, manifest_digest
+from shoal.checkpoints.manifest import Manifest, ManifestError, decode_manifest, manifest_digest
 from shoal.errors import BusyError, NotFound, RemoteError, ShoalError, TransportError, WireError
 from shoal.protocols import WEIGHTS
 from shoal.transport import BaseNode, Ticket
@@ -131,7 +131,7 @@ async def fetch_chunks(
                         live.discard(peer)
                     continue
                 failures = 0
-                if len(data) != size or chunk_digest(data) != manifest.items[item].chunks[index]:
+                if not await asyncio.to_thread(partial.keep, item, index, data):  # checked and written off the loop
                     report.rejected += 1
                     report.banned.add(peer)
                     live.discard(peer)
@@ -139,7 +139,6 @@ async def fetch_chunks(
                     log.warning("giver %s sent item %d chunk %d that is not the manifest's: banned for this fetch",
                                 peer[:12], item, index)  # fmt: skip
                     return
-                await asyncio.to_thread(partial.write, item, index, data)
                 report.fetched += 1
                 report.bytes += size
                 report.by_giver[peer] += 1

@@ -105,6 +105,17 @@ class PartialSpan:
     def missing(self) -> list[tuple[int, int]]:
         return [key for key in self.chunks if key not in self.done]
 
+    def keep(self, item: int, chunk: int, data: bytes | memoryview) -> bool:
+        """Check a received chunk against the manifest (size and BLAKE3 digest) and, if it is the
+        manifest's, write it; return whether it was. One call, so that a fetch hashes and writes on
+        one worker thread (both release the GIL) and its event loop does neither."""
+        if len(data) != self.manifest.chunk_bytes(self.manifest.items[item], chunk):
+            return False
+        if chunk_digest(data) != self.manifest.items[item].chunks[chunk]:
+            return False
+        self.write(item, chunk, data)
+        return True
+
     def write(self, item: int, chunk: int, data: bytes | memoryview) -> None:
         """Keep a chunk already checked against the manifest (blocking: call it off the event loop)."""
         fd, offset, size = self._where(item, chunk)

@@ -24,13 +24,23 @@ from shoal.ids import BlockRange, PeerId, SessionId
 from shoal.quantization.formats import Quantization
 from shoal.wire.codecs import Codec
 from shoal.wire.counters import ServerCounters
+from shoal.wire.evidence import MAX_DISPUTED_STEPS, MAX_EVIDENCE_STEPS, EvidenceReply, EvidenceRequest, Receipt
+from shoal.wire.fields import (
+    MAX_BATCH,
+    MAX_SESSION_LENGTH,
+    AdapterName,
+    Capabilities,
+    Digest,
+    Digest16,
+    Empty,
+    Meta,
+    Position,
+    Session,
+    StepId,
+    Text,
+)
 
-MAX_SESSION_LENGTH = 1 << 20
-MAX_BATCH = 1024
 MAX_PUSH_HOPS = 64
-MAX_STEP_ID = 1 << 32
-MAX_EVIDENCE_STEPS = 1 << 16  # receipts in one piece of evidence
-MAX_DISPUTED_STEPS = 64  # of them, the last steps whose outputs it carries (what one audit compared)
 
 #: Every capability this version of shoal knows, announced by servers (``info``, records) and by
 #: every node (``hello``). Gate each new optional field or kind on one of these.
@@ -53,25 +63,6 @@ MIGRATE = "migrate"
 CAPABILITIES = frozenset(
     {PUSH, TRAIN, ADAPTERS, RECEIPTS, EVIDENCE, SUB_SPAN, MIGRATE, *(codec.capability for codec in Codec)}
 )
-
-Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_SESSION_LENGTH)]
-StepId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STEP_ID)]
-Text = Annotated[str, msgspec.Meta(max_length=4096)]
-Session = Annotated[SessionId, msgspec.Meta(max_length=64)]
-#: a LoRA adapter's name as servers announce it and clients select it
-AdapterName = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
-Digest = Annotated[str, msgspec.Meta(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
-Capabilities = Annotated[frozenset[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=64)]
-Digest16 = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
-Signature = Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
-
-
-class Meta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    """Base of every kind's metadata."""
-
-
-class Empty(Meta):
-    """No metadata (``info`` requests, ``close``, a bare ``result``)."""
 
 
 # ---- shoal/meta --------------------------------------------------------------------------------
@@ -166,40 +157,6 @@ class ForwardRequest(Meta):
     # needs SUB_SPAN: only these blocks of the span (model indices, inside the server's span: checked
     # where it is served), without deep prompts or a receipt; None: the whole span
     blocks: BlockRange | None = None
-
-
-class Receipt(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    """What a server computed, signed by its node key (:mod:`shoal.verify.receipts`): blocks
-    ``[start, end)`` of the weights ``weights`` names, for ``session`` ("" for a forward) at cache
-    positions ``[position, position + n)``, step (or forward request) ``step``; ``inputs`` and
-    ``outputs`` digest the tensors it decoded and the output its receiver decodes; ``state`` names
-    what its cache held at ``[0, position)`` (:mod:`shoal.verify.state`), ``adapter`` the LoRA
-    adapter's tensors, ``compute`` how it computed. Compact on purpose (an array, about 185 bytes,
-    200 with an adapter): one rides on every step reply of every hop."""
-
-    weights: Digest16  # shoal.verify.receipts.weights_digest of the span's fingerprints and quantization
-    start: Annotated[int, msgspec.Meta(ge=0)]
-    end: Annotated[int, msgspec.Meta(ge=1)]
-    session: Session
-    position: Position
-    n: Position
-    step: StepId
-    inputs: Digest16
-    outputs: Digest16
-    # how the output travelled (its digest is of the codec's round trip): a judge of evidence
-    # compares within that codec's tolerance, and nobody can claim a tighter one for it
-    codec: Codec
-    # the LoRA adapter it ran with: the first 16 bytes of its AdapterInfo.digest (b"" none): a name
-    # alone would let a judge holding another adapter of that name convict an honest server
-    adapter: Annotated[bytes, msgspec.Meta(max_length=16)]
-    prompts: bool  # whether deep prompts joined the inputs (evidence cannot show them: not judged)
-    # the chain digest of the cache's inputs at [0, position) (shoal.verify.state): a receipt from
-    # before a rollback cannot pass for one of the cache a later step ran on
-    state: Digest16
-    # how it computed, f"{dtype}/{device type}" ("f32/cpu", "bf16/cuda"): a judge compares
-    # within the coarser of its own and this (an honest bf16 or GPU server is not held to fp32 CPU noise)
-    compute: Annotated[str, msgspec.Meta(max_length=24)]
-    signature: Signature  # ed25519 by the server's node key (its peer id) over the other fields
 
 
 class ForwardReply(Meta):
@@ -299,40 +256,6 @@ class ErrorReply(Meta):
     code: Text
     message: Text
     reason: Text | None = None  # wire errors: the frame problem's tag
-
-
-class EvidenceRequest(Meta):
-    """Evidence that server ``accused`` lied on blocks ``[start, end)`` of ``model`` (needs
-    EVIDENCE; sent only to servers that serve those blocks). Tensors:
-    ``[receipts u8, output [B, n, H], hidden [B, P, H], position_ids [B, P], attention_mask [B, P]?]``.
-
-    ``receipts``: msgpack of a list of ``steps`` :class:`Receipt` (they do not fit a header), every
-    step the accused signed for one session, in order, covering its cache positions ``[0, P)``
-    contiguously; the last ``disputed`` are the disputed steps (the one holding the first wrong
-    position and the steps after it that the client's audit compared: a lie spread over several
-    one-position decode steps is judged by the same window rule the audit applied). ``output``:
-    what the disputed steps answered, end to end, as their receiver decoded them (each one's slice
-    is its receipt's ``outputs``). ``hidden``, ``position_ids`` and the
-    mask: the inputs of block ``start`` at those positions as the accused decoded them (each
-    receipt's ``inputs`` digests its slice, with the mask of ``[0, its end)`` when anything there
-    is padded). The judge recomputes and confirms the lie or rejects the evidence
-    (:mod:`shoal.server.judge`)."""
-
-    model: Text
-    accused: Digest  # a peer id: 64 hex digits
-    start: Annotated[int, msgspec.Meta(ge=0)]
-    end: Annotated[int, msgspec.Meta(ge=1)]
-    steps: Annotated[int, msgspec.Meta(ge=1, le=MAX_EVIDENCE_STEPS)]
-    disputed: Annotated[int, msgspec.Meta(ge=1, le=MAX_DISPUTED_STEPS)] = 1
-
-
-class EvidenceReply(Meta):
-    """The judge's finding: ``confirmed`` (it signed and gossips a verdict), else ``reason``: a short
-    tag (``forged``, ``replayed``, ``framing``, ``not_judged``...) naming why, with ``detail``."""
-
-    confirmed: bool
-    reason: Annotated[str, msgspec.Meta(max_length=32)] = ""
-    detail: Text = ""
 
 
 # ---- shoal/weights -----------------------------------------------------------------------------

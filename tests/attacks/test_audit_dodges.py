@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from shoal.client.remote.hops import Hop
 from shoal.ids import BlockRange
@@ -31,14 +30,13 @@ from shoal.wire.schema import OpenRequest, StepRequest
 from testkit.faults import Noise, When
 from testkit.faulty import make_faulty
 from testkit.tiny import char_tokenizer, tiny_checkpoint
-from tests.helpers.byzantine import connect_over, lies, peer_of, steer_through
-from tests.helpers.parity import greedy_with_gap
+from tests.helpers.byzantine import assert_caught, connect_over, peer_of, steer_through
+from tests.helpers.parity import honest_greedy, prompt_of
 
 pytestmark = pytest.mark.timeout(120)
 
 K = 8
 NEW_TOKENS = 24
-PROMPT_LENGTH = 12
 MODEL_SEED = 0
 PROMPT_SEED = 100
 MIN_GAP = 1e-3
@@ -48,10 +46,6 @@ HELD_TOKENS = 64  # the starved replicas' whole cache, held by a throwaway clien
 HIDDEN_SIZE = 64  # testkit.tiny's
 
 
-def prompt_of(seed: int) -> torch.Tensor:
-    return torch.randint(3, 256, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return tiny_checkpoint(tmp_path_factory.mktemp("dodges-model"), "llama", MODEL_SEED, tokenizer=char_tokenizer())
@@ -59,10 +53,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model_dir) -> torch.Tensor:
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokens, gap = greedy_with_gap(reference, prompt_of(PROMPT_SEED), max_new_tokens=NEW_TOKENS)
-    assert gap > MIN_GAP, f"honest greedy run has a near-tie (top-2 gap {gap:.2e}): choose another seed"
-    return tokens
+    return honest_greedy(model_dir, prompt_of(PROMPT_SEED), NEW_TOKENS, MIN_GAP)
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +86,8 @@ def run_through(swarm: InProcessSwarm, liar: LocalServer, honest: list[LocalServ
         route = steer_through(model, [swarm.low[0], liar])
         assert route == [peer_of(swarm.low[0]), peer_of(liar)], "the chain does not go through the liar"
         got = model.generate(prompt_of(PROMPT_SEED), max_new_tokens=NEW_TOKENS, do_sample=False)
-        told = lies(liar.server.record.entries())
-        assert told is not None and told.first == LIE_FROM, liar.server.record.entries()
-        mismatch = (got != expected).nonzero()
-        assert mismatch.numel() == 0, f"first wrong token at (row, col) {mismatch[0].tolist()}"
-        verification = model.verification
-        assert verification.banned == (peer_of(liar),), verification
-        assert verification.settled >= 1 and verification.unsettled == 0, verification
-        assert told.lag < K, f"caught {told.lag} positions after the step of the first lie"
+        verification = assert_caught(model, liar, got, expected, lie_from=LIE_FROM, k=K)
+        assert verification.unsettled == 0, verification
         for server in honest:
             assert peer_of(server) not in model.blocks.directory.banned, f"honest {peer_of(server)[:10]} banned"
         return verification

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from shoal.client.verification.audit import UnverifiedBlocks
 from shoal.errors import UsageError
@@ -28,22 +27,17 @@ from shoal.launch import InProcessSwarm
 from testkit.faults import Noise, When
 from testkit.faulty import make_faulty
 from testkit.tiny import char_tokenizer, tiny_checkpoint
-from tests.helpers.byzantine import connect_over, lies, peer_of, steer_through, would_route_over
-from tests.helpers.parity import greedy_with_gap
+from tests.helpers.byzantine import assert_caught, connect_over, lies, peer_of, steer_through, would_route_over
+from tests.helpers.parity import honest_greedy, prompt_of
 
 pytestmark = pytest.mark.timeout(120)
 
 K = 8
 NEW_TOKENS = 24
-PROMPT_LENGTH = 12
 MODEL_SEED = 0
 PROMPT_SEED = 100
 MIN_GAP = 1e-3
 LIE_FROM = 16  # the liar is honest over the prompt and the first decode steps
-
-
-def prompt_of(seed: int) -> torch.Tensor:
-    return torch.randint(3, 256, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +48,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model_dir) -> torch.Tensor:
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokens, gap = greedy_with_gap(reference, prompt_of(PROMPT_SEED), max_new_tokens=NEW_TOKENS)
-    assert gap > MIN_GAP, f"honest greedy run has a near-tie (top-2 gap {gap:.2e}): choose another seed"
-    return tokens
+    return honest_greedy(model_dir, prompt_of(PROMPT_SEED), NEW_TOKENS, MIN_GAP)
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +68,8 @@ def test_a_liar_on_a_unique_span_is_caught_through_pieces(swarm, expected):
             route = steer_through(model, [liar, high])
             assert route == [peer_of(liar), peer_of(high)], "the chain does not go through the liar"
             got = model.generate(prompt_of(PROMPT_SEED), max_new_tokens=NEW_TOKENS, do_sample=False)
-            told = lies(liar.server.record.entries())
-            assert told is not None and told.first == LIE_FROM, liar.server.record.entries()
-            mismatch = (got != expected).nonzero()
-            assert mismatch.numel() == 0, f"first wrong token at (row, col) {mismatch[0].tolist()}"
-            verification = model.verification
-            assert verification.banned == (peer_of(liar),), verification
-            assert verification.settled >= 1 and verification.rollbacks >= 1, verification
-            assert told.lag < K, f"caught {told.lag} positions after the step of the first lie"
+            verification = assert_caught(model, liar, got, expected, lie_from=LIE_FROM, k=K)
+            assert verification.rollbacks >= 1, verification
             assert not would_route_over(model, liar)
             for server in swarm.honest:  # [2:6] is on no route without the liar: it is only never banned
                 assert peer_of(server) not in model.blocks.directory.banned, f"honest {peer_of(server)[:10]} banned"

@@ -7,7 +7,7 @@ cannot fill (issue 34).
 * A judge's queue (MAX_WAITING pieces) gives evidence against a peer it convicted already (what a
   flood of valid evidence against throwaway liars becomes once judged) the lowest priority: other
   evidence is recomputed first, and displaces a low piece when the queue is full. Real judges of
-  an in-process swarm (tests/server/test_judge.py's court).
+  an in-process swarm (tests/server/judge's court).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from shoal.ids import PeerId
 from shoal.server.judge import DISPLACED, MAX_WAITING
 from shoal.wire import Message
 from shoal.wire.schema import EvidenceReply
-from tests.server.test_judge import court, evidence_counts  # noqa: F401  (court: the module's fixture)
+from tests.server.judge.bench import evidence_counts
+from tests.server.judge.conftest import court  # noqa: F401  (the judge tests' fixture)
 from tests.unit.test_evidence import JUDGE, LIAR, OTHER, Session
 from tests.unit.test_witness import directory, liar_span
 

@@ -18,6 +18,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from shoal.launch import InProcessSwarm
 from shoal.launch.inprocess import LocalServer
 from testkit.faults import Alteration
@@ -89,6 +91,22 @@ class Lies:
         return self.last_end - self.first_step_end
 
 
+def assert_caught(model, liar: LocalServer, got: Tensor, expected: Tensor, *, lie_from: int, k: int):
+    """After ``got = model.generate(...)`` through ``liar`` (lying from cache position ``lie_from``):
+    the tokens are the honest ``expected``, the liar alone is banned, at least one dispute settled,
+    and the liar was stopped within ``k`` positions of its first lie's step. Returns the client's
+    verification summary for the caller's further checks."""
+    told = lies(liar.server.record.entries())
+    assert told is not None and told.first == lie_from, liar.server.record.entries()
+    mismatch = (got != expected).nonzero()
+    assert mismatch.numel() == 0, f"first wrong token at (row, col) {mismatch[0].tolist()}"
+    verification = model.verification
+    assert verification.banned == (peer_of(liar),), verification
+    assert verification.settled >= 1, verification
+    assert told.lag < k, f"caught {told.lag} positions after the step of the first lie"
+    return verification
+
+
 def lies(entries: Sequence[Alteration], *, stale_cache: bool = False) -> Lies | None:
     """The liar's lies of one generation (``entries``: its record since the generation began, in
     order). ``stale_cache``: the record notes the step whose cache write was skipped, but that
@@ -105,6 +123,7 @@ def lies(entries: Sequence[Alteration], *, stale_cache: bool = False) -> Lies | 
 __all__ = [
     "AVOIDED_STEP_MS",
     "Lies",
+    "assert_caught",
     "connect_over",
     "lies",
     "peer_of",

@@ -8,9 +8,11 @@ local ``transformers`` model built from the same weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 from shoal.client.blocks import BlockSequence, BlockSession
 
@@ -94,6 +96,20 @@ def greedy_with_gap(reference, input_ids: Tensor, **kwargs) -> tuple[Tensor, flo
     return out.sequences, float(gaps[live].min())
 
 
+def prompt_of(seed: int, length: int = 12) -> Tensor:
+    """A seeded ``[1, length]`` prompt of ids in ``[3, 256)`` (testkit.tiny's char tokenizer's bytes)."""
+    return torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def honest_greedy(model_dir: Path, prompt: Tensor, new_tokens: int, min_gap: float = 1e-3) -> Tensor:
+    """Local transformers' fp32 greedy sequences from ``prompt``: what a swarm, honest or repaired,
+    must answer. Its top-2 logit gap must exceed ``min_gap``, so noise cannot flip a choice."""
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokens, gap = greedy_with_gap(reference, prompt, max_new_tokens=new_tokens)
+    assert gap > min_gap, f"honest greedy run has a near-tie (top-2 gap {gap:.2e}): choose another seed"
+    return tokens
+
+
 def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[Tensor, Tensor]:
     """Left-padded ``input_ids`` and ``attention_mask`` for prompts of different lengths."""
     width = max(map(len, rows))
@@ -133,6 +149,8 @@ __all__ = [
     "assert_generate_matches",
     "assert_logits_close",
     "greedy_with_gap",
+    "honest_greedy",
     "left_padded",
     "min_top2_gap",
+    "prompt_of",
 ]

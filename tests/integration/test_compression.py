@@ -307,11 +307,11 @@ def test_a_server_refuses_to_answer_nan_in_q8(swarms):
 
 
 def llama270m_wire_shape(tmp_path) -> InProcessSwarm:
-    """The 270M llama of ``bench.generate`` (hidden 1024, 16 heads, MLP 2816), 2 of its blocks on 2
+    """The 270M llama of ``bench.models`` (hidden 1024, 16 heads, MLP 2816), 2 of its blocks on 2
     servers and a 256-token vocabulary: what crosses a hop depends on the hidden size alone."""
     from transformers import LlamaForCausalLM
 
-    from bench.generate import llama270m_config
+    from bench.models import llama270m_config
 
     config = llama270m_config()
     config.num_hidden_layers, config.vocab_size = 2, 256

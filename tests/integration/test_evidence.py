@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
@@ -26,13 +25,13 @@ from testkit.faulty import make_faulty
 from testkit.tiny import char_tokenizer, tiny_checkpoint
 from tests.helpers.byzantine import connect_over, lies, peer_of, steer_through
 from tests.helpers.inprocess import wait_until
-from tests.helpers.parity import greedy_with_gap
+from tests.helpers.parity import honest_greedy, prompt_of
 
 pytestmark = pytest.mark.timeout(90)
 
 LOW, HIGH = BlockRange(0, 2), BlockRange(2, 4)
 MODEL_SEED = 0  # test_verify's llama and prompt: greedy choices far apart
-PROMPT = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(100))
+PROMPT = prompt_of(100)
 NEW_TOKENS = 24
 LIE_FROM = 20
 
@@ -44,10 +43,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(model_dir) -> torch.Tensor:
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokens, gap = greedy_with_gap(reference, PROMPT, max_new_tokens=NEW_TOKENS)
-    assert gap > 1e-3, "the honest run has a near-tie: choose another prompt"
-    return tokens
+    return honest_greedy(model_dir, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("swarm_id", [None, "evidence-swarm"])

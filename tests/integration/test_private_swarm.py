@@ -36,7 +36,7 @@ from shoal.wire.schema import Gossip
 from shoal.wire.schema import PushRequest as StepPush
 from testkit.tiny import char_tokenizer, tiny_checkpoint
 from tests.helpers.inprocess import wait_until
-from tests.helpers.parity import greedy_with_gap
+from tests.helpers.parity import greedy_with_gap, honest_greedy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,10 +53,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model_dir) -> torch.Tensor:
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokens, gap = greedy_with_gap(reference, PROMPT, max_new_tokens=NEW_TOKENS)
-    assert gap > 1e-3
-    return tokens
+    return honest_greedy(model_dir, PROMPT, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -10,21 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from shoal.client.verification.audit import DEFAULT_AUDIT_EVERY
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from testkit.tiny import char_tokenizer, tiny_checkpoint
 from tests.helpers.byzantine import connect_over
-from tests.helpers.parity import greedy_with_gap
+from tests.helpers.parity import honest_greedy, prompt_of
 
 pytestmark = pytest.mark.timeout(90)
 
 LOW, HIGH = BlockRange(0, 2), BlockRange(2, 4)
 MODEL_SEED = 0  # test_verify's llama: greedy runs from this prompt keep wide top-2 gaps
 NEW_TOKENS = 24
-PROMPT = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(100))
+PROMPT = prompt_of(100)
 UNVERIFIED = "unverified in this session"
 UNCHECKED = "answers from untrusted servers are not checked"
 
@@ -36,10 +35,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def expected(model_dir) -> torch.Tensor:
-    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokens, gap = greedy_with_gap(reference, PROMPT, max_new_tokens=NEW_TOKENS)
-    assert gap > 1e-3, f"honest greedy run has a near-tie (top-2 gap {gap:.2e})"
-    return tokens
+    return honest_greedy(model_dir, PROMPT, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import CancelledError
 
 import pytest
@@ -181,8 +182,34 @@ def test_a_cancelled_queued_task_is_skipped(scheduler):
 
 
 def test_giving_weights_waits_for_every_other_class(scheduler):
-    """A chunk read for a peer fetching the model (shoal.weights.give) runs only when no step,
+    """The lowest class (GIVING: once the weights giver's reads, shoal.weights.give) runs only when no step,
     forward or backward chunk waits, whenever it was queued."""
     tasks = [(G, "g1"), (T, "t1"), (F, "f1"), (G, "g2"), (INF, "i1")]
     assert run_order(scheduler, tasks) == ["i1", "f1", "t1", "g1", "g2"]
     assert scheduler.counts().jumped[INF, G] == 1 and scheduler.counts().jumped[T, G] == 1
+
+
+def test_busy_says_whether_a_more_urgent_task_runs_or_waits(scheduler):
+    """What a giver polls before each chunk (shoal.weights.give): busy while a step runs or
+    waits, not while the worker is idle or runs only work of the class asked about."""
+    assert not scheduler.busy()
+    gate = Gate(scheduler)  # an inference task, running
+    assert scheduler.busy() and not scheduler.busy(below=INF)
+    gate.open()
+    assert until(lambda: not scheduler.busy())  # the worker marks itself idle just after the result is set
+    held = threading.Event()
+    giving = scheduler.submit_as(G, held.wait, WAIT)
+    queued = scheduler.submit_as(T, lambda: None)  # waits behind the giving task
+    assert scheduler.busy() and not scheduler.busy(below=T)
+    held.set()
+    giving.result(WAIT), queued.result(WAIT)
+    assert until(lambda: not scheduler.busy())
+
+
+def until(condition, seconds: float = WAIT) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

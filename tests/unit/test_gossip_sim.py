@@ -26,7 +26,8 @@ import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bench.registry import EPOCH, MODEL, SWARM, Sim, SimConfig, SimPeer, holds
+from bench.registry_peer import EPOCH, MODEL, SWARM, SimConfig, SimPeer
+from bench.registry_sim import Sim, holds
 from shoal.limits import RegistryLimits
 from shoal.swarm.gossip import GossipConfig, Gossiper, Outgoing, key_id
 from shoal.swarm.messages import (

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from shoal.client.config import ClientConfig
-from shoal.client.remote.listing import check_consistent, known_spans, missing_servers
+from shoal.client.remote.listing import check_consistent, known_spans, missing_servers, until_covered
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
@@ -159,20 +159,20 @@ class ServerDirectory:
         tasks = {asyncio.ensure_future(one(span)): span for span in spans}
         answered: dict[PeerId, ServerSpan] = {}
         began = time.monotonic()
-        full = deadline = began + MEASURE_TIMEOUT
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(
-                pending, timeout=max(deadline - time.monotonic(), 0), return_when=asyncio.FIRST_COMPLETED
-            )
-            if not done:
-                break
-            for task in done:
-                if (fresh := _answer(task)) is not None:
-                    answered[fresh.peer_id] = fresh
-            if pending and deadline == full and not uncovered_blocks(list(answered.values()), self.num_blocks):
-                slowest = max(self.latency.client_rtt_ms.get(p, 0.0) for p in answered) / 1e3
-                deadline = max(began + SILENT_AFTER, time.monotonic() + max(SILENT_GRACE, 3 * slowest))
+        full = began + MEASURE_TIMEOUT
+
+        def take(task: asyncio.Future) -> None:
+            if (fresh := _answer(task)) is not None:
+                answered[fresh.peer_id] = fresh
+
+        def grace_until() -> float:
+            slowest = max(self.latency.client_rtt_ms.get(p, 0.0) for p in answered) / 1e3
+            return max(began + SILENT_AFTER, time.monotonic() + max(SILENT_GRACE, 3 * slowest))
+
+        def covered() -> bool:
+            return not uncovered_blocks(list(answered.values()), self.num_blocks)
+
+        pending = await until_covered(set(tasks), take, covered, grace_until, full)
         if pending:  # not waited for: out of routes until they answer (if they do before the deadline)
             for task in pending:
                 self.bans.ban(tasks[task].peer_id, max(self.config.refresh_period, SILENT_BAN))

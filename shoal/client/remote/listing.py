@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from shoal.errors import Forbidden, ShoalError
 from shoal.ids import PeerId
@@ -198,26 +198,48 @@ async def known_spans(
             by_swarm.setdefault(ticket.swarm_id, []).append(ticket)
     asks = [swarm_spans(node, members, model, timeout, more, vouched) for members in by_swarm.values()]
     asks += [_listed(fetch_info(node, t, timeout)) for t in tickets if not t.swarm_id]
-    pending = {asyncio.ensure_future(ask) for ask in asks}
+    tasks = [asyncio.ensure_future(ask) for ask in asks]
     found: list[ServerSpan] = []
-    deadline: float | None = None
+
+    def take(task: asyncio.Future) -> None:
+        found.extend(task.result())  # a swarm none of whose tickets answered raises here
+
+    def covered() -> bool:
+        return num_blocks is not None and not uncovered_blocks(found, num_blocks)
+
     try:
-        while pending:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0)
-            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                break
-            for task in done:
-                found.extend(task.result())  # a swarm none of whose tickets answered raises here
-            if deadline is None and num_blocks is not None and not uncovered_blocks(found, num_blocks):
-                deadline = time.monotonic() + LISTING_GRACE
+        await until_covered(set(tasks), take, covered, lambda: time.monotonic() + LISTING_GRACE)
     finally:
-        for task in pending:
+        for task in tasks:  # the ones not waited for (a no-op on the rest)
             task.cancel()
     unique: dict[PeerId, ServerSpan] = {}
     for span in found:
         unique.setdefault(span.peer_id, span)
     return list(unique.values())
+
+
+async def until_covered(
+    pending: set[asyncio.Future],
+    take: Callable[[asyncio.Future], None],
+    covered: Callable[[], bool],
+    grace_until: Callable[[], float],
+    deadline: float | None = None,
+) -> set[asyncio.Future]:
+    """``take`` each of ``pending`` as it finishes, until none is left or ``deadline`` (monotonic;
+    None: no limit) passes. Once ``covered()`` holds with some still pending, the deadline becomes
+    ``grace_until()``: the late answers get a grace period, not the whole wait (a dead server must
+    not hold up a client whose others are enough). Returns those still pending, not cancelled."""
+    graced = False
+    while pending:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+        for task in done:
+            take(task)
+        if pending and not graced and covered():
+            deadline, graced = grace_until(), True
+    return pending
 
 
 async def _listed(ask) -> list[ServerSpan]:
@@ -260,4 +282,12 @@ def check_consistent(spans: Sequence[ServerSpan], num_blocks: int, hidden_size: 
                 )
 
 
-__all__ = ["check_consistent", "fetch_info", "known_spans", "missing_servers", "pull_table", "swarm_spans"]
+__all__ = [
+    "check_consistent",
+    "fetch_info",
+    "known_spans",
+    "missing_servers",
+    "pull_table",
+    "swarm_spans",
+    "until_covered",
+]
