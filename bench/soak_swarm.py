@@ -42,7 +42,7 @@ REPLICAS = 3  # honest servers per span at the start: a dispute with a liar alwa
 ENV = {"OMP_NUM_THREADS": "1"}
 SERVER_FLAGS = (
     "--num-threads", "1", "--throughput", "100", "--cache-tokens", "1024", "--drain-timeout", "5",
-    "--gossip-period", "0.5", "--refresh-period", "1.0", "--expiry", "3.0", "--request-timeout", "10",
+    "--gossip-period", "0.5", "--refresh-period", "1.0", "--expiry", "10.0", "--request-timeout", "10",
 )  # fmt: skip
 LIE_FROM = 24  # the "lie_from" liar answers honestly before this cache position
 #: Servers that compute wrong on purpose: the verification must convict each one that served a step.
