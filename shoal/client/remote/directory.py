@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from shoal.client.config import ClientConfig
-from shoal.client.remote.listing import check_consistent, known_spans, missing_servers, until_covered
+from shoal.client.remote.listing import MAX_PULLS, check_consistent, known_spans, missing_servers, until_covered
 from shoal.errors import ShoalError
 from shoal.ids import BlockRange, PeerId
 from shoal.protocols import BLOCKS
@@ -84,6 +84,7 @@ class ServerDirectory:
         self.latency = LatencyModel()
         self.bans = BanList()
         self.rng = random.Random(config.routing_seed)
+        self._pull_rng = random.Random(config.routing_seed)  # whom to ask (apart: routes stay as seeded)
         self.spans: list[ServerSpan] = []
         self.banned: set[PeerId] = set()  # caught lying (settled by a majority): never routed over again
         self.excluded: dict[PeerId, str] = {}  # one side of an unsettled dispute (why): routed around, not banned
@@ -113,9 +114,26 @@ class ServerDirectory:
         # the first look (the client starting) asks only the given members; later ones more of them too
         more, self._looked = self._looked, True
         timeout = self.config.listing_timeout
-        spans = await known_spans(self.node, self.tickets, self.model, timeout, self.num_blocks, more, self.vouched)
+        spans = await known_spans(self.node, self._asked(), self.model, timeout, self.num_blocks, more, self.vouched)
         check_consistent(spans, self.num_blocks, self.hidden_size)
         self.spans = await self._measure(spans)
+
+    def _asked(self) -> list[Ticket]:
+        """Whom to ask for the server list: the given tickets and, for each swarm, members listed
+        by the last look that are not banned, up to ``MAX_PULLS`` in all, given ones that are not
+        banned first. A client's view of a swarm must outlive the servers it was given: a SIGKILLed
+        first server left a gateway pulling from it alone, blind to every newcomer (seen in the soak)."""
+        given = {t.peer_id for t in self.tickets}
+        out = [t for t in self.tickets if not t.swarm_id]
+        for swarm in dict.fromkeys(t.swarm_id for t in self.tickets if t.swarm_id):
+            mine = [t for t in self.tickets if t.swarm_id == swarm]
+            known = [s.ticket for s in self.spans if s.ticket.swarm_id == swarm and s.peer_id not in given]
+            self._pull_rng.shuffle(known)
+            fine = [t for t in mine if not self.bans.banned(t.peer_id)]
+            healthy = [t for t in known if not self.bans.banned(t.peer_id) and t.peer_id not in self.banned]
+            rest = [t for t in mine if t not in fine]
+            out += [*fine, *healthy, *rest][: max(MAX_PULLS, len(fine))]
+        return out
 
     def check_coverage(self) -> None:
         """A :class:`NoRouteError` that says how to add servers when some block has none at all

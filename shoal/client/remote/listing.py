@@ -30,6 +30,8 @@ LISTING_GRACE = 1.0  # seconds a plain ticket's peer may answer after the others
 MAX_PULLS = 4  # swarm members a client pulls the table from at once (the tickets it was given)
 EXTRA_PULLS = 2  # more members asked when only one ticket was given (one member cannot eclipse the swarm)
 EXTRA_PULL_TIMEOUT = 1.0  # seconds those may take (each dial, then answer): a dead one must not hold up the start
+ENOUGH_VIEWS = 1  # members' tables that answered, after which the others asked get LATE_VIEW_GRACE more
+LATE_VIEW_GRACE = 2.0  # several round trips: a live member's table is merged, a dead one's not awaited
 
 
 async def fetch_info(node: BaseNode, ticket: Ticket, timeout: float) -> ServerSpan | None:
@@ -101,7 +103,10 @@ async def pull_table(node: BaseNode, tickets: Sequence[Ticket], timeout: float, 
 async def _views(
     node: BaseNode, tickets: Sequence[Ticket], swarm: str, timeout: float, quiet: bool = False
 ) -> list[tuple[Ticket, RecordTable]]:
-    """Each answering ticket's table (as its peer sees it), in the order given."""
+    """Each answering ticket's table (as its peer sees it), in the order given. Once
+    ``ENOUGH_VIEWS`` have answered, the others get ``LATE_VIEW_GRACE`` seconds more: a member that
+    died (say the first server a client was given) must not hold up every look for ``timeout``,
+    nor a wait for servers to join, whose looks must end within it."""
 
     async def one(ticket: Ticket) -> tuple[Ticket, RecordTable] | None:
         try:
@@ -114,7 +119,21 @@ async def _views(
             )
             return None
 
-    return [view for view in await asyncio.gather(*(one(t) for t in tickets)) if view is not None]
+    tasks = [asyncio.ensure_future(one(t)) for t in tickets]
+    views: dict[int, tuple[Ticket, RecordTable]] = {}
+
+    def take(task: asyncio.Future) -> None:
+        view = task.result()  # Forbidden raises here
+        if view is not None:
+            views[tasks.index(task)] = view
+
+    enough = min(ENOUGH_VIEWS, len(tasks))
+    try:
+        await until_covered(set(tasks), take, lambda: len(views) >= enough, lambda: time.monotonic() + LATE_VIEW_GRACE)
+    finally:
+        for task in tasks:  # those past the grace (a no-op on the rest)
+            task.cancel()
+    return [views[i] for i in sorted(views)]
 
 
 async def swarm_spans(
