@@ -172,7 +172,7 @@ class ChainRecovery:
         failed: set[str] = self._known_dead()
         busy: BusyError | None = None  # the last "no room" answer (a full server is left out, not banned)
         broken = False
-        waited: float | None = None
+        waited = False  # the one wait for servers to join (route_wait) was spent
         for attempt in range(MAX_RECOVERIES + 1):
             try:
                 route = self.planner.route_inference(
@@ -181,13 +181,12 @@ class ChainRecovery:
             except NoRouteError as exc:
                 if busy is not None and not broken:  # only full servers could take it: busy, not unavailable
                     raise busy from None
-                if waited is not None or self.route_wait <= 0 or not exc.missing:
+                if waited or self.route_wait <= 0 or not exc.missing:
                     raise
                 # blocks without a live server, as when one fails mid-session: a replacement
                 # (placement sends newcomers there) gets ``route_wait`` seconds to join
-                waited = self.route_wait
-                if await self._wait_for_servers(0, failed):
-                    raise gave_up(self.planner, failed, 0, exc, self.needs, waited) from exc
+                waited = True
+                await self._wait_for_servers(0, failed, exc)
                 continue
             results = await asyncio.gather(*(self._open_or_give_up(span) for span in route), return_exceptions=True)
             errors = [(span, r) for span, r in zip(route, results, strict=True) if isinstance(r, BaseException)]
@@ -256,9 +255,7 @@ class ChainRecovery:
                 if waited is not None or self.route_wait <= 0:
                     raise gave_up(self.planner, failed, broken.span.start, exc, self.needs, waited) from exc
                 waited = self.route_wait
-                missing = await self._wait_for_servers(broken.span.start, failed)
-                if missing:
-                    raise gave_up(self.planner, failed, broken.span.start, exc, self.needs, waited) from exc
+                await self._wait_for_servers(broken.span.start, failed, exc)
                 continue
             reusable = {hop.key: hop for i, hop in enumerate(hops) if i >= first and i != index}
             source = broken if drain and migrate is not None else None
@@ -287,16 +284,17 @@ class ChainRecovery:
             return Rebuilt(first, tuple(suffix), retired, boundaries, frozenset(failed), record)
         raise gave_up(self.planner, failed, broken.span.start, cause, self.needs)
 
-    async def _wait_for_servers(self, start: int, failed: Collection[str]) -> list[int]:
+    async def _wait_for_servers(self, start: int, failed: Collection[str], cause: NoRouteError) -> None:
         """One line, then up to ``route_wait`` seconds for servers of the blocks from ``start`` on
-        that none outside ``failed`` hosts; returns the blocks still missing."""
+        that none outside ``failed`` hosts; :func:`gave_up` (from ``cause``) if some are still missing."""
         missing = self.planner.missing_blocks(start, exclude=failed, needs=self.needs)
         log.warning(
             "no live server left for blocks %s: waiting up to %g s for one to join",
             format_blocks(missing),
             self.route_wait,
         )
-        return await self.planner.wait_for_servers(start, exclude=failed, needs=self.needs, timeout=self.route_wait)
+        if await self.planner.wait_for_servers(start, exclude=failed, needs=self.needs, timeout=self.route_wait):
+            raise gave_up(self.planner, failed, start, cause, self.needs, self.route_wait) from cause
 
     def _replan(self, hops: Sequence[Hop], index: int, failed: Collection[str]) -> tuple[int, list[ServerSpan]]:
         """(first hop replaced, new route from that hop's first block): from the failed hop if a
