@@ -200,6 +200,19 @@ def test_a_server_joining_within_the_route_wait_takes_over(reference_and_dir):
         assert recorder.gap() < 15.0, f"the newcomer took over after {recorder.gap():.1f} s"
 
 
+def generate_while_one_joins(swarm: InProcessSwarm, model, caplog) -> tuple[torch.Tensor, list[str]]:
+    """Greedy tokens of ``model`` while a server of blocks 3-5 joins ``swarm`` half a second in,
+    and the client's "waiting up to" lines."""
+    joiner = threading.Timer(0.5, swarm.add, args=(SECOND,))
+    joiner.start()
+    try:
+        with caplog.at_level(logging.WARNING, "shoal.client"):
+            out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+    finally:
+        joiner.join(30)
+    return out, [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+
+
 @pytest.mark.timeout(60)
 def test_a_session_opening_while_blocks_have_no_server_waits_for_one(reference_and_dir, caplog):
     """Found by the soak: a request arriving while the last servers of some blocks are gone (killed,
@@ -208,15 +221,8 @@ def test_a_session_opening_while_blocks_have_no_server_waits_for_one(reference_a
     with InProcessSwarm(reference_and_dir[1], [FIRST, FIRST, SECOND], swarm="open-wait") as swarm:
         model = swarm.connect(refresh_period=0, route_wait=20.0)
         swarm.kill(SECOND)
-        joiner = threading.Timer(0.5, swarm.add, args=(SECOND,))
-        joiner.start()
-        try:
-            with caplog.at_level(logging.WARNING, "shoal.client"):
-                out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-        finally:
-            joiner.join(30)
+        out, waits = generate_while_one_joins(swarm, model, caplog)
         assert torch.equal(out, reference_and_dir[0])
-        waits = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
         assert waits == ["no live server left for blocks 3-5: waiting up to 20 s for one to join"], waits
 
 
@@ -227,16 +233,9 @@ def test_a_session_under_require_verified_waits_for_a_checker_to_join(reference_
     with every block checked, and the tokens are the reference's."""
     with InProcessSwarm(reference_and_dir[1], [FIRST, FIRST, SECOND], swarm="checker-wait") as swarm:
         model = swarm.connect(refresh_period=0, route_wait=20.0, require_verified=True)
-        joiner = threading.Timer(0.5, swarm.add, args=(SECOND,))
-        joiner.start()
-        try:
-            with caplog.at_level(logging.WARNING, "shoal.client"):
-                out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-        finally:
-            joiner.join(30)
+        out, waits = generate_while_one_joins(swarm, model, caplog)
         assert torch.equal(out, reference_and_dir[0])
         assert model.verification.unverified_blocks == 0, model.verification
-        waits = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
         assert waits == ["no other server can check blocks 3-5 yet: waiting up to 20 s for one to join"], waits
 
 
