@@ -92,6 +92,7 @@ class Limits:
             "close": 0,
             "manifest": 0,
             "chunk": 0,
+            "held": 0,
             "error": 0,
             "migrate": 0,
             "ping": min(self.max_ping_bytes, self.max_message_bytes),

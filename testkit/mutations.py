@@ -42,6 +42,7 @@ from shoal.wire.schema import (
     EvidenceRequest,
     ForwardRequest,
     Gossip,
+    HeldRequest,
     Hello,
     ManifestRequest,
     Meta,
@@ -210,7 +211,8 @@ async def send_raw_case(
 
 # ---- every typed metadata field of every request kind --------------------------------------------
 UNKNOWN_FIELD = "zz_not_a_field"
-PROTOCOL_OF: dict[str, Protocol] = {"hello": META, "ping": META, "gossip": SWARM, "manifest": WEIGHTS, "chunk": WEIGHTS}
+PROTOCOL_OF: dict[str, Protocol] = {"hello": META, "ping": META, "gossip": SWARM, "manifest": WEIGHTS, "chunk": WEIGHTS,
+                                   "held": WEIGHTS}  # fmt: skip
 # others: BLOCKS
 ON_SESSION_STREAM = {"step", "close"}  # push arrives on a stream of its own, as from the previous server
 
@@ -347,6 +349,7 @@ def valid_requests(session: str, token: str, hop: PushHop) -> dict[str, Meta]:
         "gossip": Gossip(op="table"),
         "manifest": ManifestRequest(model="m"),
         "chunk": ChunkRequest(manifest="ab" * 32, item=3, chunk=1),
+        "held": HeldRequest(manifest="ab" * 32),
         "migrate": MigrateRequest(session=session, position=1, step=1, to=hop),
         "pages": PagesRequest(
             session=session,

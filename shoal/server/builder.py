@@ -49,6 +49,7 @@ from shoal.transport import BaseNode, StartNode, load_or_create_identity
 from shoal.transport.identity import generate_key
 from shoal.verify.receipts import ReceiptSigner, announced_compute
 from shoal.weights.give import Giver
+from shoal.weights.partial import fetched_manifest
 from shoal.wire.schema import CAPABILITIES, MIGRATE, RECEIPTS, ServerCounters, SpanInfo
 
 log = logging.getLogger(__name__)
@@ -168,21 +169,25 @@ async def come_online(
         announcement.model_fingerprints = await loop.run_in_executor(
             compute, model_fingerprints, model.model_dir, model.hf_config
         )
-        if announcement.model_fingerprints and checked.config.give_weights:
-            gate.giver = await loop.run_in_executor(compute, make_giver, checked, compute)
+        if checked.config.give_weights:
+            whole = bool(announcement.model_fingerprints)
+            gate.giver = await loop.run_in_executor(compute, make_giver, checked, compute, whole)
             if gate.giver is not None:
                 announcement.model_manifest, announcement.gives_weights = gate.giver.digest, True
         presence.announce_online()
     return server
 
 
-def make_giver(checked: CheckedServer, compute: Executor) -> Giver | None:
-    """What gives the model's weights to peers (None when this server does not hold every file):
-    its manifest built (or read from beside the checkpoint), its chunks read on a thread of its own
-    while the compute thread has no step to run (or a short wait is over), at most ``give_rate``
-    bytes per second."""
+def make_giver(checked: CheckedServer, compute: Executor, whole: bool) -> Giver | None:
+    """What gives the model's weights to peers: for weights fetched from the swarm, what was fetched,
+    by the swarm's manifest kept beside them; else, when the checkpoint is ``whole``, every file, by
+    the manifest built from it (or read from beside it). None when neither. Chunks are read on a
+    thread of their own while the compute thread has no step to run (or a short wait is over), at
+    most ``give_rate`` bytes per second."""
     model = checked.model
-    built = cached_manifest(model.model_dir, model_name(checked.config.model), checked.config.weights_chunk)
+    built = fetched_manifest(Path(model.model_dir))
+    if built is None and whole:
+        built = cached_manifest(model.model_dir, model_name(checked.config.model), checked.config.weights_chunk)
     if built is None:
         return None
     manifest, data = built

@@ -1,11 +1,13 @@
 """The fetching side of the weights protocol: a span's chunks from several givers at once, each
 checked against the manifest before it is kept.
 
-Every giver gets a few streams, each asking for the next missing chunk, so a faster giver gives
-more. A chunk whose size or BLAKE3 digest is wrong is dropped and asked again of another giver, and
-its sender is banned for the rest of the fetch (a giver that lies once may lie again); a giver that
-fails or lacks a chunk hands the chunk back to the others. Chunks are kept in a
-:class:`~shoal.weights.partial.PartialSpan`, so a fetch cut short resumes where it stopped.
+Every giver is first asked which items it holds (a server that fetched its own span from the swarm
+gives that span on, and nothing else), then gets a few streams, each asking for the next missing
+chunk it holds, so a faster giver gives more. A chunk whose size or BLAKE3 digest is wrong is
+dropped and asked again of another giver, and its sender is banned for the rest of the fetch (a
+giver that lies once may lie again); a giver that fails or lacks a chunk hands the chunk back to
+the others. Chunks are kept in a :class:`~shoal.weights.partial.PartialSpan`, so a fetch cut short
+resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shoal.protocols import WEIGHTS
 from shoal.transport import BaseNode, Ticket
 from shoal.weights.partial import PartialSpan
 from shoal.wire import Message
-from shoal.wire.schema import ChunkRequest, ManifestRequest
+from shoal.wire.schema import ChunkRequest, HeldRequest, ManifestRequest
 
 log = logging.getLogger(__name__)
 STREAMS_PER_GIVER = 4
@@ -74,6 +76,21 @@ async def fetch_manifest(node: BaseNode, givers: list[Ticket], model: str, diges
     raise WeightsError(f"no giver of {model} gave its manifest (of {len(givers)} asked)")
 
 
+async def held_items(node: BaseNode, giver: Ticket, manifest: Manifest, digest: bytes, timeout: float) -> set[int]:
+    """The items of ``manifest`` (whose BLAKE3 is ``digest``) that ``giver`` holds: none when it does
+    not answer or gives another manifest (it is then left out of the fetch)."""
+    try:
+        reply = await node.request(giver, WEIGHTS, Message("held", 1, HeldRequest(manifest=digest.hex())), timeout)
+        held = _payload(reply)
+    except ShoalError as exc:
+        log.info("giver %s did not say what it holds: %s", giver.peer_id[:12], exc)
+        return set()
+    if len(held) != len(manifest.items):
+        log.warning("giver %s said what it holds of another manifest", giver.peer_id[:12])
+        return set()
+    return {i for i, flag in enumerate(held) if flag}
+
+
 async def fetch_chunks(
     node: BaseNode, givers: list[Ticket], partial: PartialSpan, timeout: float,
     streams_per_giver: int = STREAMS_PER_GIVER, progress: bool | None = None,
@@ -82,28 +99,34 @@ async def fetch_chunks(
     remain that no giver left can give. The partial span is left open: finish or close it."""
     manifest, digest = partial.manifest, partial.digest.hex()
     report = FetchReport(resumed=len(partial.done), discarded=partial.discarded)
+    started = time.perf_counter()
     pending = deque(partial.missing)
-    lacking: dict[tuple[int, int], set[str]] = {}
+    wanted = {item for item, _ in pending}
+    holds = dict(zip((t.peer_id for t in givers), await asyncio.gather(
+        *(held_items(node, t, manifest, partial.digest, timeout) for t in givers)), strict=True))  # fmt: skip
+    givers = [t for t in givers if holds[t.peer_id] & wanted]
+    lacking: dict[tuple[int, int], set[str]] = {}  # said not_found after all
     live = {t.peer_id for t in givers}
     in_flight = 0
-    started = time.perf_counter()
     total = sum(manifest.chunk_bytes(manifest.items[i], c) for i, c in pending)
+
+    def take(peer: str) -> tuple[int, int] | None:
+        """The first pending chunk ``peer`` holds (as far as is known), taken out of ``pending``."""
+        for n, key in enumerate(pending):
+            if key[0] in holds[peer] and peer not in lacking.get(key, ()):
+                del pending[n]
+                return key
+        return None
 
     async def worker(ticket: Ticket, stream_holder: list, bar) -> None:
         nonlocal in_flight
         peer, failures = ticket.peer_id, 0
         while peer in live:
-            if not pending:
+            key = take(peer)
+            if key is None:  # none it holds, unless one in flight elsewhere comes back
                 if in_flight == 0:
                     return
-                await asyncio.sleep(0.01)
-                continue
-            key = pending.popleft()
-            if peer in lacking.get(key, ()):
-                if live <= lacking[key]:  # no giver left has it: the fetch fails once the rest is in
-                    continue
-                pending.append(key)
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.02)
                 continue
             in_flight += 1
             try:

@@ -103,7 +103,8 @@ class ChunkReader:
 
 class Giver:
     """Answers the weights protocol from the checkpoint at ``model_dir``, whose manifest is
-    ``manifest`` (``data`` as it travels, ``digest`` its BLAKE3)."""
+    ``manifest`` (``data`` as it travels, ``digest`` its BLAKE3): the manifest, which of its items
+    are held here (all of them, or a fetched span's), and their chunks."""
 
     def __init__(
         self, model_dir: str | Path, manifest: Manifest, data: bytes, digest: bytes,
@@ -115,6 +116,7 @@ class Giver:
         self.pace, self.idle_timeout, self.busy = Pace(rate), idle_timeout, busy
         self.yielded_s = 0.0  # time chunks waited for the compute thread to be idle
         self.given = 0  # chunks sent
+        self.lacked = 0  # chunks asked for that are not held here
         self.given_bytes = 0
 
     def chunk(self, item: int, index: int) -> tuple[Stored, int, int] | None:
@@ -149,12 +151,16 @@ class Giver:
                 return error_message(request.id, "not_found", f"this server gives {self.manifest.model}"), None
             tensor = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
             return Message("result", request.id, tensors=[tensor]), None
-        if request.kind != "chunk":
+        if request.kind not in ("chunk", "held"):
             return error_message(request.id, "bad_request", f"{request.kind!r} is not a weights request"), None
         if meta.manifest != self.digest.hex():
             return error_message(request.id, "not_found", "this server gives another manifest"), None
+        if request.kind == "held":
+            held = torch.tensor([stored is not None for stored in self.stored], dtype=torch.uint8)
+            return Message("result", request.id, tensors=[held]), None
         where = self.chunk(meta.item, meta.chunk)
         if where is None:
+            self.lacked += 1
             return error_message(request.id, "not_found", f"item {meta.item} chunk {meta.chunk} is not held here"), None
         data = await self.give(meta.item, meta.chunk)
         lent = data if isinstance(data, memoryview) and not data.readonly else None  # a reader's buffer: no copy

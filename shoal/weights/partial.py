@@ -7,6 +7,7 @@ journal of the chunks written. On restart every chunk the journal names is read 
 against the manifest: those that match are kept, the rest fetched again. When every chunk is in,
 the files move into ``ROOT`` beside what earlier fetches left there, and ``ROOT``'s index maps
 each tensor to its file, so the checkpoint loaders (:mod:`shoal.checkpoints`) read it as any other.
+The manifest stays beside them (:func:`fetched_manifest`), so the server gives on what it fetched.
 """
 
 from __future__ import annotations
@@ -18,10 +19,19 @@ from pathlib import Path
 
 from shoal.checkpoints.fetch import SWARM_MARKER as MARKER
 from shoal.checkpoints.loading import INDEX_FILE
-from shoal.checkpoints.manifest import Item, Manifest, chunk_digest
+from shoal.checkpoints.manifest import (
+    Item,
+    Manifest,
+    ManifestError,
+    chunk_digest,
+    decode_manifest,
+    encode_manifest,
+    manifest_digest,
+)
 
 PARTIAL = ".partial"
 JOURNAL = "journal"
+MANIFEST = ".shoal-swarm-manifest.msgpack"  # the manifest the weights beside it were fetched by
 
 
 def _header(items: list[Item]) -> bytes:
@@ -148,8 +158,26 @@ class PartialSpan:
         tmp = self.root / f"{INDEX_FILE}.tmp"
         tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
         os.replace(tmp, index_path)
+        (self.root / MANIFEST).write_bytes(encode_manifest(self.manifest))
         (self.root / MARKER).write_text(json.dumps({"model": self.manifest.model, "manifest": self.digest.hex()}))
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-__all__ = ["MARKER", "PARTIAL", "PartialSpan"]
+def fetched_manifest(root: Path) -> tuple[Manifest, bytes] | None:
+    """The swarm's manifest the weights under ``root`` were fetched by, and its encoding (kept by
+    :meth:`PartialSpan.finish`); None when ``root`` holds no fetched weights, or the manifest kept
+    is not the one its marker names."""
+    try:
+        named = json.loads((root / MARKER).read_text()).get("manifest")
+        data = (root / MANIFEST).read_bytes()
+    except (OSError, ValueError, AttributeError):
+        return None
+    if manifest_digest(data).hex() != named:
+        return None
+    try:
+        return decode_manifest(data), data
+    except ManifestError:
+        return None
+
+
+__all__ = ["MANIFEST", "MARKER", "PARTIAL", "PartialSpan", "fetched_manifest"]

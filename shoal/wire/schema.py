@@ -279,6 +279,14 @@ class ChunkRequest(Meta):
     chunk: Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]
 
 
+class HeldRequest(Meta):
+    """Which items of the manifest whose BLAKE3 digest is ``manifest`` (hex) this peer gives: a server
+    that fetched its span holds only that span's items. Reply: ``result`` Empty ``[held u8]``, a
+    byte per item of the manifest, 1 where held; ``not_found`` when this peer gives another manifest."""
+
+    manifest: Digest
+
+
 # ---- shoal/swarm -------------------------------------------------------------------------------
 
 
@@ -303,6 +311,7 @@ KIND_META: dict[str, type[Meta] | None] = {
     "gossip": Gossip,  # swarm record exchange; payload as one u8 tensor
     "manifest": ManifestRequest,  # a model's chunk manifest (shoal/weights)
     "chunk": ChunkRequest,  # one verified chunk of a model's weights (shoal/weights)
+    "held": HeldRequest,  # which of a manifest's items a giver holds (shoal/weights)
     "result": None,  # a successful reply
     "error": ErrorReply,  # an error reply
 }
@@ -362,6 +371,7 @@ __all__ = [
     "ForwardReply",
     "ForwardRequest",
     "Gossip",
+    "HeldRequest",
     "Hello",
     "HelloReply",
     "InfoReply",

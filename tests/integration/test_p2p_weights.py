@@ -107,6 +107,28 @@ def test_a_server_with_no_files_fetches_its_span_from_two_peers_and_serves_it(sw
     assert torch.equal(got, expected)
 
 
+def test_a_server_that_fetched_its_span_gives_it_on_and_is_asked_for_nothing_else(swarm, model_dir, tmp_path,
+                                                                                   monkeypatch):  # fmt: skip
+    fetch(swarm)
+    joined = swarm.add(SPAN, model="tiny")  # serves the fetched files, and gives them
+    assert joined.gate.giver is not None and joined.presence.announcement.gives_weights
+    for local in swarm.servers[:2]:
+        swarm.drain(local)  # the givers of the whole checkpoint leave: only the fetched span is left
+    wait_until(lambda: [r.peer for r in joined.presence.service.table.servers("tiny") if r.state is State.ONLINE]
+               == [joined.node.id], 30.0, what="the whole checkpoint's givers gone from the table")  # fmt: skip
+
+    monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "another"))  # a second newcomer, its disk empty too
+    report = fetch(swarm)
+    assert set(report.by_giver) == {joined.node.id} and report.fetched == span_chunks(model_dir, SPAN)
+    wanted = lambda n: n.startswith(("model.layers.1.", "model.layers.2."))  # noqa: E731
+    fetched, source = load_tensors(swarm_weights_dir("tiny"), wanted), load_tensors(model_dir, wanted)
+    assert sorted(fetched) == sorted(source)
+    assert all(torch.equal(fetched[n].view(torch.uint8), t.view(torch.uint8)) for n, t in source.items())
+    with pytest.raises(WeightsError, match="could not be fetched"):  # block 0: nobody left holds it
+        fetch(swarm, BlockRange(0, 2))
+    assert joined.gate.giver.lacked == 0  # it said what it holds: never asked for a chunk it lacks
+
+
 def _inputs(model_dir):
     from transformers import AutoTokenizer
 

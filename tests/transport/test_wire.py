@@ -39,6 +39,7 @@ from shoal.wire.schema import (
     ForwardReply,
     ForwardRequest,
     Gossip,
+    HeldRequest,
     Hello,
     HelloReply,
     InfoReply,
@@ -96,6 +97,7 @@ REQUESTS: dict[str, Meta] = {
     "gossip": Gossip(op="table"),
     "manifest": ManifestRequest(model="m"),
     "chunk": ChunkRequest(manifest="cd" * 32, item=7, chunk=2),
+    "held": HeldRequest(manifest="ef" * 32),
     "error": ErrorReply(code="wire", message="bad frame", reason="bad_frame"),
 }
 REPLIES: list[Meta] = [
