@@ -77,14 +77,17 @@ async def fetch_manifest(node: BaseNode, givers: list[Ticket], model: str, diges
 
 
 async def held_items(node: BaseNode, giver: Ticket, manifest: Manifest, digest: bytes, timeout: float) -> set[int]:
-    """The items of ``manifest`` (whose BLAKE3 is ``digest``) that ``giver`` holds: none when it does
-    not answer or gives another manifest (it is then left out of the fetch)."""
+    """The items of ``manifest`` (whose BLAKE3 is ``digest``) that ``giver`` holds: none when it gives
+    another manifest (it is then left out of the fetch); all when it cannot say (a failure, or a
+    giver from before this request), so that its chunk requests find out."""
     try:
         reply = await node.request(giver, WEIGHTS, Message("held", 1, HeldRequest(manifest=digest.hex())), timeout)
         held = _payload(reply)
-    except ShoalError as exc:
-        log.info("giver %s did not say what it holds: %s", giver.peer_id[:12], exc)
+    except NotFound:
         return set()
+    except ShoalError as exc:
+        log.info("giver %s did not say what it holds (%s): asking it for every chunk", giver.peer_id[:12], exc)
+        return set(range(len(manifest.items)))
     if len(held) != len(manifest.items):
         log.warning("giver %s said what it holds of another manifest", giver.peer_id[:12])
         return set()

@@ -31,6 +31,7 @@ from shoal.swarm.swarmid import model_digest, new_swarm_id
 from shoal.weights.fetch import STREAMS_PER_GIVER, WeightsError
 from shoal.weights.join import fetch_weights
 from shoal.weights.partial import JOURNAL, PARTIAL
+from shoal.wire import error_message
 from testkit.tampering import tamper
 from testkit.tiny import char_tokenizer, tiny_checkpoint
 from tests.helpers.inprocess import wait_until
@@ -127,6 +128,20 @@ def test_a_server_that_fetched_its_span_gives_it_on_and_is_asked_for_nothing_els
     with pytest.raises(WeightsError, match="could not be fetched"):  # block 0: nobody left holds it
         fetch(swarm, BlockRange(0, 2))
     assert joined.gate.giver.lacked == 0  # it said what it holds: never asked for a chunk it lacks
+
+
+def test_a_giver_that_cannot_say_what_it_holds_is_still_asked_for_chunks(swarm, model_dir):
+    mute = swarm.servers[0].gate.giver
+    answer = mute._answer
+
+    async def no_held(request):
+        if request.kind == "held":  # as a giver from before the request: it cannot answer it
+            return error_message(request.id, "bad_request", "'held' is not a weights request"), None
+        return await answer(request)
+
+    mute._answer = no_held
+    report = fetch(swarm)
+    assert len(report.by_giver) == 2 and report.fetched == span_chunks(model_dir, SPAN)
 
 
 def _inputs(model_dir):
