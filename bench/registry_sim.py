@@ -4,26 +4,20 @@ how long a record takes to reach every peer."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import random
 from collections.abc import Callable, Iterable
 
-from bench.registry_peer import EPOCH, MODEL, Meter, SimConfig, SimPeer
+from bench.registry_peer import MODEL, Meter, SimConfig, SimPeer
+from bench.sim_clock import SimClock
 from shoal.swarm.gossip import Outgoing
 from shoal.swarm.messages import Payload, encode_payload
 from shoal.swarm.records import SignedRecord
 
 
-class Sim:
+class Sim(SimClock):
     """The event loop, the peers, and the probes that time convergence."""
 
     def __init__(self, config: SimConfig):
-        self.config = config
-        self.rng = random.Random(config.seed)
-        self.now = 0.0
-        self._queue: list = []
-        self._seq = itertools.count()
+        super().__init__(config)
         self.meter = Meter(config.overhead)
         self.failed_calls = 0
         self.signed_records: list[tuple[float, int]] = []  # (virtual time, bytes) of server records signed
@@ -32,38 +26,9 @@ class Sim:
         self.by_id: dict[str, SimPeer] = {}
         self._by_start: dict[int, list[SimPeer]] = {}
 
-    def clock(self) -> float:
-        return EPOCH + self.now
-
-    def latency(self) -> float:
-        return self.rng.uniform(*self.config.latency)
-
-    # ---- events -------------------------------------------------------------------------------
-    def at(self, t: float, fn: Callable, *args) -> None:
-        heapq.heappush(self._queue, (t, next(self._seq), fn, args))
-
-    def after(self, dt: float, fn: Callable, *args) -> None:
-        self.at(self.now + dt, fn, *args)
-
     def later(self, dt: float, done: Callable[[], None] | None) -> None:
         if done is not None:
             self.after(dt, done)
-
-    def run_until(self, t: float) -> None:
-        queue = self._queue
-        while queue and queue[0][0] <= t:
-            self.now, _, fn, args = heapq.heappop(queue)
-            fn(*args)
-        self.now = max(self.now, t)
-
-    def run_for(self, seconds: float) -> None:
-        self.run_until(self.now + seconds)
-
-    def run_while(self, busy: Callable[[], bool], limit: float, step: float = 0.5) -> None:
-        """Run until ``busy()`` is false (checked every ``step`` s) or for ``limit`` s at most."""
-        end = self.now + limit
-        while busy() and self.now < end:
-            self.run_until(min(end, self.now + step))
 
     # ---- peers --------------------------------------------------------------------------------
     def new_peer(self) -> SimPeer:

@@ -6,15 +6,13 @@ sizes as :mod:`shoal.swarm.messages` encodes them.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import random
 from collections import Counter
 from collections.abc import Callable
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bench.registry_peer import EPOCH, MODEL, RELAY, SWARM, SimConfig
+from bench.registry_peer import MODEL, RELAY, SWARM, SimConfig
+from bench.sim_clock import SimClock
 from shoal import __version__
 from shoal.ids import BlockRange
 from shoal.swarm.messages import ENTRY, ID_BYTES
@@ -86,15 +84,12 @@ class Spread:
         self.tracked_for_bytes = for_bytes
 
 
-class ScaleSim:
+class ScaleSim(SimClock):
     """The event loop, the peers, the shared version map and the versions spreading."""
 
     def __init__(self, config: SimConfig, observers: int, sample_rate: float):
-        self.config, self.g = config, config.gossip
-        self.rng = random.Random(config.seed)
-        self.now = 0.0
-        self._queue: list = []
-        self._seq = itertools.count()
+        super().__init__(config)
+        self.g = config.gossip
         self.model_fps = tuple(self.rng.randbytes(32) for _ in range(config.num_blocks))
         self.peers: list[Peer] = []
         self.running: list[Peer] = []  # peers others may pick (running, or gone unseen)
@@ -113,28 +108,6 @@ class ScaleSim:
         self.alive_count = 0
         self.observers: list[Peer] = []
         self.join_sync_bytes = (0, 0)  # (sent, received) by a joiner in its bootstrap syncs
-
-    # ---- events -------------------------------------------------------------------------------
-    def clock(self) -> float:
-        return EPOCH + self.now
-
-    def after(self, dt: float, fn: Callable, *args) -> None:
-        heapq.heappush(self._queue, (self.now + dt, next(self._seq), fn, args))
-
-    def latency(self) -> float:
-        return self.rng.uniform(*self.config.latency)
-
-    def run_until(self, t: float) -> None:
-        queue = self._queue
-        while queue and queue[0][0] <= t:
-            self.now, _, fn, args = heapq.heappop(queue)
-            fn(*args)
-        self.now = max(self.now, t)
-
-    def run_while(self, busy: Callable[[], bool], limit: float, step: float = 0.5) -> None:
-        end = self.now + limit
-        while busy() and self.now < end:
-            self.run_until(min(end, self.now + step))
 
     # ---- records --------------------------------------------------------------------------------
     def new_peer(self) -> Peer:
