@@ -27,7 +27,7 @@ from pathlib import Path
 
 from shoal import __version__
 from shoal.checkpoints import load_span, model_fingerprints, model_name, resolve_model
-from shoal.checkpoints.manifest import cached_manifest, manifest_digest
+from shoal.checkpoints.manifest import Manifest, cached_manifest, manifest_digest
 from shoal.errors import UsageError
 from shoal.ids import BlockRange
 from shoal.models import BlockSpan
@@ -79,13 +79,16 @@ def swarm_id_of(config: ServerConfig, checked: CheckedServer | None = None) -> s
 
 def founding_pin(checked: CheckedServer) -> str | None:
     """The pin of a new swarm: the digest of the founding server's whole model, as its model record
-    will define it; None (an unpinned swarm, with a warning) when the server lacks some block's shard."""
+    will define it, the chunk manifest of its files included (so members fetch the founder's files
+    and no other); None (an unpinned swarm, with a warning) when the server lacks some block's shard."""
     model = checked.model
     prints = model_fingerprints(model.model_dir, model.hf_config)
     if prints is None:
         log.warning("the new swarm is not pinned to its model: this server does not hold every block's weights")
         return None
-    return model_digest(model_name(checked.config.model), len(prints), [bytes.fromhex(p) for p in prints])
+    built = given_manifest(checked, whole=True)
+    manifest = manifest_digest(built[1]) if built is not None else b""
+    return model_digest(model_name(checked.config.model), len(prints), [bytes.fromhex(p) for p in prints], manifest)
 
 
 def check_member(config: ServerConfig, swarm_id: str | None, key: bytes) -> None:
@@ -166,33 +169,37 @@ async def come_online(
         model = checked.model
         loop = asyncio.get_running_loop()
         announcement = presence.announcement
-        announcement.model_fingerprints = await loop.run_in_executor(
-            compute, model_fingerprints, model.model_dir, model.hf_config
-        )
-        if checked.config.give_weights:
-            whole = bool(announcement.model_fingerprints)
-            gate.giver = await loop.run_in_executor(compute, make_giver, checked, compute, whole)
-            if gate.giver is not None:
-                announcement.model_manifest, announcement.gives_weights = gate.giver.digest, True
+        prints = await loop.run_in_executor(compute, model_fingerprints, model.model_dir, model.hf_config)
+        built = await loop.run_in_executor(compute, given_manifest, checked, bool(prints))
+        if built is not None:
+            announcement.model_manifest = manifest_digest(built[1])  # what its model record names (and pins)
+            if checked.config.give_weights:
+                gate.giver = await loop.run_in_executor(compute, make_giver, checked, compute, built)
+                announcement.gives_weights = True
+        announcement.model_fingerprints = prints  # set last: a model record is signed with its manifest
         presence.announce_online()
     return server
 
 
-def make_giver(checked: CheckedServer, compute: Executor, whole: bool) -> Giver | None:
-    """What gives the model's weights to peers: for weights fetched from the swarm, what was fetched,
-    by the swarm's manifest kept beside them; else, when the checkpoint is ``whole``, every file, by
-    the manifest built from it (or read from beside it). None when neither. Chunks are read on a
-    thread of their own while the compute thread has no step to run (or a short wait is over), at
-    most ``give_rate`` bytes per second."""
+def given_manifest(checked: CheckedServer, whole: bool) -> tuple[Manifest, bytes] | None:
+    """The manifest (and its encoding) this server gives its files by: for weights fetched from the
+    swarm, the swarm's, kept beside them; else, when the checkpoint is ``whole``, the one built from
+    it (or read from beside it); None when neither."""
     model = checked.model
     built = fetched_manifest(Path(model.model_dir))
     if built is None and whole:
         built = cached_manifest(model.model_dir, model_name(checked.config.model), checked.config.weights_chunk)
-    if built is None:
-        return None
+    return built
+
+
+def make_giver(checked: CheckedServer, compute: Executor, built: tuple[Manifest, bytes]) -> Giver:
+    """What gives the model's weights to peers by the manifest ``built`` (:func:`given_manifest`):
+    what was fetched, or every file of a whole checkpoint. Chunks are read on a thread of their own
+    while the compute thread has no step to run (or a short wait is over), at most ``give_rate``
+    bytes per second."""
     manifest, data = built
     busy = compute.busy if isinstance(compute, ComputeScheduler) else None
-    return Giver(model.model_dir, manifest, data, manifest_digest(data), checked.config.give_rate, busy=busy)
+    return Giver(checked.model.model_dir, manifest, data, manifest_digest(data), checked.config.give_rate, busy=busy)
 
 
 def load_block_server(
@@ -279,6 +286,7 @@ __all__ = [
     "check_member",
     "come_online",
     "founding_pin",
+    "given_manifest",
     "load_adapters",
     "load_block_server",
     "make_giver",

@@ -65,10 +65,17 @@ def new_swarm_id(pin: str | None, owner: str | None = None) -> str:
     return str(SwarmId(secrets.token_hex(8 if owner is None else 6), pin=pin, owner=owner))
 
 
-def model_digest(name: str, num_blocks: int, fingerprints: tuple[bytes, ...] | list[bytes]) -> str:
-    """What pins a model: its name, its block count and every block's fingerprint (24 hex)."""
-    body = msgpack.packb(["shoal/model/1", name, num_blocks, list(fingerprints)], use_bin_type=True)
-    return hashlib.sha256(body).hexdigest()[:DIGEST_HEX]
+def model_digest(
+    name: str, num_blocks: int, fingerprints: tuple[bytes, ...] | list[bytes], manifest: bytes = b""
+) -> str:
+    """What pins a model: its name, its block count, every block's fingerprint and, when the founder
+    gives the model's files, the BLAKE3 of their chunk manifest (24 hex). Without a manifest the
+    digest is as before manifests (``shoal/model/1``)."""
+    if manifest:
+        fields = ["shoal/model/2", name, num_blocks, list(fingerprints), manifest]
+    else:
+        fields = ["shoal/model/1", name, num_blocks, list(fingerprints)]
+    return hashlib.sha256(msgpack.packb(fields, use_bin_type=True)).hexdigest()[:DIGEST_HEX]
 
 
 def owner_tag(owner: str) -> str:
@@ -76,13 +83,21 @@ def owner_tag(owner: str) -> str:
     return hashlib.sha256(b"shoal/owner/1\0" + bytes.fromhex(owner)).hexdigest()[:DIGEST_HEX]
 
 
-def pin_refusal(swarm: SwarmId, name: str, num_blocks: int, fingerprints: tuple[bytes, ...]) -> str | None:
-    """Why a model record (``name``, its blocks) may not define a model of ``swarm``, or None. A
-    pinned swarm serves the model it is pinned to: the pin is a digest, which names no model, so
-    a record of any other digest (another name too) could be a forgery of it, and is refused."""
-    if swarm.pin is None or model_digest(name, num_blocks, fingerprints) == swarm.pin:
+def pin_refusal(
+    swarm: SwarmId, name: str, num_blocks: int, fingerprints: tuple[bytes, ...], manifest: bytes = b""
+) -> str | None:
+    """Why a model record (``name``, its blocks, its chunk ``manifest``) may not define a model of
+    ``swarm``, or None. A pinned swarm serves the model it is pinned to: the pin is a digest, which
+    names no model, so a record of any other digest (another name too) could be a forgery of it, and
+    is refused. A pin with the manifest in it takes only that manifest (so every file a member
+    fetches from peers is the founder's: the config and tokenizer too, which no fingerprint covers);
+    a pin without one takes any (the first model record's stands, :mod:`shoal.swarm.table`)."""
+    if swarm.pin is None or swarm.pin in (
+        model_digest(name, num_blocks, fingerprints, manifest),
+        model_digest(name, num_blocks, fingerprints),
+    ):
         return None
-    return f"model {name} is not the model swarm {swarm} is pinned to"
+    return f"model {name} (its weights or its chunk manifest) is not the model swarm {swarm} is pinned to"
 
 
 __all__ = ["SwarmId", "model_digest", "new_swarm_id", "owner_tag", "parse_swarm_id", "pin_refusal"]

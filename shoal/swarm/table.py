@@ -181,7 +181,7 @@ class RecordTable:
         if swarm.owner is not None and (why := refusal(signed.cert, record.signer, swarm, now, self.revoked)):
             raise RecordError("not_member", f"{record.key}: {why}")
         pinned = isinstance(record, ModelRecord) and not self._by_owner(record)
-        if pinned and (why := pin_refusal(swarm, record.name, record.num_blocks, record.fingerprints)):
+        if pinned and (why := pin_refusal(swarm, record.name, record.num_blocks, record.fingerprints, record.manifest)):
             raise RecordError("model_pin", why)
 
     def _by_owner(self, record) -> bool:

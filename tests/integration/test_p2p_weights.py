@@ -22,12 +22,15 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from shoal.checkpoints import load_tensors, model_fingerprints, model_name, swarm_weights_dir
-from shoal.checkpoints.manifest import cached_manifest, safetensors_layout
+from shoal.checkpoints.manifest import cached_manifest, manifest_digest, safetensors_layout
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm, LocalSwarm, ServerProcess
 from shoal.launch.process import serve_args
+from shoal.server.builder import swarm_id_of
+from shoal.server.config import ServerConfig
+from shoal.server.preflight import check_server
 from shoal.swarm.records import State
-from shoal.swarm.swarmid import model_digest, new_swarm_id
+from shoal.swarm.swarmid import model_digest, new_swarm_id, parse_swarm_id
 from shoal.weights.fetch import STREAMS_PER_GIVER, WeightsError
 from shoal.weights.join import fetch_weights
 from shoal.weights.partial import JOURNAL, PARTIAL
@@ -51,8 +54,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def swarm(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "home"))  # the new server's disk: no weights
-    fps = [bytes.fromhex(f) for f in model_fingerprints(model_dir)]
-    pin = model_digest(model_name(str(model_dir)), len(fps), fps)
+    pin = founders_pin(model_dir)
     with InProcessSwarm(model_dir, [], swarm=new_swarm_id(pin), weights_chunk=CHUNK) as swarm:
         givers = [swarm.add(BlockRange(0, 2)), swarm.add(BlockRange(2, 4))]
 
@@ -66,6 +68,21 @@ def swarm(model_dir, tmp_path, monkeypatch):
 
         wait_until(ready, 60.0, what="both givers online and the manifest in every table")
         yield swarm
+
+
+def founders_pin(model_dir) -> str:
+    """The pin a founder of the tiny model's swarm makes: its fingerprints and its chunk manifest."""
+    fps = [bytes.fromhex(f) for f in model_fingerprints(model_dir)]
+    return model_digest(
+        model_name(str(model_dir)), len(fps), fps, manifest_digest(cached_manifest(model_dir, "tiny", CHUNK)[1])
+    )
+
+
+def test_a_new_swarm_pins_its_founders_manifest_with_the_fingerprints(model_dir):
+    config = ServerConfig(model=str(model_dir), blocks=BlockRange(0, 4), new_swarm=True, weights_chunk=CHUNK)
+    pin = parse_swarm_id(swarm_id_of(config, check_server(config))).pin
+    fps = [bytes.fromhex(f) for f in model_fingerprints(model_dir)]
+    assert pin == founders_pin(model_dir) != model_digest("tiny", len(fps), fps)
 
 
 def fetch(swarm: InProcessSwarm, span: BlockRange = SPAN, **kwargs):

@@ -88,6 +88,30 @@ def test_a_pinned_table_refuses_any_other_model_record_whenever_it_comes(honest_
     assert not t.merge(sign(renamed, MALLORY).data) and t.rejected["model_pin"] == 1 + (not honest_first)
 
 
+@pytest.mark.parametrize("first", ["forged", "honest"])
+def test_a_pin_with_the_manifest_takes_that_manifest_alone_whenever_a_record_comes(first):
+    """The founder's chunk manifest is pinned with its fingerprints: a record with the right
+    fingerprints and another manifest (other config or tokenizer files) never defines the model, even
+    where it comes first (a new member's table, or after the founder's record expired)."""
+    manifest, other = bytes([1]) * 32, bytes([2]) * 32
+    swarm = str(SwarmId("pinned", pin=model_digest(MODEL, BLOCKS, FPS, manifest)))
+    assert model_digest(MODEL, BLOCKS, FPS, manifest) not in (PIN, model_digest(MODEL, BLOCKS, FPS, other))
+    t = table(swarm)
+    forged = sign(replace(model_record(swarm, MALLORY), manifest=other), MALLORY)
+    bare = sign(model_record(swarm, BOB), BOB)  # no manifest: the pin names one
+    honest = sign(replace(model_record(swarm, ALICE), manifest=manifest), ALICE)
+    order = [forged, bare, honest] if first == "forged" else [honest, forged, bare]
+    assert [t.merge(s.data) for s in order] == ([False, False, True] if first == "forged" else [True, False, False])
+    assert t.model(MODEL).manifest == manifest
+    assert t.rejected["model_pin"] == (2 if first == "forged" else 0), t.rejected
+    # a pin without a manifest (as before manifests) takes any: the first record's stands
+    loose = str(SwarmId("loose", pin=PIN))
+    t = table(loose)
+    assert t.merge(sign(replace(model_record(loose, MALLORY), manifest=other), MALLORY).data)
+    assert not t.merge(sign(replace(model_record(loose, ALICE, at=NOW + 0.5), manifest=manifest), ALICE).data)
+    assert t.model(MODEL).manifest == other and t.rejected["manifest_mismatch"] == 1
+
+
 def test_squatting_servers_are_dropped_once_the_pinned_record_comes_and_refused_after():
     swarm = str(SwarmId("pinned", pin=PIN))
     t = table(swarm)
