@@ -79,6 +79,11 @@ class Manifest(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fiel
         first = len(self.files)
         return [*range(first), *(first + i for i, t in enumerate(self.tensors) if start <= t.block < end)]
 
+    def client_items(self) -> list[int]:
+        """Indices (into :attr:`items`) of the files and of the tensors of no block (the embeddings,
+        final norm and head a client runs)."""
+        return self.span_items(-1, 0)
+
 
 class ManifestError(CheckpointError):
     """A manifest that does not decode or does not add up (chunk counts, sizes, digests)."""

