@@ -20,7 +20,7 @@ from shoal.client.remote import RemoteSequence
 from shoal.client.remote.pipeline import DEFAULT_PREFILL_CHUNK
 from shoal.client.training.prompts import PromptTuning
 from shoal.client.verification.audit import DEFAULT_VERIFY
-from shoal.errors import UsageError
+from shoal.errors import ModelNotFoundError, ShoalError, UsageError
 from shoal.ids import BlockRange
 from shoal.models import get_family
 from shoal.quantization import DEFAULT_MIN_QUALITY, Quantization, parse_min_quality
@@ -180,7 +180,6 @@ def _fetch_from_swarm(model: str, initial_peers: Sequence[str | Ticket], config:
     model with no files here. A known model the swarm does not give comes from its package."""
     from shoal.checkpoints import KNOWN_MODELS
     from shoal.client.runtime import shared_loop
-    from shoal.weights.fetch import WeightsError
     from shoal.weights.join import fetch_weights
 
     tickets = tuple(t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers)
@@ -190,11 +189,14 @@ def _fetch_from_swarm(model: str, initial_peers: Sequence[str | Ticket], config:
                              secret_key=config.identity)  # fmt: skip
     try:
         report = shared_loop().run(fetching)
-    except WeightsError as exc:
-        if model not in KNOWN_MODELS:
-            raise
-        log.info("%s; fetching %s from its package instead", exc, model)
-        return
+    except ShoalError as exc:  # no swarm answered, it has no such model, or gives no files of it
+        if model in KNOWN_MODELS:
+            log.info("%s; fetching %s from its package instead", exc, model)
+            return
+        raise ModelNotFoundError(
+            f"unknown model {model!r}: no directory, Hub id (org/name) or known model of that name here, and the "
+            f"swarm gave none of its files ({exc})"
+        ) from None
     if report.fetched:
         log.info("fetched %s's embeddings and head (%.1f MB) from %d members", model, report.bytes / 1e6,
                  len(report.by_giver))  # fmt: skip

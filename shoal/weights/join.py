@@ -193,6 +193,7 @@ async def fetch_weights(
     node.credential = credential
     timeout = transport.deadlines.request
     try:
+        await reach_any(node, tickets, transport.deadlines.connect)  # no swarm: said in seconds (then pooled)
         if blocks is None:
             return await fetch_client_from_swarm(node, tickets, model, root, timeout, progress)
         return await fetch_span_from_swarm(node, tickets, model, blocks, root, timeout, progress)

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from shoal.checkpoints import load_tensors, model_fingerprints, model_name, swarm_weights_dir
 from shoal.checkpoints.manifest import cached_manifest, manifest_digest, safetensors_layout
+from shoal.errors import ModelNotFoundError
 from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm, LocalSwarm, ServerProcess
 from shoal.launch.process import serve_args
@@ -193,7 +194,7 @@ def test_a_client_fetches_nothing_by_a_manifest_the_swarm_id_does_not_pin(model_
         table = swarm.servers[0].presence.service.table
         wait_until(lambda: (table.model("tiny") or None) is not None and table.model("tiny").manifest, 30.0,
                    what="the model record with its manifest")  # fmt: skip
-        with pytest.raises(WeightsError, match="does not pin"):
+        with pytest.raises(ModelNotFoundError, match="does not pin"):
             AutoDistributedModelForCausalLM.from_pretrained(
                 "tiny", swarm.tickets(), transport=swarm.transport, start_node=swarm.start_node
             )
