@@ -36,11 +36,13 @@ request-level error, malformed metadata included, leaves a session usable.
 record announces the ``weights`` capability; any number of requests per stream:
 
     manifest  ManifestRequest {model} -> result Empty [manifest u8]
+    held      HeldRequest {manifest} -> result Empty [a u8 per item of the manifest, 1: held here]
     chunk     ChunkRequest {manifest, item, chunk} -> result Empty [chunk u8]
 
 The asker checks the manifest against the BLAKE3 digest in the swarm's signed model record, and
-every chunk against the manifest's digest of it. Errors: ``not_found`` (another model or manifest,
-an item not held), ``busy`` (the giver is at its rate).
+every chunk against the manifest's digest of it, and asks a giver only for the items it holds (a
+server that fetched its span gives that span). Errors: ``not_found`` (another model or manifest, an
+item not held), ``busy`` (the giver is at its rate).
 """
 
 from shoal.transport import Protocol

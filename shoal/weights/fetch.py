@@ -16,11 +16,12 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from shoal.checkpoints.loading import progress_bar
 from shoal.checkpoints.manifest import Manifest, ManifestError, decode_manifest, manifest_digest
-from shoal.errors import BusyError, NotFound, RemoteError, ShoalError, TransportError, WireError
+from shoal.errors import BusyError, Forbidden, NotFound, RemoteError, ShoalError, TransportError, WireError
 from shoal.protocols import WEIGHTS
 from shoal.transport import BaseNode, Ticket
 from shoal.weights.partial import PartialSpan
@@ -83,7 +84,7 @@ async def held_items(node: BaseNode, giver: Ticket, manifest: Manifest, digest: 
     try:
         reply = await node.request(giver, WEIGHTS, Message("held", 1, HeldRequest(manifest=digest.hex())), timeout)
         held = _payload(reply)
-    except NotFound:
+    except (NotFound, Forbidden):  # gives another manifest, or does not give to this peer
         return set()
     except ShoalError as exc:
         log.info("giver %s did not say what it holds (%s): asking it for every chunk", giver.peer_id[:12], exc)
@@ -92,6 +93,60 @@ async def held_items(node: BaseNode, giver: Ticket, manifest: Manifest, digest: 
         log.warning("giver %s said what it holds of another manifest", giver.peer_id[:12])
         return set()
     return {i for i, flag in enumerate(held) if flag}
+
+
+Key = tuple[int, int]  # (item, chunk)
+
+
+class ChunkQueue:
+    """The chunks a fetch still wants, queued per giver: each giver's queue holds only the items it
+    said it holds, a chunk leaves every queue once a worker takes it (queues are cleaned lazily), and
+    one that comes back (failed, refused, not held after all) is queued again for every live giver
+    that may hold it. Workers with nothing to take wait for :meth:`changed`, not on a timer."""
+
+    def __init__(self, keys: list[Key], holds: dict[str, set[int]]):
+        self.pending = set(keys)
+        self.holds, self.live = holds, set(holds)
+        self.lacking: dict[Key, set[str]] = {}  # said not_found after all
+        self.queues = {peer: deque(k for k in keys if k[0] in held) for peer, held in holds.items()}
+        self.in_flight = 0
+        self._changed = asyncio.Event()
+
+    def _may_give(self, peer: str, key: Key) -> bool:
+        return key[0] in self.holds[peer] and peer not in self.lacking.get(key, ())
+
+    def take(self, peer: str) -> Key | None:
+        """The next chunk ``peer`` may give, taken (counted in flight until :meth:`done`), or None."""
+        queue = self.queues[peer]
+        while queue:
+            key = queue.popleft()
+            if key in self.pending and self._may_give(peer, key):
+                self.pending.discard(key)
+                self.in_flight += 1
+                return key
+        return None
+
+    def done(self) -> None:
+        """A taken chunk was kept, or given back."""
+        self.in_flight -= 1
+        self._notify()
+
+    def give_back(self, key: Key, first: bool = False, lacked_by: str | None = None) -> None:
+        """``key`` is wanted again (``first``: before the rest); ``lacked_by`` said it does not hold it."""
+        if lacked_by is not None:
+            self.lacking.setdefault(key, set()).add(lacked_by)
+        self.pending.add(key)
+        for peer in self.live:
+            if self._may_give(peer, key):
+                (self.queues[peer].appendleft if first else self.queues[peer].append)(key)
+
+    def changed(self) -> Awaitable[bool]:
+        """Resolves once a chunk in flight is kept or given back."""
+        return self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
 
 async def fetch_chunks(
@@ -103,35 +158,23 @@ async def fetch_chunks(
     manifest, digest = partial.manifest, partial.digest.hex()
     report = FetchReport(resumed=len(partial.done), discarded=partial.discarded)
     started = time.perf_counter()
-    pending = deque(partial.missing)
-    wanted = {item for item, _ in pending}
+    missing = partial.missing
+    wanted = {item for item, _ in missing}
     holds = dict(zip((t.peer_id for t in givers), await asyncio.gather(
         *(held_items(node, t, manifest, partial.digest, timeout) for t in givers)), strict=True))  # fmt: skip
     givers = [t for t in givers if holds[t.peer_id] & wanted]
-    lacking: dict[tuple[int, int], set[str]] = {}  # said not_found after all
-    live = {t.peer_id for t in givers}
-    in_flight = 0
-    total = sum(manifest.chunk_bytes(manifest.items[i], c) for i, c in pending)
-
-    def take(peer: str) -> tuple[int, int] | None:
-        """The first pending chunk ``peer`` holds (as far as is known), taken out of ``pending``."""
-        for n, key in enumerate(pending):
-            if key[0] in holds[peer] and peer not in lacking.get(key, ()):
-                del pending[n]
-                return key
-        return None
+    chunks = ChunkQueue(missing, {t.peer_id: holds[t.peer_id] for t in givers})
+    total = sum(manifest.chunk_bytes(manifest.items[i], c) for i, c in missing)
 
     async def worker(ticket: Ticket, stream_holder: list, bar) -> None:
-        nonlocal in_flight
         peer, failures = ticket.peer_id, 0
-        while peer in live:
-            key = take(peer)
+        while peer in chunks.live:
+            key = chunks.take(peer)
             if key is None:  # none it holds, unless one in flight elsewhere comes back
-                if in_flight == 0:
+                if chunks.in_flight == 0:
                     return
-                await asyncio.sleep(0.02)
+                await chunks.changed()
                 continue
-            in_flight += 1
             try:
                 item, index = key
                 size = manifest.chunk_bytes(manifest.items[item], index)
@@ -141,27 +184,27 @@ async def fetch_chunks(
                     request = Message("chunk", stream_holder[0].next_id(),
                                       ChunkRequest(manifest=digest, item=item, chunk=index))  # fmt: skip
                     data = _payload(await stream_holder[0].request(request, timeout))
-                except (NotFound, BusyError) as exc:
-                    pending.append(key)
-                    if isinstance(exc, NotFound):
-                        lacking.setdefault(key, set()).add(peer)
-                    else:
-                        await asyncio.sleep(0.05)
+                except NotFound:
+                    chunks.give_back(key, lacked_by=peer)
+                    continue
+                except BusyError:
+                    chunks.give_back(key)
+                    await asyncio.sleep(0.05)
                     continue
                 except (TransportError, WireError, RemoteError) as exc:
-                    pending.append(key)
                     stream_holder.clear()
                     failures += 1
                     if failures >= MAX_FAILURES:
                         log.warning("giver %s dropped from the fetch: %s", peer[:12], exc)
-                        live.discard(peer)
+                        chunks.live.discard(peer)
+                    chunks.give_back(key)
                     continue
                 failures = 0
                 if not await asyncio.to_thread(partial.keep, item, index, data):  # checked and written off the loop
                     report.rejected += 1
                     report.banned.add(peer)
-                    live.discard(peer)
-                    pending.appendleft(key)
+                    chunks.live.discard(peer)
+                    chunks.give_back(key, first=True)
                     log.warning("giver %s sent item %d chunk %d that is not the manifest's: banned for this fetch",
                                 peer[:12], item, index)  # fmt: skip
                     return
@@ -170,7 +213,7 @@ async def fetch_chunks(
                 report.by_giver[peer] += 1
                 bar.update(size)
             finally:
-                in_flight -= 1
+                chunks.done()
 
     with progress_bar(progress, total=total, unit="B", unit_scale=True, desc="fetch weights") as bar:
         holders: list[list] = []
@@ -202,4 +245,4 @@ async def _quietly(awaitable) -> None:
         pass
 
 
-__all__ = ["FetchReport", "WeightsError", "fetch_chunks", "fetch_manifest"]
+__all__ = ["ChunkQueue", "FetchReport", "WeightsError", "fetch_chunks", "fetch_manifest", "held_items"]

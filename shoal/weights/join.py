@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shoal.checkpoints.fetch import SWARM_MARKER, is_fetched, swarm_weights_dir
 from shoal.checkpoints.loading import load_config, load_tensors, span_fingerprints, span_tensor_filter
-from shoal.checkpoints.manifest import Manifest, locate, manifest_digest
+from shoal.checkpoints.manifest import Manifest, holds_item, locate, manifest_digest
 from shoal.ids import BlockRange
 from shoal.swarm.records import ModelRecord, State
 from shoal.swarm.service import fetch_table, reach_any, table_from_reply
@@ -29,7 +29,7 @@ from shoal.swarm.swarmid import model_digest, owner_tag, parse_swarm_id
 from shoal.swarm.table import RecordTable
 from shoal.transport import BaseNode, StartNode, Ticket, TransportConfig
 from shoal.weights.fetch import FetchReport, WeightsError, fetch_chunks, fetch_manifest
-from shoal.weights.partial import PartialSpan, fetched_manifest
+from shoal.weights.partial import PartialSpan, fetched_manifest, forget_tensors
 from shoal.wire.schema import WEIGHTS as GIVES_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,19 @@ async def _model_record(
     return table, record
 
 
-def _lacking(root: Path, manifest: Manifest, items: Callable[[Manifest], list[int]]) -> list[int]:
-    """Which of the manifest's ``items`` ``root`` does not hold."""
+def _lacking(root: Path, manifest: Manifest, items: list[int], check: bool) -> list[int]:
+    """Which of the manifest's ``items`` ``root`` does not hold. With ``check`` everything it holds of
+    the manifest is compared with it chunk by chunk first, and what differs (files another manifest
+    left, e.g. another swarm's model of the same name) is forgotten, so that it is fetched again when
+    wanted, not kept because its size matches."""
     held = locate(root, manifest) if root.is_dir() else [None] * len(manifest.items)
-    return [i for i in items(manifest) if held[i] is None]
+    if check:
+        size = manifest.chunk_size
+        wrong = [i for i, at in enumerate(held) if at is not None and not holds_item(at, manifest.items[i], size)]
+        forget_tensors(root, [manifest.items[i].name for i in wrong if manifest.items[i].dtype])
+        for i in wrong:
+            held[i] = None
+    return [i for i in items if held[i] is None]
 
 
 async def _fetch_items(
@@ -96,11 +105,14 @@ async def _fetch_items(
     name: str, timeout: float, progress: bool | None,
 ) -> FetchReport | None:  # fmt: skip
     """Fetch what ``root`` lacks of the manifest's ``items`` from the table's givers, resuming a fetch
-    cut short there; None when ``root`` held them all already (known by the manifest an earlier fetch
-    kept there, if it is the record's: then no giver need be online)."""
+    cut short there; None when ``root`` held them all already. What ``root`` holds counts as held
+    without a second look only where an earlier fetch by the same manifest left it (that fetch checked
+    every chunk it fetched, and everything of the manifest that was there before): then no giver need
+    be online either."""
     kept = fetched_manifest(root)
     manifest = kept[0] if kept is not None and manifest_digest(kept[1]) == record.manifest else None
-    if manifest is not None and not await asyncio.to_thread(_lacking, root, manifest, items):
+    checked = manifest is not None
+    if checked and not await asyncio.to_thread(_lacking, root, manifest, items(manifest), False):
         return None
     givers = givers_of(table, record.name, node.id)
     if not givers:
@@ -108,7 +120,7 @@ async def _fetch_items(
     if manifest is None:
         manifest = await fetch_manifest(node, givers, record.name, record.manifest, timeout)
     root.mkdir(parents=True, exist_ok=True)
-    wanted = await asyncio.to_thread(_lacking, root, manifest, items)
+    wanted = await asyncio.to_thread(_lacking, root, manifest, items(manifest), not checked)
     if not wanted:
         return None
     partial = await asyncio.to_thread(PartialSpan, root, manifest, record.manifest, wanted, _unused_name(root, name))
@@ -132,7 +144,10 @@ async def fetch_span_from_swarm(
     table, record = await _model_record(node, tickets, model, timeout)
     if blocks.end > record.num_blocks:
         raise WeightsError(f"blocks {blocks} are outside {model}'s {record.num_blocks} blocks")
-    span = lambda manifest: manifest.span_items(blocks.start, blocks.end)  # noqa: E731
+
+    def span(manifest: Manifest) -> list[int]:
+        return manifest.span_items(blocks.start, blocks.end)
+
     report = await _fetch_items(node, table, record, root, span, f"blocks-{blocks.start}-{blocks.end}", timeout,
                                 progress)  # fmt: skip
     if report is None:
@@ -175,8 +190,7 @@ async def fetch_client_from_swarm(
             f"swarm {table.swarm}'s id does not pin {model}'s chunk manifest, so its embeddings and head could "
             "not be checked: give the model's directory, Hub id or known name instead"
         )
-    client = lambda manifest: manifest.client_items()  # noqa: E731
-    report = await _fetch_items(node, table, record, root, client, "client", timeout, progress)
+    report = await _fetch_items(node, table, record, root, Manifest.client_items, "client", timeout, progress)
     return report if report is not None else FetchReport()
 
 

@@ -158,9 +158,28 @@ class PartialSpan:
         tmp = self.root / f"{INDEX_FILE}.tmp"
         tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
         os.replace(tmp, index_path)
-        (self.root / MANIFEST).write_bytes(encode_manifest(self.manifest))
+        data = encode_manifest(self.manifest)
+        if manifest_digest(data) == self.digest:  # it re-encodes as fetched (msgpack arrays: it should)
+            (self.root / MANIFEST).write_bytes(data)
+        else:  # not kept: the span is not given on, and what it holds is checked at the next fetch
+            (self.root / MANIFEST).unlink(missing_ok=True)
         (self.root / MARKER).write_text(json.dumps({"model": self.manifest.model, "manifest": self.digest.hex()}))
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def forget_tensors(root: Path, names: list[str]) -> None:
+    """Take tensors ``names`` out of ``root``'s index: what the loaders and :func:`locate
+    <shoal.checkpoints.manifest.locate>` no longer find there is fetched again (their bytes stay in
+    their files until those are replaced)."""
+    index_path = root / INDEX_FILE
+    if not names or not index_path.is_file():
+        return
+    index = json.loads(index_path.read_text())
+    for name in names:
+        index["weight_map"].pop(name, None)
+    tmp = root / f"{INDEX_FILE}.tmp"
+    tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+    os.replace(tmp, index_path)
 
 
 def fetched_manifest(root: Path) -> tuple[Manifest, bytes] | None:
@@ -180,4 +199,4 @@ def fetched_manifest(root: Path) -> tuple[Manifest, bytes] | None:
         return None
 
 
-__all__ = ["MANIFEST", "MARKER", "PARTIAL", "PartialSpan", "fetched_manifest"]
+__all__ = ["MANIFEST", "MARKER", "PARTIAL", "PartialSpan", "fetched_manifest", "forget_tensors"]

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from shoal.checkpoints import load_tensors, model_fingerprints, model_name, swarm_weights_dir
+from shoal.checkpoints.loading import weight_map
 from shoal.checkpoints.manifest import cached_manifest, manifest_digest, safetensors_layout
 from shoal.errors import ModelNotFoundError
 from shoal.ids import BlockRange
@@ -34,7 +35,7 @@ from shoal.swarm.records import State
 from shoal.swarm.swarmid import model_digest, new_swarm_id, parse_swarm_id
 from shoal.weights.fetch import STREAMS_PER_GIVER, WeightsError
 from shoal.weights.join import fetch_weights
-from shoal.weights.partial import JOURNAL, PARTIAL
+from shoal.weights.partial import JOURNAL, MANIFEST, PARTIAL
 from shoal.wire import error_message
 from testkit.tampering import tamper
 from testkit.tiny import char_tokenizer, tiny_checkpoint
@@ -180,6 +181,20 @@ def test_a_client_with_no_files_fetches_its_embeddings_and_head_and_generates(sw
     source = load_tensors(model_dir, names.__contains__)
     fetched = load_tensors(root, names.__contains__)
     assert all(torch.equal(fetched[n].view(torch.uint8), t.view(torch.uint8)) for n, t in source.items())
+
+    # Another model of the same name left its embeddings here (same size, other bytes) and no manifest
+    # of this swarm: they are checked chunk by chunk, found wrong, fetched again, not kept by size.
+    start, header = safetensors_layout(root / "client.safetensors")
+    with open(root / "client.safetensors", "r+b") as f:
+        f.seek(start + header["model.embed_tokens.weight"]["data_offsets"][0])
+        f.write(b"\x7f" * 64)  # (the row starts with zeros: padding)
+    (root / MANIFEST).unlink()
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        "tiny", swarm.tickets(), transport=swarm.transport, start_node=swarm.start_node
+    ) as model:
+        assert torch.equal(model.generate(**_inputs(model_dir), max_new_tokens=8, do_sample=False), expected)
+    assert weight_map(root)["model.embed_tokens.weight"] == "client-2.safetensors"
+    assert weight_map(root)["lm_head.weight"] == "client.safetensors"  # checked and kept: not fetched again
 
 
 def test_a_client_fetches_nothing_by_a_manifest_the_swarm_id_does_not_pin(model_dir, tmp_path, monkeypatch):
