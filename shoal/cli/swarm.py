@@ -70,9 +70,11 @@ def fetch_span(args: argparse.Namespace, join: tuple, transport) -> None:
     if not args.blocks:
         raise UsageError(f"{args.model} is not on this machine: to fetch it from the swarm, give --blocks START:END")
     blocks = parse_blocks(args.blocks)
-    cert = read_member_cert(args.member_cert)
+    member = member_settings(args)  # a private swarm's givers see the server's own key and certificate
+    fetching = fetch_weights(Node.start, transport, join, args.model, blocks, credential=member["member_cert"],
+                             secret_key=member["identity"])  # fmt: skip
     try:
-        report = run_loop(fetch_weights(Node.start, transport, join, args.model, blocks, credential=cert))
+        report = run_loop(fetching)
     except WeightsError as exc:
         if args.model not in KNOWN_MODELS:
             raise

@@ -139,6 +139,26 @@ def test_a_member_client_gets_the_tokens_of_transformers_pushed_between_members(
     assert all(t.rejected["not_member"] == 0 for t in private.tables())
 
 
+def test_a_member_fetches_a_span_under_its_own_key_and_certificate(private, tmp_path, monkeypatch):
+    """A private swarm's members give their files to members only: a server joining with no files
+    fetches from the endpoint of its own key (``shoal serve --identity``), not a fresh one."""
+    from shoal.weights.join import fetch_weights
+
+    monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "home"))
+    key, swarm = generate_key(), private.swarm
+
+    def fetch(**kwargs):
+        tickets = tuple(swarm.tickets())
+        fetching = fetch_weights(swarm.start_node, swarm.transport, tickets, "tiny", LOW, credential=invite(key),
+                                 **kwargs)  # fmt: skip
+        return swarm.runtime.run(fetching, timeout=60)
+
+    with pytest.raises(Forbidden):  # its certificate presented by a node of another key
+        fetch()
+    report = fetch(secret_key=key)
+    assert report.fetched > 0 and report.rejected == 0
+
+
 def test_strangers_are_refused_where_they_enter_and_told_why(private):
     stranger = generate_key()
     with pytest.raises(Forbidden, match=r"is not a member of private swarm .* presented no certificate"):
