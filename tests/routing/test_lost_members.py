@@ -17,6 +17,7 @@ from shoal.ids import BlockRange
 from shoal.launch import InProcessSwarm
 from testkit.tiny import save_checkpoint, tiny_model
 from tests.helpers.byzantine import connect_over, peer_of
+from tests.helpers.inprocess import wait_until
 from tests.helpers.parity import min_top2_gap
 
 pytestmark = pytest.mark.timeout(90)
@@ -38,9 +39,12 @@ def test_a_client_whose_only_ticket_died_still_sees_newcomers(reference_and_dir)
     expected, model_dir = reference_and_dir
     with InProcessSwarm(model_dir, [LOW, LOW, HIGH, HIGH], swarm="lost-members") as swarm:
         first, low_b, high_a, high_b = swarm.servers
+        table, everyone = first.presence.service.table, {peer_of(s) for s in swarm.servers}
+        wait_until(lambda: {r.peer for r in table.servers()} == everyone, 20.0,
+                   what="every server in the first one's table, the client's only ticket")  # fmt: skip
         with connect_over(swarm, [first], route_wait=20.0) as model:
             directory, runtime = model.blocks.directory, model.blocks.runtime
-            everyone, deadline = {peer_of(s) for s in swarm.servers}, time.monotonic() + 20.0
+            deadline = time.monotonic() + 20.0
             while {s.peer_id for s in directory.spans} != everyone:  # the swarm's gossip converging
                 assert time.monotonic() < deadline, f"the client lists {directory.spans}"
                 time.sleep(0.2)
