@@ -69,8 +69,8 @@ def model_digest(
     name: str, num_blocks: int, fingerprints: tuple[bytes, ...] | list[bytes], manifest: bytes = b""
 ) -> str:
     """What pins a model: its name, its block count, every block's fingerprint and, when the founder
-    gives the model's files, the BLAKE3 of their chunk manifest (24 hex). Without a manifest the
-    digest is as before manifests (``shoal/model/1``)."""
+    holds every file, the BLAKE3 of their chunk manifest (24 hex). Without a manifest the digest is
+    as before manifests (``shoal/model/1``)."""
     if manifest:
         fields = ["shoal/model/2", name, num_blocks, list(fingerprints), manifest]
     else:
