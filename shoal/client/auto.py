@@ -148,7 +148,7 @@ class AutoDistributedModelForCausalLM:
         """:meth:`from_pretrained` with its settings already one :class:`ClientConfig` (``shoal api``
         and ``shoal chat`` make one of their flags): one path from settings to a running client."""
         if initial_peers and fetches_from_swarm(model):
-            _fetch_from_swarm(model, initial_peers, client_config, start_node)
+            fetch_client_part(model, initial_peers, client_config, start_node)
         model_dir = resolve_model(model, client=True, revision=client_config.revision)
         config = load_config(model_dir)
         family = get_family(config)
@@ -174,8 +174,8 @@ class AutoDistributedModelForCausalLM:
         return distributed
 
 
-def _fetch_from_swarm(
-    model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, start_node: StartNode
+def fetch_client_part(
+    model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, start_node: StartNode = Node.start
 ) -> None:
     """Fetch the client's part of ``model`` (config, tokenizer, embeddings and head) from the members
     of a swarm ``initial_peers`` lead to (:func:`shoal.weights.join.fetch_client_from_swarm`; each

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -115,12 +116,22 @@ def _engine_maker(options: GatewayOptions):
     return make
 
 
-def _client_size(path: str) -> int:
-    """The bytes of a model's client part, from its config (see :func:`shoal.gateway.pool.client_bytes`)."""
-    from shoal.checkpoints import load_config, resolve_model
-    from shoal.gateway.pool import client_bytes
+def _client_sizer(options: GatewayOptions) -> Callable[[str], int]:
+    """How the gateway learns the bytes of a model's client part, from its config (see
+    :func:`shoal.gateway.pool.client_bytes`): a model with no files here is fetched from the joined
+    swarms' members first (:func:`shoal.client.auto.fetch_client_part`), as its client would be."""
 
-    return client_bytes(load_config(resolve_model(path, metadata_only=True)))
+    def size(path: str) -> int:
+        from shoal.checkpoints import load_config, resolve_model
+        from shoal.client.auto import fetch_client_part
+        from shoal.gateway.pool import client_bytes
+        from shoal.weights.join import fetches_from_swarm
+
+        if options.join and fetches_from_swarm(path):
+            fetch_client_part(path, options.join, options.client)
+        return client_bytes(load_config(resolve_model(path, metadata_only=True)))
+
+    return size
 
 
 def build_catalog(options: GatewayOptions, watchers) -> Catalog | None:
@@ -132,7 +143,7 @@ def build_catalog(options: GatewayOptions, watchers) -> Catalog | None:
     if options.model is None and not options.every_model:
         return None
     named = {model_name(options.model): options.model} if options.model is not None else None
-    catalog = Catalog(options.join, watchers, _engine_maker(options), _client_size, options.client_memory,
+    catalog = Catalog(options.join, watchers, _engine_maker(options), _client_sizer(options), options.client_memory,
                       named=named, every=options.every_model, models_dirs=options.models_dirs)  # fmt: skip
     if options.model is not None:
         with catalog.pool.lease(model_name(options.model)):
@@ -148,11 +159,12 @@ def serve_gateway(options: GatewayOptions) -> int:
     from shoal.gateway.guards import allowed_hosts
     from shoal.gateway.swarm import Watchers
     from shoal.heap import freeze_startup_heap
+    from shoal.weights.join import fetches_from_swarm
 
-    if options.model is not None:
+    if options.model is not None and not (options.join and fetches_from_swarm(options.model)):
         from shoal.checkpoints.check import check_model
 
-        check_model(options.model)  # an unknown model or family: before the port is taken
+        check_model(options.model)  # an unknown model or family: before the port is taken (else: at its fetch)
     if options.draft is not None:
         check_draft(options.draft)
     sock = _bind(options.host, options.port)

@@ -197,6 +197,37 @@ def test_a_client_with_no_files_fetches_its_embeddings_and_head_and_generates(sw
     assert weight_map(root)["lm_head.weight"] == "client.safetensors"  # checked and kept: not fetched again
 
 
+def test_the_gateway_serves_a_model_with_no_files_here(model_dir, tmp_path, monkeypatch):
+    """``shoal api NAME --join TICKET``: the gateway sizes and loads the model's client part after
+    fetching it from the swarm's members, as a client does (here over iroh nodes on loopback, which
+    the gateway's client dials)."""
+    from shoal.client.config import ClientConfig
+    from shoal.gateway.serve import GatewayOptions, build_catalog
+    from shoal.transport import Node
+
+    monkeypatch.setenv("SHOAL_HOME", str(tmp_path / "home"))
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    expected = reference.generate(**_inputs(model_dir), max_new_tokens=6, do_sample=False)
+    pinned = new_swarm_id(founders_pin(model_dir))
+    with InProcessSwarm(
+        model_dir, [BlockRange(0, 4)], swarm=pinned, weights_chunk=CHUNK, start_node=Node.start
+    ) as swarm:
+        table = swarm.servers[0].presence.service.table
+        wait_until(lambda: (table.model("tiny") or None) is not None and table.model("tiny").manifest, 30.0,
+                   what="the model record with its manifest")  # fmt: skip
+        options = GatewayOptions(
+            join=tuple(swarm.tickets()), model="tiny", client=ClientConfig(transport=swarm.transport)
+        )
+        catalog = build_catalog(options, None)
+        try:
+            with catalog.pool.lease("tiny") as engine:
+                got = engine.model.generate(**_inputs(model_dir), max_new_tokens=6, do_sample=False)
+        finally:
+            catalog.pool.close()
+    assert torch.equal(got, expected)
+    assert (swarm_weights_dir("tiny") / "client.safetensors").is_file()
+
+
 def test_a_client_fetches_nothing_by_a_manifest_the_swarm_id_does_not_pin(model_dir, tmp_path, monkeypatch):
     """No fingerprint covers a client's embeddings and head: in a swarm pinned before manifests were
     (the manifest is the first model record's), the client refuses, naming why."""
