@@ -150,14 +150,9 @@ class PartialSpan:
             os.fsync(fd)
         self.close()
         items = self.manifest.items
-        index_path = self.root / INDEX_FILE
-        index = json.loads(index_path.read_text()) if index_path.is_file() else {"metadata": {}, "weight_map": {}}
         for path in {p for p, _ in self.places.values()}:
             os.replace(path, self.root / path.name)
-        index["weight_map"].update({items[i].name: self.tensor_file.name for i in self.places if items[i].dtype})
-        tmp = self.root / f"{INDEX_FILE}.tmp"
-        tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
-        os.replace(tmp, index_path)
+        _update_index(self.root, {items[i].name: self.tensor_file.name for i in self.places if items[i].dtype})
         data = encode_manifest(self.manifest)
         if manifest_digest(data) == self.digest:  # it re-encodes as fetched (msgpack arrays: it should)
             (self.root / MANIFEST).write_bytes(data)
@@ -171,12 +166,20 @@ def forget_tensors(root: Path, names: list[str]) -> None:
     """Take tensors ``names`` out of ``root``'s index: what the loaders and :func:`locate
     <shoal.checkpoints.manifest.locate>` no longer find there is fetched again (their bytes stay in
     their files until those are replaced)."""
+    if names and (root / INDEX_FILE).is_file():
+        _update_index(root, dict.fromkeys(names))
+
+
+def _update_index(root: Path, files: dict[str, str | None]) -> None:
+    """Map each tensor of ``files`` to its file in ``root``'s index (None: take it out), replacing
+    the index whole (made when absent)."""
     index_path = root / INDEX_FILE
-    if not names or not index_path.is_file():
-        return
-    index = json.loads(index_path.read_text())
-    for name in names:
-        index["weight_map"].pop(name, None)
+    index = json.loads(index_path.read_text()) if index_path.is_file() else {"metadata": {}, "weight_map": {}}
+    for name, file in files.items():
+        if file is None:
+            index["weight_map"].pop(name, None)
+        else:
+            index["weight_map"][name] = file
     tmp = root / f"{INDEX_FILE}.tmp"
     tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
     os.replace(tmp, index_path)
