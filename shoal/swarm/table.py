@@ -95,7 +95,7 @@ class RecordTable:
             raise RecordError("expired", record.key)
         if record.timestamp > now + self.max_skew:
             raise RecordError("future", f"{record.key} is dated {record.timestamp - now:.1f} s ahead")
-        owners = isinstance(record, RevocationRecord) or self._by_owner(record)  # live as long as the owner says
+        owners = isinstance(record, RevocationRecord) or self.signed_by_owner(record)  # live as long as the owner says
         if owners:
             cap = MAX_REVOCATION_LIFETIME
         elif isinstance(record, VerdictRecord):
@@ -133,7 +133,7 @@ class RecordTable:
         same_signer = held is not None and held.record.signer == record.signer
         per_signer = {ModelRecord: limits.max_models_per_signer, VerdictRecord: limits.max_verdicts_per_signer}
         cap = per_signer.get(type(record))
-        owners = self._by_owner(record)  # a private swarm's owner adds models as it sees fit
+        owners = self.signed_by_owner(record)  # a private swarm's owner adds models as it sees fit
         if cap is not None and not (same_signer or owners) and self._signed[record.TAG, record.signer] >= cap:
             raise RecordError("full", f"{record.key}: {record.signer[:10]} signs {cap} {record.TAG} records already")
         name = _model_name(record)
@@ -180,11 +180,11 @@ class RecordTable:
             return
         if swarm.owner is not None and (why := refusal(signed.cert, record.signer, swarm, now, self.revoked)):
             raise RecordError("not_member", f"{record.key}: {why}")
-        pinned = isinstance(record, ModelRecord) and not self._by_owner(record)
+        pinned = isinstance(record, ModelRecord) and not self.signed_by_owner(record)
         if pinned and (why := pin_refusal(swarm, record.name, record.num_blocks, record.fingerprints, record.manifest)):
             raise RecordError("model_pin", why)
 
-    def _by_owner(self, record) -> bool:
+    def signed_by_owner(self, record) -> bool:
         """A model record the private swarm's owner signed: a model it added beside the pinned one."""
         return (
             isinstance(record, ModelRecord) and self.id.owner is not None and owner_tag(record.signer) == self.id.owner

@@ -25,7 +25,7 @@ from shoal.checkpoints.manifest import Manifest, holds_item, locate, manifest_di
 from shoal.ids import BlockRange
 from shoal.swarm.records import ModelRecord, State
 from shoal.swarm.service import fetch_table, reach_any, table_from_reply
-from shoal.swarm.swarmid import model_digest, owner_tag, parse_swarm_id
+from shoal.swarm.swarmid import model_digest, parse_swarm_id
 from shoal.swarm.table import RecordTable
 from shoal.transport import BaseNode, StartNode, Ticket, TransportConfig
 from shoal.weights.fetch import FetchReport, WeightsError, fetch_chunks, fetch_manifest
@@ -72,10 +72,11 @@ def check_fingerprints(root: Path, record: ModelRecord, blocks: BlockRange) -> N
 
 
 async def _model_record(
-    node: BaseNode, tickets: list[Ticket] | tuple[Ticket, ...], model: str, timeout: float
+    node: BaseNode, tickets: list[Ticket] | tuple[Ticket, ...], model: str, timeout: float, reach_timeout: float | None
 ) -> tuple[RecordTable, ModelRecord]:
-    """The table of the swarm ``tickets`` lead to, and its model record of ``model`` with a manifest."""
-    ticket = await reach_any(node, list(tickets), timeout)
+    """The table of the swarm ``tickets`` lead to (reached within ``reach_timeout``, default
+    ``timeout``), and its model record of ``model`` with a manifest."""
+    ticket = await reach_any(node, list(tickets), reach_timeout or timeout)
     if ticket.swarm_id is None:
         raise WeightsError("the --join ticket names no swarm")
     table = table_from_reply(ticket.swarm_id, await fetch_table(node, ticket, timeout))
@@ -111,18 +112,19 @@ async def _fetch_items(
     be online either."""
     kept = fetched_manifest(root)
     manifest = kept[0] if kept is not None and manifest_digest(kept[1]) == record.manifest else None
-    checked = manifest is not None
-    if checked and not await asyncio.to_thread(_lacking, root, manifest, items(manifest), False):
-        return None
+    if manifest is not None:  # what is here was checked by the fetch that kept it
+        wanted = await asyncio.to_thread(_lacking, root, manifest, items(manifest), False)
+        if not wanted:
+            return None
     givers = givers_of(table, record.name, node.id)
     if not givers:
         raise WeightsError(f"no online member of swarm {table.swarm} gives {record.name}'s weights")
-    if manifest is None:
+    if manifest is None:  # what is here, if anything, is checked chunk by chunk
         manifest = await fetch_manifest(node, givers, record.name, record.manifest, timeout)
-    root.mkdir(parents=True, exist_ok=True)
-    wanted = await asyncio.to_thread(_lacking, root, manifest, items(manifest), not checked)
-    if not wanted:
-        return None
+        root.mkdir(parents=True, exist_ok=True)
+        wanted = await asyncio.to_thread(_lacking, root, manifest, items(manifest), True)
+        if not wanted:
+            return None
     partial = await asyncio.to_thread(PartialSpan, root, manifest, record.manifest, wanted, _unused_name(root, name))
     try:
         report = await fetch_chunks(node, givers, partial, timeout, progress=progress)
@@ -135,13 +137,13 @@ async def _fetch_items(
 
 async def fetch_span_from_swarm(
     node: BaseNode, tickets: list[Ticket] | tuple[Ticket, ...], model: str, blocks: BlockRange,
-    root: Path | None = None, timeout: float = 30.0, progress: bool | None = None,
+    root: Path | None = None, timeout: float = 30.0, progress: bool | None = None, reach_timeout: float | None = None,
 ) -> FetchReport:  # fmt: skip
     """Fetch what ``root`` (default: :func:`swarm_weights_dir`) lacks of blocks ``blocks`` of
     ``model`` (and its config and tokenizer) from the givers of the swarm ``tickets`` lead to,
     resuming a fetch cut short there, and check it (see the module docstring)."""
     root = root if root is not None else swarm_weights_dir(model)
-    table, record = await _model_record(node, tickets, model, timeout)
+    table, record = await _model_record(node, tickets, model, timeout, reach_timeout)
     if blocks.end > record.num_blocks:
         raise WeightsError(f"blocks {blocks} are outside {model}'s {record.num_blocks} blocks")
 
@@ -166,9 +168,9 @@ async def fetch_span_from_swarm(
 def vouched_manifest(table: RecordTable, record: ModelRecord) -> bool:
     """Whether more than the first model record vouches for ``record``'s manifest: the swarm id pins
     it (a swarm founded since pins took the manifest), or the private swarm's owner signed it."""
-    swarm = parse_swarm_id(table.swarm)
-    if swarm.owner is not None and owner_tag(record.signer) == swarm.owner:
+    if table.signed_by_owner(record):
         return True
+    swarm = parse_swarm_id(table.swarm)
     return swarm.pin is not None and swarm.pin == model_digest(
         record.name, record.num_blocks, record.fingerprints, record.manifest
     )
@@ -176,7 +178,7 @@ def vouched_manifest(table: RecordTable, record: ModelRecord) -> bool:
 
 async def fetch_client_from_swarm(
     node: BaseNode, tickets: list[Ticket] | tuple[Ticket, ...], model: str, root: Path | None = None,
-    timeout: float = 30.0, progress: bool | None = None,
+    timeout: float = 30.0, progress: bool | None = None, reach_timeout: float | None = None,
 ) -> FetchReport:  # fmt: skip
     """Fetch what ``root`` (default: :func:`swarm_weights_dir`) lacks of ``model``'s client part (its
     config and tokenizer, and every tensor of no block: the embeddings, final norm and head) from the
@@ -184,7 +186,7 @@ async def fetch_client_from_swarm(
     the swarm id pins (or a private swarm's owner signed) is fetched by: every chunk is then the
     founder's."""
     root = root if root is not None else swarm_weights_dir(model)
-    table, record = await _model_record(node, tickets, model, timeout)
+    table, record = await _model_record(node, tickets, model, timeout, reach_timeout)
     if not vouched_manifest(table, record):
         raise WeightsError(
             f"swarm {table.swarm}'s id does not pin {model}'s chunk manifest, so its embeddings and head could "
@@ -205,12 +207,11 @@ async def fetch_weights(
     model's config, so before its own endpoint exists."""
     node = await start_node(transport, **({"secret_key": secret_key} if secret_key is not None else {}))
     node.credential = credential
-    timeout = transport.deadlines.request
+    timeout, reach = transport.deadlines.request, transport.deadlines.connect  # no swarm: said in seconds
     try:
-        await reach_any(node, tickets, transport.deadlines.connect)  # no swarm: said in seconds (then pooled)
         if blocks is None:
-            return await fetch_client_from_swarm(node, tickets, model, root, timeout, progress)
-        return await fetch_span_from_swarm(node, tickets, model, blocks, root, timeout, progress)
+            return await fetch_client_from_swarm(node, tickets, model, root, timeout, progress, reach)
+        return await fetch_span_from_swarm(node, tickets, model, blocks, root, timeout, progress, reach)
     finally:
         await node.close(linger=0.2)
 
